@@ -1,0 +1,101 @@
+"""Typed configuration. The command line is generated from these dataclasses' fields.
+
+Flag names follow SGLang's where the meaning is the same: field ``page_size`` is
+``--page-size``; a bool field that defaults to False is a store-true flag. Each field's
+``metadata["help"]`` is its help text; ``metadata["choices"]`` restricts its values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def opt(default: Any, help: str, choices: list[str] | None = None) -> Any:
+    meta: dict[str, Any] = {"help": help}
+    if choices:
+        meta["choices"] = choices
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class EngineConfig:
+    model_path: str = opt("", "Local Hugging Face checkpoint folder (or 'tiny:<arch>' for a built-in tiny model).")
+    dtype: str = opt("float32", "Weight and activation dtype.", ["float32", "bfloat16", "float16"])
+    device: str = opt("cpu", "Torch device.")
+    seed: int = opt(0, "Seed for model init of tiny models and for sampling without a per-request seed.")
+    context_length: int = opt(0, "Maximum sequence length; 0 takes the checkpoint's.")
+    page_size: int = opt(1, "KV slots per page; the radix tree caches whole pages.")
+    chunked_prefill_size: int = opt(512, "Max prompt tokens computed per request per forward; -1 disables chunking.")
+    max_prefill_tokens: int = opt(4096, "Max new tokens in one forward (prefill + decode).")
+    max_running_requests: int = opt(0, "Cap on running requests; 0 derives it from the state slots.")
+    max_total_tokens: int = opt(0, "KV pool size in tokens; 0 sizes it from --mem-budget-gb.")
+    mem_budget_gb: float = opt(2.0, "Memory for KV + state pools when not sized explicitly.")
+    max_mamba_cache_size: int = opt(0, "State pool size in slots; 0 splits the budget by --mamba-full-memory-ratio.")
+    mamba_full_memory_ratio: float = opt(0.5, "State bytes : KV bytes when splitting the memory budget.")
+    mamba_ssm_dtype: str = opt("float32", "Dtype of the temporal (SSM / delta-rule) state.", ["float32", "bfloat16", "float16"])
+    mamba_scheduler_strategy: str = opt("auto", "How snapshots move into the tree.", ["auto", "no_buffer", "extra_buffer"])
+    mamba_track_interval: int = opt(256, "Snapshot every N decode tokens.")
+    disable_radix_cache: bool = opt(False, "Run without prefix caching (same engine, everything freed at finish).")
+    schedule_policy: str = opt("fcfs", "Order of the waiting queue.", ["fcfs", "lpm"])
+    disable_overlap_schedule: bool = opt(False, "Prepare the next batch only after the current one finished.")
+    num_threads: int = opt(0, "torch intra-op threads; 0 keeps torch's default.")
+
+    def validate(self) -> None:
+        if self.page_size < 1:
+            raise ValueError("--page-size must be >= 1")
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
+            raise ValueError("--chunked-prefill-size must be -1 (off) or >= 1")
+        if self.mamba_track_interval < 1:
+            raise ValueError("--mamba-track-interval must be >= 1")
+        if not 0 < self.mamba_full_memory_ratio:
+            raise ValueError("--mamba-full-memory-ratio must be > 0")
+
+
+@dataclass
+class ServerConfig:
+    host: str = opt("127.0.0.1", "Address to bind.")
+    port: int = opt(30000, "Port to bind.")
+    api_key: str = opt("", "If set, requests must send 'Authorization: Bearer <key>'.")
+    served_model_name: str = opt("", "Model name reported by /v1/models; defaults to the model path.")
+    log_level: str = opt("info", "Log level.", ["debug", "info", "warning", "error"])
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(tp: Any) -> Any:
+    if isinstance(tp, str):
+        tp = {"int": int, "float": float, "str": str, "bool": bool}.get(tp.split("|")[0].strip(), str)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one flag per dataclass field of ``cls``."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = _base_type(hints.get(f.name, f.type))
+        help_text = f.metadata.get("help", "")
+        if tp is bool:
+            parser.add_argument(_flag(f.name), dest=f.name, action="store_true", default=f.default, help=help_text)
+            continue
+        kwargs: dict[str, Any] = {"dest": f.name, "type": tp, "default": f.default, "help": f"{help_text} (default: {f.default})"}
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        parser.add_argument(_flag(f.name), **kwargs)
+
+
+def config_from_args(cls: type[T], ns: argparse.Namespace) -> T:
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in vars(ns).items() if k in names})

@@ -1,0 +1,236 @@
+"""Shared vocabulary of mambaradix: small typed records passed between the layers.
+
+The cache layer, the models and the engine all speak in these types; none of them
+imports an upper layer to do so.
+
+A request's regions in one forward::
+
+    |<------ prefix_len (KV in pool, state in working slot) ------>|<-- extend_len (new) -->|
+    0                                                        prefix_len               seq_len
+                                                 snapshot at offset n: state after prefix_len+n
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+# --------------------------------------------------------------------------- memory specs
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    """Shape of the attention KV a model needs per token (only attention layers count)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+
+    def bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True, slots=True)
+class StateLayerSpec:
+    """Recurrent state of one layer: a conv state and, where the mixer has one, a temporal state.
+
+    conv_shape is ``(conv_dim, kernel_size - 1)``; temporal_shape is Mamba2
+    ``(heads, head_dim, d_state)`` or GDN ``(v_heads, k_dim, v_dim)``; ``None`` for short conv.
+    """
+
+    conv_shape: tuple[int, ...]
+    temporal_shape: tuple[int, ...] | None = None
+    conv_dtype: torch.dtype = torch.float32
+    temporal_dtype: torch.dtype = torch.float32
+
+    def nbytes(self) -> int:
+        def size(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+            n = 1
+            for d in shape:
+                n *= d
+            return n * torch.empty((), dtype=dtype).element_size()
+
+        total = size(self.conv_shape, self.conv_dtype)
+        if self.temporal_shape is not None:
+            total += size(self.temporal_shape, self.temporal_dtype)
+        return total
+
+
+@dataclass(frozen=True, slots=True)
+class StateSpec:
+    """Model-agnostic description of a state slot: one entry per recurrent layer, in order."""
+
+    layers: tuple[StateLayerSpec, ...]
+
+    def slot_bytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    return_logprob: bool = False
+    skip_special_tokens: bool = True
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field; called before a request enters the queue."""
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, stop token or stop string
+    LENGTH = "length"  # max_new_tokens or context length
+    ABORT = "abort"
+
+
+# --------------------------------------------------------------------------- scheduler -> runner
+
+
+@dataclass(slots=True)
+class StateOps:
+    """Deferred state operations, executed by the runner before any layer reads a state.
+
+    Copies run before clears; a slot never appears as both a copy destination and a clear.
+    """
+
+    copy_src: list[int] = field(default_factory=list)
+    copy_dst: list[int] = field(default_factory=list)
+    clear: list[int] = field(default_factory=list)
+
+    def add_copy(self, src: int, dst: int) -> None:
+        self.copy_src.append(src)
+        self.copy_dst.append(dst)
+
+    def extend(self, other: StateOps) -> None:
+        self.copy_src.extend(other.copy_src)
+        self.copy_dst.extend(other.copy_dst)
+        self.clear.extend(other.clear)
+
+    def __bool__(self) -> bool:
+        return bool(self.copy_src or self.clear)
+
+
+@dataclass(slots=True)
+class ForwardReq:
+    """One request's part of a forward.
+
+    ``kv_slots`` holds the KV slot of every token 0 .. prefix_len + len(input_ids): the first
+    prefix_len are read, the rest are written by this forward. ``snapshots`` lists
+    ``(n, slot)``: write the recurrent state after the first n new tokens (1 <= n <= extend_len)
+    into state slot ``slot``. ``state_slot`` is the working slot: it holds the state at
+    prefix_len on entry and the state at prefix_len + extend_len on exit.
+    """
+
+    prefix_len: int
+    input_ids: list[int]
+    kv_slots: torch.Tensor
+    state_slot: int
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def extend_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return self.prefix_len + len(self.input_ids)
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """What the scheduler hands the runner: requests (prefills and decodes mixed) + state ops."""
+
+    reqs: list[ForwardReq]
+    state_ops: StateOps = field(default_factory=StateOps)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.extend_len for r in self.reqs)
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """Per-forward metadata every layer reads (built once per forward, never a module global).
+
+    Tokens of all requests are packed in request order: request i owns rows
+    ``starts[i] : starts[i] + extend_lens[i]`` of every [T, ...] activation.
+    """
+
+    kv_pool: object  # cache.kv_pool.KVPool (duck-typed: .k[layer], .v[layer])
+    state_pool: object  # cache.state_pool.StatePool (.conv[layer], .temporal[layer])
+    reqs: list[ForwardReq]
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    out_kv_slots: torch.Tensor  # [T] long: where each new token's K/V is written
+    state_slots: torch.Tensor  # [B] long
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    starts: list[int]
+
+    @classmethod
+    def build(
+        cls, reqs: list[ForwardReq], kv_pool: object, state_pool: object, device: str = "cpu"
+    ) -> ForwardContext:
+        prefix_lens = [r.prefix_len for r in reqs]
+        extend_lens = [r.extend_len for r in reqs]
+        starts, pos = [], 0
+        for n in extend_lens:
+            starts.append(pos)
+            pos += n
+        ids = [t for r in reqs for t in r.input_ids]
+        positions = [p for r in reqs for p in range(r.prefix_len, r.seq_len)]
+        out = [r.kv_slots[r.prefix_len : r.seq_len] for r in reqs]
+        return cls(
+            kv_pool=kv_pool,
+            state_pool=state_pool,
+            reqs=reqs,
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            out_kv_slots=torch.cat(out).to(device=device, dtype=torch.long)
+            if out
+            else torch.empty(0, dtype=torch.long, device=device),
+            state_slots=torch.tensor([r.state_slot for r in reqs], dtype=torch.long, device=device),
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            starts=starts,
+        )
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.extend_lens)
+
+    def last_token_rows(self) -> torch.Tensor:
+        """Row of each request's last new token (where its next-token logits come from)."""
+        return torch.tensor(
+            [s + n - 1 for s, n in zip(self.starts, self.extend_lens)],
+            dtype=torch.long,
+            device=self.input_ids.device,
+        )
