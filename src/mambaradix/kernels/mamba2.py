@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mambaradix.kernels.registry import register_kernel
+
 __all__ = ["ChunkPlan", "mamba2_chunk_scan", "mamba2_step", "process_dt"]
 
 
@@ -120,6 +122,7 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~lower, float("-inf"))
 
 
+@register_kernel("mamba2_chunk_scan")
 def mamba2_chunk_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -202,6 +205,7 @@ def mamba2_chunk_scan(
     return y, cur, snaps
 
 
+@register_kernel("mamba2_step")
 def mamba2_step(
     state: torch.Tensor,
     x: torch.Tensor,

@@ -1,0 +1,278 @@
+"""GraniteMoeHybrid (Granite-4.0-H): Mamba2 and attention layers, each followed by a shared MLP
+and optionally a top-k MoE; Granite's scalar multipliers on embeddings, residuals, attention
+scale and logits.
+
+Parameter names are the checkpoint's (``block_sparse_moe.input_linear.weight`` ``[E, 2I, H]``,
+``output_linear.weight`` ``[E, H, I]``, ``router.layer.weight``), so weights load by name.
+``ProjAttention`` (q/k/v/o projections + optional RoPE over the pooled KV) is shared with
+NemotronH.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mambaradix.core import ForwardContext, KVSpec, StateSpec
+from mambaradix.layers.attention import BatchLayout, pooled_attention
+from mambaradix.layers.mamba2 import Mamba2Mixer
+from mambaradix.layers.mlp import activation
+from mambaradix.layers.norm import RMSNorm
+from mambaradix.layers.rotary import RotaryEmbedding
+from mambaradix.models.loader import assign_weights
+from mambaradix.models.registry import register_model
+
+logger = logging.getLogger(__name__)
+
+MAMBA, ATTENTION = "linear_attention", "full_attention"
+_LEGACY_TYPES = {"mamba": MAMBA, "attention": ATTENTION, "M": MAMBA, "*": ATTENTION}
+
+
+def layer_kinds(config: Any) -> list[str]:
+    """Per-layer block kinds (``linear_attention`` / ``full_attention`` / ``mlp`` / ``moe``)."""
+    kinds = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
+    return [_LEGACY_TYPES.get(k, k) for k in kinds]
+
+
+def eos_ids(config: Any) -> list[int]:
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+class ProjAttention(nn.Module):
+    """Grouped-query attention with ``q_proj/k_proj/v_proj/o_proj`` over the pooled KV.
+
+    ``attn_index`` is this layer's index among the model's attention layers (its KV pool layer);
+    ``rotary`` None means no positional encoding (NemotronH, Granite with ``nope``).
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        attn_index: int,
+        scale: float,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.attn_index = attn_index
+        self.scale = scale
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        layout: BatchLayout,
+        rotary: RotaryEmbedding | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if rotary is not None and cos_sin is not None:
+            q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
+        out = pooled_attention(layout, self.attn_index, q, k, v, self.scale)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class _Weight(nn.Module):
+    """A bare ``weight`` parameter (checkpoint names like ``input_linear.weight`` on 3-D)."""
+
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape).normal_(std=0.02))
+
+
+class GraniteSharedMLP(nn.Module):
+    """``output_linear(act(a) * b)`` with ``[a | b] = input_linear(x)``."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+        super().__init__()
+        self.input_linear = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.output_linear = nn.Linear(intermediate, hidden, bias=False)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.input_linear(x).chunk(2, dim=-1)
+        return self.output_linear(self.act(a) * b)
+
+
+class _Router(nn.Module):
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.layer = nn.Linear(hidden, num_experts, bias=False)
+
+
+class GraniteMoE(nn.Module):
+    """Top-k routed gated experts: softmax over the k largest router logits."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, act: str):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.router = _Router(hidden, num_experts)
+        self.input_linear = _Weight(num_experts, 2 * intermediate, hidden)
+        self.output_linear = _Weight(num_experts, hidden, intermediate)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router.layer(x).float()
+        top_logits, top_idx = logits.topk(self.top_k, dim=-1)
+        top_w = torch.softmax(top_logits, dim=-1).to(x.dtype)
+        out = torch.zeros_like(x)
+        flat_e = top_idx.reshape(-1)
+        order = torch.argsort(flat_e, stable=True)
+        counts = torch.bincount(flat_e, minlength=self.num_experts).tolist()
+        tok = order // self.top_k
+        w = top_w.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            t_e = tok[start : start + n]
+            g, u = F.linear(x[t_e], self.input_linear.weight[e]).chunk(2, dim=-1)
+            y = F.linear(self.act(g) * u, self.output_linear.weight[e])
+            out.index_add_(0, t_e, y * w[start : start + n, None])
+            start += n
+        return out
+
+
+class GraniteHybridLayer(nn.Module):
+    def __init__(self, config: Any, kind: str, attn_index: int, state_index: int) -> None:
+        super().__init__()
+        h = config.hidden_size
+        eps = config.rms_norm_eps
+        self.kind = kind
+        self.residual_multiplier = float(config.residual_multiplier)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        if kind == MAMBA:
+            self.mamba = Mamba2Mixer(
+                h,
+                config.mamba_n_heads,
+                config.mamba_d_head,
+                config.mamba_n_groups,
+                config.mamba_d_state,
+                config.mamba_d_conv,
+                state_index,
+                conv_bias=config.mamba_conv_bias,
+                proj_bias=config.mamba_proj_bias,
+                norm_eps=eps,
+                dt_limit=tuple(config.time_step_limit),
+                activation=config.hidden_act,
+            )
+        else:
+            head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+            self.self_attn = ProjAttention(
+                h,
+                config.num_attention_heads,
+                config.num_key_value_heads,
+                head_dim,
+                attn_index,
+                float(config.attention_multiplier),
+                bias=config.attention_bias,
+            )
+        self.block_sparse_moe = (
+            GraniteMoE(
+                h,
+                config.intermediate_size,
+                config.num_local_experts,
+                config.num_experts_per_tok,
+                config.hidden_act,
+            )
+            if config.num_local_experts > 0
+            else None
+        )
+        self.shared_mlp = GraniteSharedMLP(h, config.shared_intermediate_size, config.hidden_act)
+
+    def forward(self, h, layout, rotary, cos_sin) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        if self.kind == MAMBA:
+            x = self.mamba(x, layout)
+        else:
+            x = self.self_attn(x, layout, rotary, cos_sin)
+        h = h + x * self.residual_multiplier
+        x = self.post_attention_layernorm(h)
+        y = self.shared_mlp(x)
+        if self.block_sparse_moe is not None:
+            y = y + self.block_sparse_moe(x)
+        return h + y * self.residual_multiplier
+
+
+class _GraniteBody(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        kinds = layer_kinds(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        layers, a, s = [], 0, 0
+        for kind in kinds:
+            layers.append(GraniteHybridLayer(config, kind, a, s))
+            a, s = a + (kind == ATTENTION), s + (kind == MAMBA)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+@register_model("GraniteMoeHybridForCausalLM")
+class GraniteHybridForCausalLM(nn.Module):
+    """Granite-4.0-H. Contract: ``models/base.py``."""
+
+    def __init__(self, config: Any, ssm_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.ssm_dtype = ssm_dtype
+        self.vocab_size = config.vocab_size
+        self.max_position_embeddings = config.max_position_embeddings
+        self.eos_token_ids = eos_ids(config)
+        self.model = _GraniteBody(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.embedding_multiplier = float(config.embedding_multiplier)
+        self.logits_scaling = float(config.logits_scaling)
+        attn = [m.self_attn for m in self.model.layers if m.kind == ATTENTION]
+        self._attn_shape = (len(attn), config.num_key_value_heads, attn[0].head_dim if attn else 1)
+        self._mambas = [m.mamba for m in self.model.layers if m.kind == MAMBA]
+        self.rotary = (
+            RotaryEmbedding(config, self._attn_shape[2])
+            if getattr(config, "position_embedding_type", None) == "rope" and attn
+            else None
+        )
+
+    @property
+    def kv_spec(self) -> KVSpec:
+        n, heads, dim = self._attn_shape
+        return KVSpec(n, heads, dim, dtype=self.model.embed_tokens.weight.dtype)
+
+    @property
+    def state_spec(self) -> StateSpec:
+        dt = self.model.embed_tokens.weight.dtype
+        return StateSpec(tuple(m.state_layer_spec(dt, self.ssm_dtype) for m in self._mambas))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        assign_weights(self, ((n, t) for n, t in weights if not (tied and n == "lm_head.weight")))
+
+    @torch.no_grad()
+    def forward(self, ctx: ForwardContext, all_logits: bool = False) -> torch.Tensor:
+        layout = BatchLayout.build(ctx)
+        h = self.model.embed_tokens(ctx.input_ids) * self.embedding_multiplier
+        cos_sin = self.rotary(ctx.positions) if self.rotary is not None else None
+        for layer in self.model.layers:
+            h = layer(h, layout, self.rotary, cos_sin)
+        if not all_logits:
+            h = h.index_select(0, ctx.last_token_rows())
+        h = self.model.norm(h)
+        return self.lm_head(h) / self.logits_scaling
