@@ -1,0 +1,157 @@
+"""Gated delta rule (Gated DeltaNet) torch reference kernels.
+
+Per value head, with state ``S`` (``[Dk, Dv]``), decay ``a_t = exp(g_t)`` and write strength
+``beta_t``::
+
+    S'  = a_t * S
+    u_t = beta_t * (v_t - S'^T k_t)        # the delta: what the decayed state mispredicts
+    S   = S' + k_t u_t^T
+    o_t = S^T q_t
+
+``q``/``k`` are L2-normalised (when ``use_qk_l2norm``) and ``q`` is scaled by ``Dk**-0.5``.
+Key heads are shared by ``Hv // Hk`` consecutive value heads. States are fp32.
+
+Chunked form (chunk of C tokens, cumulative log decay ``c`` inside the chunk, start state S0)::
+
+    (I + A) U = diag(beta) V - diag(beta e^c) K S0,  A_ij = beta_i e^(c_i - c_j) k_i.k_j  (j < i)
+    O         = diag(e^c) Q S0 + (Q K^T * Gamma) U,  Gamma_ij = e^(c_i - c_j)  (j <= i)
+    S_end     = e^(c_last) S0 + (K * e^(c_last - c))^T U
+
+Right-padding a sequence with ``beta = 0`` and ``g = 0`` leaves its state unchanged, so
+sequences of different lengths can share one call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mambaradix.kernels.registry import register_kernel
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (the convention of the FLA kernels)."""
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def _prepare_qk(
+    q: torch.Tensor, k: torch.Tensor, num_v_heads: int, use_qk_l2norm: bool, head_dim: int = -2
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k = q.float(), k.float()
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q = q * (q.shape[-1] ** -0.5)
+    rep = num_v_heads // q.shape[head_dim]
+    if rep > 1:
+        q = q.repeat_interleave(rep, dim=head_dim)
+        k = k.repeat_interleave(rep, dim=head_dim)
+    return q, k
+
+
+@register_kernel("chunk_gated_delta_rule")
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    chunk_size: int = 64,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked gated delta rule over B equal-length (right-padded) sequences.
+
+    Shapes: q, k ``[B, T, Hk, Dk]``; v ``[B, T, Hv, Dv]``; g, beta ``[B, T, Hv]``;
+    initial_state ``[B, Hv, Dk, Dv]``. Returns ``(out [B, T, Hv, Dv] in v's dtype,
+    final_state [B, Hv, Dk, Dv] fp32)``. Exact (up to rounding) for any T; splitting a sequence
+    and chaining final -> initial state gives the same result.
+    """
+    B, T, Hv, Dv = v.shape
+    out_dtype = v.dtype
+    q, k = _prepare_qk(q, k, Hv, use_qk_l2norm)
+    # -> [B, H, T, D]
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    v = v.float().transpose(1, 2)
+    g = g.float().transpose(1, 2)
+    beta = beta.float().transpose(1, 2)
+
+    C = chunk_size
+    pad = (-T) % C
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    N = (T + pad) // C
+    Dk = k.shape[-1]
+    q = q.reshape(B, Hv, N, C, Dk)
+    k = k.reshape(B, Hv, N, C, Dk)
+    v = v.reshape(B, Hv, N, C, Dv)
+    c = g.reshape(B, Hv, N, C).cumsum(-1)
+    beta = beta.reshape(B, Hv, N, C)
+
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    # Gamma_ij = exp(c_i - c_j) for j <= i, 0 above the diagonal (masked before exp: no overflow).
+    gamma = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    kk = k @ k.transpose(-1, -2)
+    a_mat = (beta.unsqueeze(-1) * kk * gamma).tril(-1)
+    eye = torch.eye(C, dtype=a_mat.dtype, device=a_mat.device)
+    system = eye + a_mat
+    rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * c.exp()).unsqueeze(-1) * k], dim=-1)
+    sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    w, kc = sol[..., :Dv], sol[..., Dv:]  # U = w - kc @ S0
+    qk = (q @ k.transpose(-1, -2)) * gamma
+    q_dec = q * c.exp().unsqueeze(-1)
+    last = c[..., -1:]
+    k_dec = k * (last - c).exp().unsqueeze(-1)
+    chunk_decay = last.exp().unsqueeze(-1)  # [B, H, N, 1, 1]
+
+    state = initial_state.float().clone()
+    out = torch.empty(B, Hv, N, C, Dv, dtype=torch.float32, device=v.device)
+    for n in range(N):
+        u = w[:, :, n] - kc[:, :, n] @ state
+        out[:, :, n] = q_dec[:, :, n] @ state + qk[:, :, n] @ u
+        state = state * chunk_decay[:, :, n] + k_dec[:, :, n].transpose(-1, -2) @ u
+    out = out.reshape(B, Hv, N * C, Dv)[:, :, :T].transpose(1, 2)
+    return out.to(out_dtype), state
+
+
+@register_kernel("recurrent_gated_delta_step")
+def recurrent_gated_delta_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for B sequences: q, k ``[B, Hk, Dk]``; v ``[B, Hv, Dv]``; g, beta ``[B, Hv]``;
+    state ``[B, Hv, Dk, Dv]``. Returns ``(out [B, Hv, Dv], new_state fp32)``; ``state`` is not
+    modified."""
+    Hv = v.shape[1]
+    q, k = _prepare_qk(q, k, Hv, use_qk_l2norm)
+    s = state.float() * g.float().exp()[..., None, None]
+    pred = (s * k.unsqueeze(-1)).sum(-2)  # S^T k: [B, Hv, Dv]
+    delta = (v.float() - pred) * beta.float().unsqueeze(-1)
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    out = (s * q.unsqueeze(-1)).sum(-2)
+    return out.to(v.dtype), s
+
+
+def naive_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token loop (tests only): same contract as ``chunk_gated_delta_rule``."""
+    state = initial_state.float()
+    outs = []
+    for t in range(v.shape[1]):
+        o, state = recurrent_gated_delta_step(
+            q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, use_qk_l2norm
+        )
+        outs.append(o)
+    return torch.stack(outs, dim=1), state

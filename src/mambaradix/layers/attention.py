@@ -1,0 +1,95 @@
+"""Attention over the pooled KV, and ``BatchLayout``: the per-forward split of a mixed batch.
+
+A forward mixes prefills (``extend_len > 1``) and decodes (``extend_len == 1``). Layers handle
+decodes in one batched op and prefills per request (attention) or per round (recurrent).
+``BatchLayout`` is built once per forward by the model and passed to every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mambaradix.core import ForwardContext
+from mambaradix.kernels import get_kernel
+
+
+@dataclass(slots=True)
+class BatchLayout:
+    """Where each request's rows are, split into decodes and prefills.
+
+    ``decode_reqs`` / ``prefill_reqs`` are request indices; ``decode_rows`` the packed row of
+    each decode token (tensor); ``decode_slots`` the working state slots of the decodes (tensor).
+    The decode KV slot table is built on first use (models without attention never build it).
+    """
+
+    ctx: ForwardContext
+    decode_reqs: list[int]
+    prefill_reqs: list[int]
+    decode_rows: torch.Tensor
+    decode_slots: torch.Tensor
+    _slot_table: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    @classmethod
+    def build(cls, ctx: ForwardContext) -> BatchLayout:
+        decode = [i for i, n in enumerate(ctx.extend_lens) if n == 1]
+        prefill = [i for i, n in enumerate(ctx.extend_lens) if n > 1]
+        dev = ctx.input_ids.device
+        if len(decode) == ctx.num_reqs:
+            rows = torch.arange(len(decode), device=dev)
+            slots = ctx.state_slots
+        else:
+            rows = torch.tensor([ctx.starts[i] for i in decode], dtype=torch.long, device=dev)
+            slots = ctx.state_slots[torch.tensor(decode, dtype=torch.long, device=dev)]
+        return cls(ctx, decode, prefill, rows, slots)
+
+    @property
+    def all_decode(self) -> bool:
+        return not self.prefill_reqs
+
+    def decode_slot_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slot_table [Bd, Lmax], seq_lens [Bd])`` for the decodes, padded with slot 0."""
+        if self._slot_table is None:
+            ctx = self.ctx
+            dev = ctx.input_ids.device
+            seqs = [ctx.reqs[i].kv_slots[: ctx.reqs[i].seq_len] for i in self.decode_reqs]
+            lens = torch.tensor([s.numel() for s in seqs], dtype=torch.long, device=dev)
+            table = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=0)
+            self._slot_table = (table.to(device=dev, dtype=torch.long), lens)
+        return self._slot_table
+
+
+def pooled_attention(
+    layout: BatchLayout,
+    attn_layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Write the new tokens' K/V into attention layer ``attn_layer`` of the pool and attend.
+
+    ``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` for all packed new tokens (RoPE applied).
+    Returns ``[T, Hq, Dv]``.
+    """
+    ctx = layout.ctx
+    pool = ctx.kv_pool
+    k_pool, v_pool = pool.k[attn_layer], pool.v[attn_layer]
+    k_pool.index_copy_(0, ctx.out_kv_slots, k.to(k_pool.dtype))
+    v_pool.index_copy_(0, ctx.out_kv_slots, v.to(v_pool.dtype))
+    if layout.all_decode:
+        table, lens = layout.decode_slot_table()
+        return get_kernel("attention_decode")(q, k_pool, v_pool, table, lens, scale)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    prefill = get_kernel("attention_prefill")
+    for i in layout.prefill_reqs:
+        r = ctx.reqs[i]
+        s, n = ctx.starts[i], ctx.extend_lens[i]
+        slots = r.kv_slots[: r.seq_len].to(device=q.device, dtype=torch.long)
+        out[s : s + n] = prefill(q[s : s + n], k_pool, v_pool, slots, r.prefix_len, scale)
+    if layout.decode_reqs:
+        table, lens = layout.decode_slot_table()
+        rows = layout.decode_rows
+        out[rows] = get_kernel("attention_decode")(q[rows], k_pool, v_pool, table, lens, scale)
+    return out

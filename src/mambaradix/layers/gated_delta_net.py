@@ -1,0 +1,189 @@
+"""Gated DeltaNet token mixer (Qwen3-Next and Qwen3.5) over the state pool.
+
+Recurrent layer ``j`` reads each request's conv state ``state_pool.conv[j][slot]``
+(``[conv_dim, K-1]``, pre-conv q|k|v inputs) and delta-rule state
+``state_pool.temporal[j][slot]`` (``[Hv, Dk, Dv]``), and writes back the state after its new
+tokens; ``(n, slot)`` snapshots get the state after the first n new tokens. Prefills run the
+chunked kernel piecewise, split at the snapshot offsets (exact); decodes run one batched step.
+
+Projection layouts: ``"qwen3_next"`` packs ``in_proj_qkvz`` / ``in_proj_ba`` per key-head group;
+``"qwen3_5"`` has separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mambaradix.core import StateLayerSpec
+from mambaradix.kernels import get_kernel
+from mambaradix.kernels.conv import conv_state_after
+from mambaradix.layers.attention import BatchLayout
+from mambaradix.layers.norm import GatedRMSNorm
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(
+        self,
+        hidden: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        state_layer: int,
+        eps: float = 1e-6,
+        layout: str = "qwen3_next",
+        activation: str = "silu",
+        chunk_size: int = 64,
+    ) -> None:
+        super().__init__()
+        if layout not in ("qwen3_next", "qwen3_5"):
+            raise ValueError(f"unknown Gated DeltaNet projection layout {layout!r}")
+        self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = conv_kernel
+        self.state_layer = state_layer
+        self.layout = layout
+        self.activation = activation
+        self.chunk_size = chunk_size
+        if layout == "qwen3_next":
+            self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(hidden, 2 * num_v_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(hidden, num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden, num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, eps=eps, norm_before_gate=True)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def state_spec(self, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> StateLayerSpec:
+        return StateLayerSpec(
+            conv_shape=(self.conv_dim, self.conv_kernel - 1),
+            temporal_shape=(self.hv, self.dk, self.dv),
+            conv_dtype=conv_dtype,
+            temporal_dtype=ssm_dtype,
+        )
+
+    def _project(self, x: torch.Tensor):
+        """-> mixed_qkv [T, conv_dim] (q|k|v flat), z [T, Hv, Dv], b [T, Hv], a [T, Hv]."""
+        T = x.shape[0]
+        if self.layout == "qwen3_5":
+            z = self.in_proj_z(x).view(T, self.hv, self.dv)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        r = self.hv // self.hk
+        qkvz = self.in_proj_qkvz(x).view(T, self.hk, 2 * self.dk + 2 * r * self.dv)
+        q, k, v, z = torch.split(qkvz, [self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+        ba = self.in_proj_ba(x).view(T, self.hk, 2 * r)
+        b, a = ba[..., :r].reshape(T, self.hv), ba[..., r:].reshape(T, self.hv)
+        mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+        return mixed, z.reshape(T, self.hv, self.dv), b, a
+
+    def _split_qkv(self, mixed: torch.Tensor):
+        T = mixed.shape[0]
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (
+            q.reshape(T, self.hk, self.dk),
+            k.reshape(T, self.hk, self.dk),
+            v.reshape(T, self.hv, self.dv),
+        )
+
+    def forward(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        ctx = layout.ctx
+        pool = ctx.state_pool
+        conv_pool, ssm_pool = pool.conv[self.state_layer], pool.temporal[self.state_layer]
+        mixed, z, b, a = self._project(x)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        weight = self.conv1d.weight.squeeze(1)
+        core = torch.empty(x.shape[0], self.hv, self.dv, dtype=x.dtype, device=x.device)
+
+        if layout.decode_reqs:
+            rows, slots = layout.decode_rows, layout.decode_slots
+            xs = mixed if layout.all_decode else mixed.index_select(0, rows)
+            conv_out, new_conv = get_kernel("causal_conv1d_update")(
+                xs, conv_pool.index_select(0, slots), weight, self.conv1d.bias, self.activation
+            )
+            q, k, v = self._split_qkv(conv_out)
+            gd, bd = (g, beta) if layout.all_decode else (g[rows], beta[rows])
+            o, new_ssm = get_kernel("recurrent_gated_delta_step")(
+                q, k, v, gd, bd, ssm_pool.index_select(0, slots)
+            )
+            conv_pool.index_copy_(0, slots, new_conv.to(conv_pool.dtype))
+            ssm_pool.index_copy_(0, slots, new_ssm.to(ssm_pool.dtype))
+            if layout.all_decode:
+                core = o
+            else:
+                core[rows] = o
+            self._decode_snapshots(layout, conv_pool, ssm_pool)
+
+        if layout.prefill_reqs:
+            self._prefill(layout, mixed, g, beta, core, conv_pool, ssm_pool, weight)
+
+        out = self.norm(core, z)
+        return self.out_proj(out.reshape(x.shape[0], self.value_dim))
+
+    def _decode_snapshots(self, layout: BatchLayout, conv_pool, ssm_pool) -> None:
+        src, dst = [], []
+        for i in layout.decode_reqs:
+            r = layout.ctx.reqs[i]
+            for _, slot in r.snapshots:  # n can only be 1
+                src.append(r.state_slot)
+                dst.append(slot)
+        if src:
+            s = torch.tensor(src, dtype=torch.long, device=conv_pool.device)
+            d = torch.tensor(dst, dtype=torch.long, device=conv_pool.device)
+            conv_pool.index_copy_(0, d, conv_pool.index_select(0, s))
+            ssm_pool.index_copy_(0, d, ssm_pool.index_select(0, s))
+
+    def _prefill(self, layout, mixed, g, beta, core, conv_pool, ssm_pool, weight) -> None:
+        ctx = layout.ctx
+        idx = layout.prefill_reqs
+        lens = [ctx.extend_lens[i] for i in idx]
+        starts = [ctx.starts[i] for i in idx]
+        slots = [ctx.reqs[i].state_slot for i in idx]
+        slot_t = torch.tensor(slots, dtype=torch.long, device=mixed.device)
+        init_conv = conv_pool.index_select(0, slot_t)
+        if len(idx) == 1:
+            seg = mixed[starts[0] : starts[0] + lens[0]]
+        else:
+            seg = torch.cat([mixed[s : s + n] for s, n in zip(starts, lens)])
+        conv_out = get_kernel("causal_conv1d")(
+            seg, weight, self.conv1d.bias, init_conv, lens, self.activation
+        )
+        chunk = get_kernel("chunk_gated_delta_rule")
+        off = 0
+        for j, i in enumerate(idx):
+            r, s, n = ctx.reqs[i], starts[j], lens[j]
+            x_in = seg[off : off + n]
+            q, k, v = self._split_qkv(conv_out[off : off + n])
+            state = ssm_pool[slots[j]].unsqueeze(0)
+            cuts = sorted({m for m, _ in r.snapshots if 0 < m < n})
+            bounds = [0, *cuts, n]
+            states_at: dict[int, torch.Tensor] = {}
+            for p0, p1 in zip(bounds[:-1], bounds[1:]):
+                o, state = chunk(
+                    q[None, p0:p1],
+                    k[None, p0:p1],
+                    v[None, p0:p1],
+                    g[None, s + p0 : s + p1],
+                    beta[None, s + p0 : s + p1],
+                    state,
+                    self.chunk_size,
+                )
+                core[s + p0 : s + p1] = o[0]
+                states_at[p1] = state[0]
+            for m, slot in r.snapshots:
+                conv_pool[slot] = conv_state_after(x_in, init_conv[j], m).to(conv_pool.dtype)
+                ssm_pool[slot] = states_at[m].to(ssm_pool.dtype)
+            conv_pool[slots[j]] = conv_state_after(x_in, init_conv[j], n).to(conv_pool.dtype)
+            ssm_pool[slots[j]] = state[0].to(ssm_pool.dtype)
+            off += n

@@ -1,0 +1,36 @@
+"""Dense gated MLP: ``down(act(gate(x)) * up(x))``; parameter names follow HF checkpoints."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),
+}
+
+
+def activation(name: str):
+    """The activation function for a HF ``hidden_act`` name."""
+    try:
+        return _ACTS[name]
+    except KeyError:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(_ACTS)}") from None
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,140 @@
+"""Sparse mixture of experts with an optional gated shared expert (Qwen3-Next / Qwen2-MoE).
+
+Experts are stored fused, the transformers >= 5 layout: ``experts.gate_up_proj``
+``[E, 2*I, H]`` and ``experts.down_proj`` ``[E, H, I]``. Checkpoints that store one tensor per
+expert (``experts.{e}.gate_proj.weight`` ...) are stacked by ``stack_expert_weights``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mambaradix.layers.mlp import GatedMLP, activation
+
+
+def route_topk(
+    logits: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing: ``(weights [T, k], expert ids [T, k])``; weights renormalised to sum 1
+    when ``normalize``."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    w, idx = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        w = w / w.sum(-1, keepdim=True)
+    return w.to(logits.dtype), idx
+
+
+def experts_forward(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act,
+) -> torch.Tensor:
+    """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``, grouping tokens by expert."""
+    T, K = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    token_of = order // K
+    xs = x.index_select(0, token_of)
+    out = torch.empty(T * K, x.shape[-1], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        h = F.linear(xs[start : start + n], gate_up[e])
+        g, u = h.chunk(2, dim=-1)
+        out[start : start + n] = F.linear(act(g) * u, down[e])
+        start += n
+    out = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    return torch.zeros_like(x).index_add_(0, token_of, out)
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu"):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return experts_forward(x, weights, ids, self.gate_up_proj, self.down_proj, self.act)
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, top_k: int, normalize: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.top_k = top_k
+        self.normalize = normalize
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route_topk(F.linear(x, self.weight), self.top_k, self.normalize)
+
+
+class SparseMoeBlock(nn.Module):
+    """``experts(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)`` (shared part
+    optional). Parameter names follow HF: ``gate``, ``experts``, ``shared_expert``,
+    ``shared_expert_gate``."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        intermediate: int,
+        shared_intermediate: int = 0,
+        normalize: bool = True,
+        act: str = "silu",
+    ) -> None:
+        super().__init__()
+        self.gate = TopKRouter(num_experts, hidden, top_k, normalize)
+        self.experts = Experts(num_experts, hidden, intermediate, act)
+        if shared_intermediate > 0:
+            self.shared_expert = GatedMLP(hidden, shared_intermediate, act)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        else:
+            self.shared_expert = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stack_expert_weights(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass weights through, replacing per-expert tensors by the fused ``gate_up_proj`` /
+    ``down_proj`` stacks (emitted once every expert of a block has been seen, at the end)."""
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, t in weights:
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            yield name, t
+            continue
+        prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+        groups.setdefault(prefix, {}).setdefault(kind, {})[e] = t
+    for prefix, kinds in groups.items():
+        n = 1 + max(max(d) for d in kinds.values())
+
+        def stack(kind: str, n: int = n, kinds: dict = kinds, prefix: str = prefix):
+            d = kinds.get(kind, {})
+            if len(d) != n:
+                raise ValueError(f"{prefix}: expected {n} {kind} experts, found {len(d)}")
+            return torch.stack([d[i] for i in range(n)])
+
+        yield f"{prefix}.gate_up_proj", torch.cat([stack("gate_proj"), stack("up_proj")], dim=1)
+        yield f"{prefix}.down_proj", stack("down_proj")

@@ -1,0 +1,63 @@
+"""RMSNorm variants: plain (``x * w``), zero-centred (``x * (1 + w)``, Qwen3-Next / Qwen3.5),
+and gated (normalise then multiply by ``silu(gate)``, or gate first; optionally per group)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """``zero_centered``: weight stored as an offset from 1 (initialised to 0) and the product is
+    taken in fp32 before casting back; otherwise ``w * x.to(dtype)`` (Llama convention)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = rms_normalize(x, self.eps)
+        if self.zero_centered:
+            return (y * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * y.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """``norm_before_gate``: ``w * norm(x) * silu(gate)`` (Gated DeltaNet); otherwise
+    ``w * norm(x * silu(gate))`` (Mamba2). ``group_size`` normalises each group separately."""
+
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        norm_before_gate: bool = True,
+        group_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.norm_before_gate = norm_before_gate
+        self.group_size = group_size
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group_size is None or self.group_size == x.shape[-1]:
+            return rms_normalize(x, self.eps)
+        shape = x.shape
+        xg = x.reshape(*shape[:-1], shape[-1] // self.group_size, self.group_size)
+        return rms_normalize(xg, self.eps).reshape(shape)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        if self.norm_before_gate:
+            y = self.weight * self._norm(x).to(dtype)
+            return (y * F.silu(gate.float())).to(dtype)
+        y = x.float() * F.silu(gate.float())
+        return self.weight * self._norm(y).to(dtype)

@@ -1,0 +1,285 @@
+"""Qwen3-Next and Qwen3.5 (text): Gated DeltaNet layers + gated full attention with q/k norm,
+dense MLP or sparse MoE with a shared expert.
+
+Layer kinds come from ``config.layer_types`` (``linear_attention`` / ``full_attention``).
+Qwen3.5 differs in the Gated DeltaNet projection layout and uses (text-only, hence plain) M-RoPE;
+its multimodal checkpoints (``Qwen3_5ForConditionalGeneration``) keep the text config under
+``text_config`` and the weights under ``model.language_model.``; vision weights are ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mambaradix.core import ForwardContext, KVSpec, StateSpec
+from mambaradix.layers.attention import BatchLayout, pooled_attention
+from mambaradix.layers.gated_delta_net import GatedDeltaNet
+from mambaradix.layers.mlp import GatedMLP
+from mambaradix.layers.moe import SparseMoeBlock, stack_expert_weights
+from mambaradix.layers.norm import RMSNorm
+from mambaradix.layers.rotary import RotaryEmbedding
+from mambaradix.models.loader import assign_weights
+from mambaradix.models.registry import register_model
+from mambaradix.models.tiny import register_tiny, size_dims
+
+logger = logging.getLogger(__name__)
+
+
+class GatedAttention(nn.Module):
+    """Full attention whose output is gated by ``sigmoid(gate)``; ``q_proj`` yields, per head,
+    the query and the gate (``[H, 2*D]``). q/k get a zero-centred RMSNorm over the head dim."""
+
+    def __init__(self, cfg: Any, attn_layer: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.h, self.hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.d = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.h
+        bias = getattr(cfg, "attention_bias", False)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d * 2, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, zero_centered=True)
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, zero_centered=True)
+        self.attn_layer = attn_layer
+        self.rotary = rotary
+        self.scale = self.d**-0.5
+
+    def forward(self, x: torch.Tensor, layout: BatchLayout, cos_sin) -> torch.Tensor:
+        T = x.shape[0]
+        qg = self.q_proj(x).view(T, self.h, 2 * self.d)
+        q, gate = qg[..., : self.d], qg[..., self.d :]
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(T, self.hkv, self.d))
+        v = self.v_proj(x).view(T, self.hkv, self.d)
+        cos, sin = cos_sin
+        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        o = pooled_attention(layout, self.attn_layer, q, k, v, self.scale)
+        o = o * torch.sigmoid(gate)
+        return self.o_proj(o.reshape(T, self.h * self.d))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, mixer: nn.Module, mlp: nn.Module, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.mixer_kind = "attn" if isinstance(mixer, GatedAttention) else "gdn"
+        if self.mixer_kind == "attn":
+            self.self_attn = mixer
+        else:
+            self.linear_attn = mixer
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden, eps, zero_centered=True)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, zero_centered=True)
+
+    def forward(self, x: torch.Tensor, layout: BatchLayout, cos_sin) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.mixer_kind == "attn":
+            h = self.self_attn(h, layout, cos_sin)
+        else:
+            h = self.linear_attn(h, layout)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    """Runtime model for Qwen3-Next / Qwen3.5 checkpoints (contract: ``models/base.py``)."""
+
+    gdn_layout = "qwen3_next"
+
+    def __init__(self, config: Any, ssm_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.text_config = cfg
+        self.ssm_dtype = ssm_dtype
+        self.vocab_size = cfg.vocab_size
+        self.max_position_embeddings = cfg.max_position_embeddings
+        eos = getattr(cfg, "eos_token_id", None)
+        self.eos_token_ids: list[int] = (
+            [] if eos is None else list(eos if isinstance(eos, list) else [eos])
+        )
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = head_dim
+        self.rotary = RotaryEmbedding(cfg, head_dim)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        layers, n_attn, n_state = [], 0, 0
+        for i, kind in enumerate(cfg.layer_types):
+            if kind == "full_attention":
+                mixer: nn.Module = GatedAttention(cfg, n_attn, self.rotary)
+                n_attn += 1
+            elif kind == "linear_attention":
+                mixer = GatedDeltaNet(
+                    cfg.hidden_size,
+                    cfg.linear_num_key_heads,
+                    cfg.linear_num_value_heads,
+                    cfg.linear_key_head_dim,
+                    cfg.linear_value_head_dim,
+                    cfg.linear_conv_kernel_dim,
+                    state_layer=n_state,
+                    eps=cfg.rms_norm_eps,
+                    layout=self.gdn_layout,
+                    activation=cfg.hidden_act,
+                )
+                n_state += 1
+            else:
+                raise ValueError(f"unsupported layer type {kind!r} at layer {i}")
+            layers.append(DecoderLayer(mixer, self._make_mlp(cfg, i), cfg.hidden_size,
+                                       cfg.rms_norm_eps))  # fmt: skip
+        self.layers = nn.ModuleList(layers)
+        self.num_attn_layers, self.num_state_layers = n_attn, n_state
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(
+            getattr(cfg, "tie_word_embeddings", False)
+            or getattr(config, "tie_word_embeddings", False)
+        )
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def _make_mlp(self, cfg: Any, i: int) -> nn.Module:
+        num_experts = getattr(cfg, "num_experts", 0) or 0
+        sparse_step = getattr(cfg, "decoder_sparse_step", 1) or 1
+        mlp_only = getattr(cfg, "mlp_only_layers", None) or []
+        if num_experts > 0 and i not in mlp_only and (i + 1) % sparse_step == 0:
+            return SparseMoeBlock(
+                cfg.hidden_size,
+                num_experts,
+                cfg.num_experts_per_tok,
+                cfg.moe_intermediate_size,
+                getattr(cfg, "shared_expert_intermediate_size", 0) or 0,
+                normalize=getattr(cfg, "norm_topk_prob", True),
+                act=cfg.hidden_act,
+            )
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+
+    # ------------------------------------------------------------------ memory specs
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def kv_spec(self) -> KVSpec:
+        cfg = self.text_config
+        return KVSpec(self.num_attn_layers, cfg.num_key_value_heads, self.head_dim, self.dtype)
+
+    @property
+    def state_spec(self) -> StateSpec:
+        return StateSpec(
+            tuple(
+                layer.linear_attn.state_spec(self.dtype, self.ssm_dtype)
+                for layer in self.layers
+                if layer.mixer_kind == "gdn"
+            )
+        )
+
+    # ------------------------------------------------------------------ forward
+
+    @torch.inference_mode()
+    def forward(self, ctx: ForwardContext, all_logits: bool = False) -> torch.Tensor:
+        layout = BatchLayout.build(ctx)
+        x = self.embed_tokens(ctx.input_ids)
+        cos_sin = self.rotary(ctx.positions) if self.num_attn_layers else None
+        for layer in self.layers:
+            x = layer(x, layout, cos_sin)
+        if not all_logits and not layout.all_decode:
+            x = x.index_select(0, ctx.last_token_rows())
+        return self.lm_head(self.norm(x))
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Map HF names (``model.`` or ``model.language_model.`` prefixes; ``mtp.*`` and vision
+        weights dropped; per-expert tensors stacked) onto this module and copy them in."""
+
+        def renamed():
+            for name, t in weights:
+                if name.startswith(("mtp.", "model.visual.", "visual.", "model.mtp.")):
+                    continue
+                for prefix in ("model.language_model.", "language_model.model.", "model."):
+                    if name.startswith(prefix):
+                        name = name[len(prefix) :]
+                        break
+                if name.startswith("language_model.lm_head."):
+                    name = name[len("language_model.") :]
+                if self.tie_word_embeddings and name == "lm_head.weight":
+                    continue
+                yield name, t
+
+        assign_weights(self, stack_expert_weights(renamed()))
+
+
+@register_model("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    gdn_layout = "qwen3_5"
+
+
+register_model("Qwen3NextForCausalLM")(Qwen3NextForCausalLM)
+
+
+# --------------------------------------------------------------------------- tiny builders
+
+
+def _tiny_qwen3_next(size: str = "tiny", moe: bool = True, **overrides: Any):
+    from transformers import Qwen3NextConfig
+    from transformers import Qwen3NextForCausalLM as HFModel
+
+    d = size_dims(size)
+    kw: dict[str, Any] = dict(
+        vocab_size=d["vocab"],
+        hidden_size=d["hidden"],
+        intermediate_size=d["intermediate"],
+        num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"],
+        num_key_value_heads=d["kv_heads"],
+        head_dim=d["head_dim"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=d["head_dim"],
+        linear_value_head_dim=d["head_dim"],
+        linear_num_key_heads=d["kv_heads"],
+        linear_num_value_heads=d["heads"],
+        num_experts=8 if moe else 0,
+        num_experts_per_tok=2,
+        moe_intermediate_size=d["intermediate"] // 4,
+        shared_expert_intermediate_size=d["intermediate"] // 4,
+        decoder_sparse_step=1,
+        max_position_embeddings=4096,
+        initializer_range=0.05,
+        full_attention_interval=2 if size == "tiny" else 4,
+    )
+    kw.update(overrides)
+    return Qwen3NextConfig(**kw), HFModel
+
+
+def _tiny_qwen3_5(size: str = "tiny", **overrides: Any):
+    from transformers import Qwen3_5ForCausalLM as HFModel
+    from transformers import Qwen3_5TextConfig
+
+    d = size_dims(size)
+    kw: dict[str, Any] = dict(
+        vocab_size=d["vocab"],
+        hidden_size=d["hidden"],
+        intermediate_size=d["intermediate"],
+        num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"],
+        num_key_value_heads=d["kv_heads"],
+        head_dim=d["head_dim"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=d["head_dim"],
+        linear_value_head_dim=d["head_dim"],
+        linear_num_key_heads=d["kv_heads"],
+        linear_num_value_heads=d["heads"],
+        max_position_embeddings=4096,
+        initializer_range=0.05,
+        full_attention_interval=2 if size == "tiny" else 4,
+    )
+    kw.update(overrides)
+    return Qwen3_5TextConfig(**kw), HFModel
+
+
+register_tiny("qwen3_next", _tiny_qwen3_next)
+register_tiny("qwen3_5", _tiny_qwen3_5)

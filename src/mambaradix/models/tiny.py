@@ -1,0 +1,169 @@
+"""Seeded random checkpoints ("tiny models") made through transformers, plus a local tokenizer.
+
+Each model module registers a builder for its architecture: ``register_tiny("qwen3_next",
+builder)`` where ``builder(size: str, **overrides) -> (hf_config, hf_model_class)``; the class is
+a transformers ``*ForCausalLM`` (or ``AutoModelForCausalLM``). ``make_tiny_checkpoint`` seeds
+torch, instantiates it in fp32, saves it with ``save_pretrained`` and writes a byte-level BPE
+tokenizer (any text round-trips) with ChatML special tokens and chat template.
+
+Sizes: ``tiny`` (tests), ``small`` (end-to-end benchmark), ``mid`` (model benchmark); see
+``size_dims``. CLI: ``python -m mambaradix.models.tiny --arch qwen3_next --out DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SIZES = ("tiny", "small", "mid")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+TinyBuilder = Callable[..., tuple[Any, Any]]
+_BUILDERS: dict[str, TinyBuilder] = {}
+
+
+def register_tiny(arch: str, builder: TinyBuilder) -> None:
+    """Register the tiny-config builder of an architecture name (e.g. ``"granite_hybrid"``)."""
+    _BUILDERS[arch] = builder
+
+
+def tiny_archs() -> list[str]:
+    """Names of every architecture with a tiny builder (imports all model modules first)."""
+    from mambaradix.models.registry import import_model_modules
+
+    import_model_modules()
+    return sorted(_BUILDERS)
+
+
+def size_dims(size: str) -> dict[str, int]:
+    """Common dimensions of a size: hidden, layers, heads, kv_heads, head_dim, intermediate,
+    vocab. Builders pick what their architecture needs."""
+    dims = {
+        "tiny": dict(hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                     vocab=512),
+        "small": dict(hidden=256, layers=8, heads=8, kv_heads=2, head_dim=32, intermediate=512,
+                      vocab=1024),
+        "mid": dict(hidden=1024, layers=12, heads=16, kv_heads=4, head_dim=64, intermediate=2816,
+                    vocab=4096),
+    }  # fmt: skip
+    if size not in dims:
+        raise ValueError(f"unknown tiny size {size!r}; choose one of {SIZES}")
+    return dict(dims[size])
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+_WORDS = (
+    "the of and to in is that for it as was with be by on not he this are or his from at which "
+    "but have an they you were her she there one all we their has been would more when if will "
+    "model cache state token prefix request batch layer attention recurrent memory snapshot "
+    "system prompt question answer engine server stream tree node slot page chunk decode "
+    "prefill hybrid mamba delta convolution kernel tensor python code data time number world "
+    "people water house light music river mountain city country language story letter family "
+    "quick brown fox jumps over lazy dog hello thanks please user assistant write explain why "
+    "how what where who first second third small large fast slow good new old great little"
+).split()
+
+
+def _corpus(n_sentences: int = 3000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_sentences):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 14))]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 9999)))
+        s = " ".join(words)
+        lines.append(s[0].upper() + s[1:] + rng.choice([".", "?", "!", ",", ":"]))
+    return lines
+
+
+def build_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE ``PreTrainedTokenizerFast`` of exactly ``vocab_size`` tokens: the
+    ChatML specials (ids 0..2), the 256 byte symbols, merges, and reserved fillers if the corpus
+    runs out of merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fill = vocab_size - tok.get_vocab_size()
+    if fill > 0:
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(fill)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def make_tiny_checkpoint(
+    arch: str, path: str, seed: int = 0, size: str = "tiny", **overrides: Any
+) -> str:
+    """Write a seeded random fp32 checkpoint of ``arch`` + tokenizer into ``path``; returns it.
+
+    ``overrides`` go to the builder (config fields such as ``initializer_range``)."""
+    import torch
+
+    archs = tiny_archs()
+    if arch not in _BUILDERS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; available: {archs}")
+    config, model_cls = _BUILDERS[arch](size, **overrides)
+    tokenizer = build_tokenizer(config.get_text_config().vocab_size)
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
+    for cfg in {
+        id(config): config,
+        id(config.get_text_config()): config.get_text_config(),
+    }.values():
+        cfg.eos_token_id = eos
+        cfg.pad_token_id = eos[0]
+        cfg.bos_token_id = None
+    torch.manual_seed(seed)
+    if hasattr(model_cls, "from_config"):
+        model = model_cls.from_config(config, dtype=torch.float32)
+    else:
+        model = model_cls(config)
+    model = model.float().eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    logger.info("wrote tiny %s (%s, seed %d) to %s", arch, size, seed, path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Write a seeded random hybrid-model checkpoint.")
+    ap.add_argument("--arch", required=True, help="architecture name, e.g. qwen3_next")
+    ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--size", default="tiny", choices=SIZES)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    make_tiny_checkpoint(args.arch, args.out, seed=args.seed, size=args.size)
+
+
+if __name__ == "__main__":
+    main()
