@@ -1,0 +1,168 @@
+"""LFM2: gated short-convolution layers and attention layers (QK-norm, RoPE), each followed by a
+SwiGLU feed-forward; pre-norm residual blocks; the final norm is ``embedding_norm``.
+
+Parameter names are the checkpoint's (``operator_norm``, ``ffn_norm``, ``feed_forward.w1/w2/w3``,
+``self_attn.out_proj``, ``conv.in_proj``), so weights load by name.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mambaradix.core import ForwardContext, KVSpec, StateSpec
+from mambaradix.layers.attention import BatchLayout, pooled_attention
+from mambaradix.layers.norm import RMSNorm
+from mambaradix.layers.rotary import RotaryEmbedding
+from mambaradix.layers.short_conv import ShortConv
+from mambaradix.models.granite_hybrid import eos_ids
+from mambaradix.models.loader import assign_weights
+from mambaradix.models.registry import register_model
+
+logger = logging.getLogger(__name__)
+
+
+def ff_dim(config: Any) -> int:
+    """The feed-forward width after LFM2's optional auto-adjustment."""
+    dim = config.intermediate_size
+    if getattr(config, "block_auto_adjust_ff_dim", False):
+        dim = int(2 * dim / 3)
+        mult = getattr(config, "block_ffn_dim_multiplier", None)
+        if mult is not None:
+            dim = int(mult * dim)
+            m = config.block_multiple_of
+            dim = m * ((dim + m - 1) // m)
+    return dim
+
+
+class Lfm2FeedForward(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, intermediate, bias=False)
+        self.w3 = nn.Linear(hidden, intermediate, bias=False)
+        self.w2 = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Lfm2Attention(nn.Module):
+    """GQA with per-head RMSNorm on q and k before RoPE, over the pooled KV."""
+
+    def __init__(self, config: Any, attn_index: int) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or h // self.num_heads
+        self.attn_index = attn_index
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.out_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.q_layernorm = RMSNorm(self.head_dim, config.norm_eps)
+        self.k_layernorm = RMSNorm(self.head_dim, config.norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        layout: BatchLayout,
+        rotary: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_layernorm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
+        k = self.k_layernorm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
+        out = pooled_attention(layout, self.attn_index, q, k, v, self.head_dim**-0.5)
+        return self.out_proj(out.reshape(t, -1))
+
+
+class Lfm2Layer(nn.Module):
+    def __init__(self, config: Any, is_attention: bool, attn_index: int, state_index: int):
+        super().__init__()
+        h = config.hidden_size
+        self.is_attention = is_attention
+        if is_attention:
+            self.self_attn = Lfm2Attention(config, attn_index)
+        else:
+            self.conv = ShortConv(h, config.conv_L_cache, state_index, bias=config.conv_bias)
+        self.feed_forward = Lfm2FeedForward(h, ff_dim(config))
+        self.operator_norm = RMSNorm(h, config.norm_eps)
+        self.ffn_norm = RMSNorm(h, config.norm_eps)
+
+    def forward(self, h, layout, rotary, cos_sin) -> torch.Tensor:
+        x = self.operator_norm(h)
+        if self.is_attention:
+            x = self.self_attn(x, layout, rotary, cos_sin)
+        else:
+            x = self.conv(x, layout)
+        h = h + x
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class _Lfm2Body(nn.Module):
+    def __init__(self, config: Any, kinds: list[str]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        layers, a, s = [], 0, 0
+        for kind in kinds:
+            is_attn = kind != "conv"
+            layers.append(Lfm2Layer(config, is_attn, a, s))
+            a, s = a + is_attn, s + (not is_attn)
+        self.layers = nn.ModuleList(layers)
+        self.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps)
+
+
+@register_model("Lfm2ForCausalLM")
+class Lfm2ForCausalLM(nn.Module):
+    """LFM2. Contract: ``models/base.py`` (short conv has no temporal state)."""
+
+    def __init__(self, config: Any, ssm_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.ssm_dtype = ssm_dtype  # no temporal state; kept for a uniform constructor
+        self.vocab_size = config.vocab_size
+        self.max_position_embeddings = config.max_position_embeddings
+        self.eos_token_ids = eos_ids(config)
+        kinds = list(config.layer_types)
+        self.model = _Lfm2Body(config, kinds)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        attn = [m.self_attn for m in self.model.layers if m.is_attention]
+        head_dim = attn[0].head_dim if attn else 1
+        self._attn_shape = (len(attn), config.num_key_value_heads, head_dim)
+        self._convs = [m.conv for m in self.model.layers if not m.is_attention]
+        self.rotary = RotaryEmbedding(config, head_dim) if attn else None
+
+    @property
+    def kv_spec(self) -> KVSpec:
+        n, heads, dim = self._attn_shape
+        return KVSpec(n, heads, dim, dtype=self.model.embed_tokens.weight.dtype)
+
+    @property
+    def state_spec(self) -> StateSpec:
+        dt = self.model.embed_tokens.weight.dtype
+        return StateSpec(tuple(c.state_layer_spec(dt) for c in self._convs))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        assign_weights(self, ((n, t) for n, t in weights if not (tied and n == "lm_head.weight")))
+
+    @torch.no_grad()
+    def forward(self, ctx: ForwardContext, all_logits: bool = False) -> torch.Tensor:
+        layout = BatchLayout.build(ctx)
+        h = self.model.embed_tokens(ctx.input_ids)
+        cos_sin = self.rotary(ctx.positions) if self.rotary is not None else None
+        for layer in self.model.layers:
+            h = layer(h, layout, self.rotary, cos_sin)
+        if not all_logits:
+            h = h.index_select(0, ctx.last_token_rows())
+        h = self.model.embedding_norm(h)
+        return self.lm_head(h)

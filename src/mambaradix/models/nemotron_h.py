@@ -1,0 +1,237 @@
+"""NemotronH: a stack of single-mixer blocks (``h + mixer(norm(h))``) where each mixer is Mamba2
+(with n_groups > 1), attention without positional encoding, a non-gated MLP, or a MoE with a
+sigmoid group-limited router, a shared expert and optional latent projections.
+
+Parameter names are the checkpoint's (``backbone.*``, per-expert
+``mixer.experts.{e}.up_proj.weight``), so weights load by name.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mambaradix.core import ForwardContext, KVSpec, StateSpec
+from mambaradix.layers.attention import BatchLayout
+from mambaradix.layers.mamba2 import Mamba2Mixer
+from mambaradix.layers.mlp import activation
+from mambaradix.layers.norm import RMSNorm
+from mambaradix.models.granite_hybrid import ATTENTION, MAMBA, ProjAttention, eos_ids, layer_kinds
+from mambaradix.models.loader import assign_weights
+from mambaradix.models.registry import register_model
+
+logger = logging.getLogger(__name__)
+
+MLP, MOE = "mlp", "moe"
+_PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
+
+
+class NemotronMLP(nn.Module):
+    """``down_proj(act(up_proj(x)))`` (no gate)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class NemotronRouter(nn.Module):
+    """Sigmoid scores; experts chosen among the ``topk_group`` best groups (a group's score is
+    the sum of its two best biased scores); weights are the unbiased scores, optionally
+    renormalized, times ``routed_scaling_factor``."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.scaling = float(config.routed_scaling_factor)
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(self.num_experts), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            per = self.num_experts // self.n_group
+            grouped = choice.view(-1, self.n_group, per)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(-1)
+            keep = torch.zeros_like(group_scores)
+            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1)[1], 1.0)
+            mask = keep[:, :, None].expand(-1, -1, per).reshape(-1, self.num_experts)
+            choice = choice.masked_fill(mask == 0, float("-inf"))
+        idx = choice.topk(self.top_k, dim=-1)[1]
+        w = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return idx, w * self.scaling
+
+
+class NemotronMoE(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        h = config.hidden_size
+        latent = getattr(config, "moe_latent_size", None)
+        inner = latent or h
+        act, bias = config.mlp_hidden_act, config.mlp_bias
+        self.gate = NemotronRouter(config)
+        self.experts = nn.ModuleList(
+            NemotronMLP(inner, config.moe_intermediate_size, act)
+            for _ in range(config.n_routed_experts)
+        )
+        self.shared_experts = NemotronMLP(h, config.moe_shared_expert_intermediate_size, act, bias)
+        self.fc1_latent_proj = nn.Linear(h, latent, bias=bias) if latent else None
+        self.fc2_latent_proj = nn.Linear(latent, h, bias=bias) if latent else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx, w = self.gate(x)
+        z = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
+        out = torch.zeros(z.shape, dtype=w.dtype, device=z.device)
+        top_k = idx.shape[1]
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        tok, wf = order // top_k, w.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                t_e = tok[start : start + n]
+                y = self.experts[e](z[t_e]) * wf[start : start + n, None]
+                out.index_add_(0, t_e, y.to(out.dtype))
+                start += n
+        out = out.to(x.dtype)
+        if self.fc2_latent_proj is not None:
+            out = self.fc2_latent_proj(out)
+        return out + self.shared_experts(x)
+
+
+class NemotronBlock(nn.Module):
+    def __init__(self, config: Any, kind: str, attn_index: int, state_index: int) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.kind = kind
+        self.norm = RMSNorm(h, config.layer_norm_epsilon)
+        if kind == MAMBA:
+            self.mixer = Mamba2Mixer(
+                h,
+                config.mamba_num_heads,
+                config.mamba_head_dim,
+                config.n_groups,
+                config.ssm_state_size,
+                config.conv_kernel,
+                state_index,
+                conv_bias=config.use_conv_bias,
+                proj_bias=config.use_bias,
+                norm_eps=config.layer_norm_epsilon,
+                dt_limit=(config.time_step_min, float("inf")),
+                activation=config.mamba_hidden_act,
+            )
+        elif kind == ATTENTION:
+            head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+            self.mixer = ProjAttention(
+                h,
+                config.num_attention_heads,
+                config.num_key_value_heads,
+                head_dim,
+                attn_index,
+                head_dim**-0.5,
+            )
+        elif kind == MLP:
+            self.mixer = NemotronMLP(
+                h, config.intermediate_size, config.mlp_hidden_act, config.mlp_bias
+            )
+        elif kind == MOE:
+            self.mixer = NemotronMoE(config)
+        else:
+            raise ValueError(f"unknown NemotronH block type {kind!r}")
+
+    def forward(self, h: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        x = self.norm(h)
+        if self.kind == MAMBA:
+            x = self.mixer(x, layout)
+        elif self.kind == ATTENTION:
+            x = self.mixer(x, layout, None, None)
+        else:
+            x = self.mixer(x)
+        return h + x
+
+
+class _Backbone(nn.Module):
+    def __init__(self, config: Any, kinds: list[str]) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        layers, a, s = [], 0, 0
+        for kind in kinds:
+            layers.append(NemotronBlock(config, kind, a, s))
+            a, s = a + (kind == ATTENTION), s + (kind == MAMBA)
+        self.layers = nn.ModuleList(layers)
+        self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+
+
+@register_model("NemotronHForCausalLM")
+class NemotronHForCausalLM(nn.Module):
+    """NemotronH. Contract: ``models/base.py``."""
+
+    def __init__(self, config: Any, ssm_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.ssm_dtype = ssm_dtype
+        self.vocab_size = config.vocab_size
+        self.max_position_embeddings = config.max_position_embeddings
+        self.eos_token_ids = eos_ids(config)
+        kinds = [_PATTERN.get(k, k) for k in layer_kinds(config)]
+        self.backbone = _Backbone(config, kinds)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.backbone.embeddings.weight
+        attn = [b.mixer for b in self.backbone.layers if b.kind == ATTENTION]
+        self._attn_shape = (len(attn), config.num_key_value_heads, attn[0].head_dim if attn else 1)
+        self._mambas = [b.mixer for b in self.backbone.layers if b.kind == MAMBA]
+
+    @property
+    def kv_spec(self) -> KVSpec:
+        n, heads, dim = self._attn_shape
+        return KVSpec(n, heads, dim, dtype=self.backbone.embeddings.weight.dtype)
+
+    @property
+    def state_spec(self) -> StateSpec:
+        dt = self.backbone.embeddings.weight.dtype
+        return StateSpec(tuple(m.state_layer_spec(dt, self.ssm_dtype) for m in self._mambas))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        tied = getattr(self.config, "tie_word_embeddings", False)
+
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, t in weights:
+                if name.startswith("model."):  # transformers' in-memory prefix
+                    name = "backbone." + name[len("model.") :]
+                if tied and name == "lm_head.weight":
+                    continue
+                if name.startswith("mtp."):  # multi-token-prediction head: unused
+                    continue
+                yield name, t
+
+        assign_weights(self, renamed())
+
+    @torch.no_grad()
+    def forward(self, ctx: ForwardContext, all_logits: bool = False) -> torch.Tensor:
+        layout = BatchLayout.build(ctx)
+        h = self.backbone.embeddings(ctx.input_ids)
+        for block in self.backbone.layers:
+            h = block(h, layout)
+        if not all_logits:
+            h = h.index_select(0, ctx.last_token_rows())
+        h = self.backbone.norm_f(h)
+        return self.lm_head(h).float()
