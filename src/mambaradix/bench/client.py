@@ -1,0 +1,232 @@
+"""Sending a workload: to an OpenAI-compatible server (HTTP, streaming) or an in-process engine.
+
+Both backends stream every request (greedy, ``ignore_eos``, fixed output length) and record
+TTFT, inter-token gaps, end-to-end latency, prompt / output / cached token counts and the output
+ids (the multi-turn workload resends them). ``run_workload`` plays the workload with a request
+rate (infinite or Poisson arrivals of sessions) and a cap on requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from mambaradix.bench.workloads import Workload
+from mambaradix.core import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    session: int = 0
+    turn: int = 0
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+    output_len: int = 0
+    cached_tokens: int = 0
+    start: float = 0.0  # seconds since the benchmark started
+    ttft: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    success: bool = False
+    error: str = ""
+
+
+class _Timing:
+    """Per-request clock: ``tokens(n)`` at every chunk that carries n new tokens."""
+
+    __slots__ = ("t0", "last", "ttft", "itls")
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.last: float | None = None
+        self.ttft = 0.0
+        self.itls: list[float] = []
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.ttft = now - self.t0
+            self.itls.extend([0.0] * (n - 1))
+        else:
+            self.itls.extend([(now - self.last) / n] * n)
+        self.last = now
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+class EngineBackend:
+    """Streams requests through ``engine.submit(...).aevents()`` in this process."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    async def generate(self, input_ids: list[int], output_len: int) -> RequestResult:
+        res = RequestResult(prompt_ids=list(input_ids), prompt_len=len(input_ids))
+        params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+        timing = _Timing()
+        try:
+            handle = self.engine.submit(list(input_ids), params)
+            async for out in handle.aevents():
+                timing.tokens(len(out.new_token_ids))
+                res.output_ids.extend(out.new_token_ids)
+                res.cached_tokens = out.cached_tokens
+                if out.finished:
+                    res.success = out.finish_reason != "abort"
+                    if not res.success:
+                        res.error = "aborted"
+        except Exception as e:  # a failed request is reported, not fatal
+            res.error = f"{type(e).__name__}: {e}"
+        res.latency, res.ttft, res.itls = timing.elapsed(), timing.ttft, timing.itls
+        res.output_len = len(res.output_ids)
+        return res
+
+    async def aclose(self) -> None:
+        return None
+
+
+class HTTPBackend:
+    """Streams token-id prompts to ``{base_url}/v1/completions``.
+
+    Asks for ``stream_options.include_usage`` (cached tokens) and ``return_token_ids`` (a
+    mambaradix / vLLM extension; without it multi-turn sessions cannot be resent exactly).
+    """
+
+    def __init__(self, base_url: str, model: str = "", api_key: str = "") -> None:
+        self.base_url = base_url.rstrip("/")
+        if self.base_url.endswith("/v1"):
+            self.base_url = self.base_url[:-3]
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self.client = httpx.AsyncClient(headers=headers, timeout=None, limits=limits)
+        self.model = model
+
+    async def model_info(self) -> dict[str, Any]:
+        r = await self.client.get(self.base_url + "/v1/models")
+        r.raise_for_status()
+        data = r.json()["data"]
+        if not data:
+            raise RuntimeError(f"{self.base_url} serves no model")
+        if self.model:
+            for card in data:
+                if card.get("id") == self.model:
+                    return card
+        return data[0]
+
+    async def generate(self, input_ids: list[int], output_len: int) -> RequestResult:
+        res = RequestResult(prompt_ids=list(input_ids), prompt_len=len(input_ids))
+        body = {
+            "model": self.model,
+            "prompt": list(input_ids),
+            "max_tokens": output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
+        timing = _Timing()
+        counted = 0
+        try:
+            url = self.base_url + "/v1/completions"
+            async with self.client.stream("POST", url, json=body) as r:
+                if r.status_code != 200:
+                    res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}"
+                    return res
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        res.success = not res.error
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        res.error = str(chunk["error"].get("message"))
+                        continue
+                    for choice in chunk.get("choices") or []:
+                        ids = choice.get("token_ids")
+                        n = len(ids) if ids is not None else int(bool(choice.get("text")))
+                        if ids:
+                            res.output_ids.extend(ids)
+                        counted += n
+                        timing.tokens(n)
+                    usage = chunk.get("usage")
+                    if usage:
+                        details = usage.get("prompt_tokens_details") or {}
+                        res.cached_tokens = int(details.get("cached_tokens") or 0)
+                        res.output_len = int(usage.get("completion_tokens") or counted)
+        except (httpx.HTTPError, json.JSONDecodeError) as e:
+            res.error = f"{type(e).__name__}: {e}"
+        res.latency, res.ttft, res.itls = timing.elapsed(), timing.ttft, timing.itls
+        res.output_len = res.output_len or counted
+        return res
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+async def run_workload(
+    workload: Workload,
+    backend: Any,
+    request_rate: float = float("inf"),
+    max_concurrency: int = 0,
+    seed: int = 0,
+    progress: Any = None,
+) -> tuple[list[RequestResult], float]:
+    """Play ``workload``; returns the results in issue order and the duration in seconds.
+
+    Sessions start at the request rate (Poisson, or all at once when infinite); a session's
+    turns follow one another, each sent when the previous one finished. At most
+    ``max_concurrency`` requests are in flight (0 = no cap).
+    """
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
+    rng = random.Random(seed)
+    results: list[RequestResult] = []
+    t_start = time.perf_counter()
+
+    async def run_session(index: int) -> None:
+        prompt: list[int] = []
+        prev_out: list[int] = []
+        for k, turn in enumerate(workload.sessions[index].turns):
+            if k and len(prev_out) == 0:
+                logger.error("session %d: no output ids from turn %d; stopping it", index, k - 1)
+                return
+            prompt = prompt + prev_out + turn.new_ids
+            if sem is not None:
+                async with sem:
+                    start = time.perf_counter() - t_start
+                    res = await backend.generate(prompt, turn.output_len)
+            else:
+                start = time.perf_counter() - t_start
+                res = await backend.generate(prompt, turn.output_len)
+            res.session, res.turn, res.start = index, k, start
+            results.append(res)
+            if progress is not None:
+                progress.update(1)
+            if not res.success:
+                logger.warning("request failed (session %d turn %d): %s", index, k, res.error)
+                return
+            prev_out = res.output_ids
+
+    tasks = []
+    for i in range(len(workload.sessions)):
+        tasks.append(asyncio.create_task(run_session(i)))
+        if request_rate != float("inf") and i + 1 < len(workload.sessions):
+            await asyncio.sleep(rng.expovariate(request_rate))
+    await asyncio.gather(*tasks)
+    duration = time.perf_counter() - t_start
+    results.sort(key=lambda r: r.start)
+    return results, duration

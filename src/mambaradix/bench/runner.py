@@ -1,0 +1,223 @@
+"""``mambaradix bench``: build a workload, play it against a server or an in-process engine,
+print the figures; optionally the same workload with the radix cache off, and the ratios.
+
+In-process (no ``--base-url``) the engine is built from the engine flags; with
+``--compare-cache`` a second engine with ``--disable-radix-cache`` runs after the first is shut
+down. Over HTTP, ``--compare-base-url`` names a second server (started with the cache off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+from mambaradix.bench.client import EngineBackend, HTTPBackend, run_workload
+from mambaradix.bench.report import comparison, format_comparison, format_summary, summarize
+from mambaradix.bench.workloads import (
+    TokenSampler,
+    Workload,
+    generated_shared_prefix,
+    multi_turn,
+    random_workload,
+)
+from mambaradix.config import EngineConfig, opt
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "tiny:qwen3_next:small"
+DATASETS = ["generated-shared-prefix", "random", "multi-turn"]
+
+
+@dataclass
+class BenchConfig:
+    base_url: str = opt(
+        "",
+        "OpenAI-compatible server to benchmark; empty runs an in-process engine "
+        "built from the engine flags.",
+    )
+    model: str = opt("", "Model name sent to the server; empty takes the first of /v1/models.")
+    api_key: str = opt("", "API key for the server.")
+    dataset_name: str = opt("generated-shared-prefix", "Workload.", DATASETS)
+    dataset_seed: int = opt(1, "Seed of the workload's token ids, lengths and arrival times.")
+    num_prompts: int = opt(64, "Requests of the random workload.")
+    random_input_len: int = opt(512, "Prompt length of the random workload.")
+    random_output_len: int = opt(16, "Output length of the random workload.")
+    random_range_ratio: float = opt(1.0, "Lengths drawn from [len * ratio, len].")
+    gsp_num_groups: int = opt(4, "Groups (distinct system prompts).")
+    gsp_prompts_per_group: int = opt(8, "Requests per group.")
+    gsp_system_prompt_len: int = opt(512, "Shared system prompt length.")
+    gsp_question_len: int = opt(64, "Per-request question length (0 = exact repeats).")
+    gsp_output_len: int = opt(16, "Output length.")
+    gsp_range_ratio: float = opt(1.0, "Lengths drawn from [len * ratio, len].")
+    mt_num_sessions: int = opt(8, "Chat sessions of the multi-turn workload.")
+    mt_num_turns: int = opt(4, "Turns per session (each resends the whole history).")
+    mt_system_prompt_len: int = opt(256, "System prompt shared by all sessions (0 = none).")
+    mt_user_len: int = opt(64, "New user tokens per turn.")
+    mt_output_len: int = opt(16, "Output length per turn.")
+    mt_range_ratio: float = opt(1.0, "Lengths drawn from [len * ratio, len].")
+    request_rate: float = opt(
+        math.inf,
+        "Sessions (requests) started per second; inf sends all at once, "
+        "otherwise Poisson arrivals.",
+    )
+    max_concurrency: int = opt(0, "Cap on requests in flight; 0 = no cap.")
+    warmup_requests: int = opt(1, "Short unrelated requests sent (untimed) before the run.")
+    compare_cache: bool = opt(
+        False, "In-process: run again with the radix cache off and print the ratios."
+    )
+    compare_base_url: str = opt(
+        "", "HTTP: a second server (cache off) to run the same workload against."
+    )
+    hit_alignment: int = opt(
+        0, "Snapshot alignment for the ideal hit rate; 0 = max(64, --page-size)."
+    )
+    output_json: str = opt("", "Write config, figures (and ratios) to this JSON file.")
+    disable_tqdm: bool = opt(False, "No progress bar.")
+
+
+def build_workload(cfg: BenchConfig, sampler: TokenSampler) -> Workload:
+    if cfg.dataset_name == "generated-shared-prefix":
+        return generated_shared_prefix(
+            sampler,
+            cfg.gsp_num_groups,
+            cfg.gsp_prompts_per_group,
+            cfg.gsp_system_prompt_len,
+            cfg.gsp_question_len,
+            cfg.gsp_output_len,
+            cfg.gsp_range_ratio,
+        )
+    if cfg.dataset_name == "random":
+        return random_workload(
+            sampler,
+            cfg.num_prompts,
+            cfg.random_input_len,
+            cfg.random_output_len,
+            cfg.random_range_ratio,
+        )
+    if cfg.dataset_name == "multi-turn":
+        return multi_turn(
+            sampler,
+            cfg.mt_num_sessions,
+            cfg.mt_num_turns,
+            cfg.mt_system_prompt_len,
+            cfg.mt_user_len,
+            cfg.mt_output_len,
+            cfg.mt_range_ratio,
+        )
+    raise ValueError(f"unknown --dataset-name {cfg.dataset_name!r}; choose one of {DATASETS}")
+
+
+async def _play(
+    cfg: BenchConfig,
+    backend: Any,
+    workload: Workload,
+    warm: TokenSampler,
+    alignment: int,
+    label: str,
+) -> dict[str, Any]:
+    for _ in range(cfg.warmup_requests):
+        res = await backend.generate(warm.tokens(16), 2)
+        if not res.success:
+            raise RuntimeError(f"warm-up request failed: {res.error}")
+    bar = tqdm(total=workload.num_requests, desc=label, disable=cfg.disable_tqdm, leave=False)
+    try:
+        results, duration = await run_workload(
+            workload, backend, cfg.request_rate, cfg.max_concurrency, cfg.dataset_seed, bar
+        )
+    finally:
+        bar.close()
+    return summarize(results, duration, alignment)
+
+
+def _samplers(cfg: BenchConfig, vocab: int, specials: set[int]) -> tuple[Workload, TokenSampler]:
+    workload = build_workload(cfg, TokenSampler(vocab, cfg.dataset_seed, specials))
+    return workload, TokenSampler(vocab, cfg.dataset_seed + 10_000, specials)
+
+
+def _wait_idle(engine: Any, timeout: float = 10.0) -> str:
+    """'ok' when the idle engine passes its integrity check, else the failure."""
+    deadline = time.monotonic() + timeout
+    while not engine.is_idle() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        engine.check_integrity()
+    except Exception as e:  # reported, not fatal: the figures are still worth printing
+        logger.error("engine integrity check failed after the run: %s", e)
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+def _engine_run(cfg: BenchConfig, ecfg: EngineConfig, label: str) -> dict[str, Any]:
+    from mambaradix.engine.engine import Engine  # the engine is heavy: import on use
+
+    with Engine(ecfg) as engine:
+        tok = engine.tokenizer
+        specials = set(getattr(tok, "all_special_ids", []) or [])
+        workload, warm = _samplers(cfg, len(tok), specials)
+        alignment = cfg.hit_alignment or max(64, ecfg.page_size)
+        backend = EngineBackend(engine)
+        summary = asyncio.run(_play(cfg, backend, workload, warm, alignment, label))
+        summary["integrity"] = _wait_idle(engine)
+    return summary
+
+
+async def _http_run(cfg: BenchConfig, base_url: str, ecfg: EngineConfig, label: str) -> dict:
+    backend = HTTPBackend(base_url, cfg.model, cfg.api_key)
+    try:
+        card = await backend.model_info()
+        backend.model = backend.model or card["id"]
+        vocab = int(card.get("vocab_size") or 0)
+        if vocab <= 0:
+            raise RuntimeError(
+                f"{base_url}/v1/models does not report vocab_size; random token ids need it"
+            )
+        workload, warm = _samplers(cfg, vocab, set())
+        alignment = cfg.hit_alignment or max(64, ecfg.page_size)
+        return await _play(cfg, backend, workload, warm, alignment, label)
+    finally:
+        await backend.aclose()
+
+
+def run_benchmark(
+    cfg: BenchConfig, ecfg: EngineConfig | None = None, out: TextIO | None = sys.stdout
+) -> dict[str, Any]:
+    """Run, write the fixed-format figures to ``out`` and return
+    ``{"config", "results", "cache_off"?, "ratios"?}`` (``results``: the main run)."""
+    ecfg = ecfg or EngineConfig()
+    report: dict[str, Any] = {"config": {"bench": dataclasses.asdict(cfg)}}
+    off = None
+    if cfg.base_url:
+        results = asyncio.run(_http_run(cfg, cfg.base_url, ecfg, "bench"))
+        if cfg.compare_base_url:
+            off = asyncio.run(_http_run(cfg, cfg.compare_base_url, ecfg, "compare"))
+    else:
+        if not ecfg.model_path:
+            ecfg = dataclasses.replace(ecfg, model_path=DEFAULT_MODEL)
+        report["config"]["engine"] = dataclasses.asdict(ecfg)
+        results = _engine_run(cfg, ecfg, "bench")
+        if cfg.compare_cache:
+            off = _engine_run(cfg, dataclasses.replace(ecfg, disable_radix_cache=True), "cache off")
+    report["results"] = results
+    title = f"{cfg.dataset_name} @ {cfg.base_url or ecfg.model_path}"
+    text = [format_summary(results, title)]
+    if off is not None:
+        report["cache_off"] = off
+        report["ratios"] = comparison(results, off)
+        text += [format_summary(off, title + " (cache off)"), format_comparison(results, off)]
+    if out is not None:
+        out.write("\n".join(text) + "\n")
+        out.flush()
+    if cfg.output_json:
+        with open(cfg.output_json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        logger.info("wrote %s", cfg.output_json)
+    return report

@@ -1,0 +1,305 @@
+"""OpenAI-compatible HTTP server over an ``Engine`` (FastAPI; run it with uvicorn).
+
+``create_app(engine, server_config)`` builds the app; ``ServerThread`` runs it in-process on a
+free port (tests, the in-process benchmark over HTTP). Routes: ``/v1/completions`` (text or
+token-id prompts, batches), ``/v1/chat/completions`` (the checkpoint's chat template), both with
+SSE streaming; ``/v1/models``, ``/health``, ``/metrics``.
+
+Contract at the seam: every client error is an HTTP 400 with an OpenAI error body and the server
+keeps serving; a request whose client went away (mid-stream or while waiting) is aborted in the
+engine, which frees its slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mambaradix.config import ServerConfig
+from mambaradix.server.jobs import Job, first_error, watch_disconnect
+from mambaradix.server.metrics import ServerMetrics
+from mambaradix.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    new_id,
+    response_envelope,
+    usage_dict,
+)
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+class _Server:
+    """State shared by the routes of one app."""
+
+    def __init__(self, engine: Any, cfg: ServerConfig) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        self.model_name = cfg.served_model_name or engine.model_name
+        self.accepted_names = {self.model_name, engine.model_name}
+        self.metrics = ServerMetrics(engine, self.model_name)
+        self.vocab_size = len(engine.tokenizer)
+
+    def check_model(self, name: str | None) -> None:
+        if name and name not in self.accepted_names:
+            raise APIError(
+                f"model '{name}' is not served here; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_ids(self, ids: list[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(
+                f"token id {bad[0]} is out of range [0, {self.vocab_size})", param="prompt"
+            )
+
+    def max_tokens_for(self, prompt_len: int, requested: int | None) -> int:
+        ctx = self.engine.context_length
+        if requested is None:
+            requested = ctx - prompt_len
+        if requested < 0:
+            raise APIError(f"max_tokens must be >= 0, got {requested}", param="max_tokens")
+        if prompt_len + requested > ctx:
+            raise APIError(
+                f"this model's maximum context length is {ctx} tokens; the request has "
+                f"{prompt_len} prompt tokens and asks for {requested} completion tokens; "
+                "shorten the prompt or lower max_tokens",
+                param="max_tokens" if prompt_len < ctx else "prompt",
+                code="context_length_exceeded",
+            )
+        return requested
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Submit all jobs or none (a job the engine refuses aborts the ones before it)."""
+        for i, job in enumerate(jobs):
+            try:
+                job.handle = self.engine.submit(job.input_ids, job.params, rid=job.rid)
+            except ValueError as e:
+                for prev in jobs[:i]:
+                    self.engine.abort(prev.rid)
+                raise APIError(str(e)) from None
+            job.timer = self.metrics.timer()
+
+
+def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAPI:
+    srv = _Server(engine, server_config or ServerConfig())
+    app = FastAPI(title="mambaradix", docs_url=None, redoc_url=None)
+    app.state.server = srv
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        srv.metrics.count_error()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        srv.metrics.count_error()
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            msg = f"malformed JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}"
+            return JSONResponse(error_body(msg, code="json_invalid"), status_code=400)
+        # drop pydantic's union-branch names ('str', 'list[int]') from the location
+        loc = [
+            str(x)
+            for x in first.get("loc", ())
+            if x != "body" and not (isinstance(x, str) and (x in _TYPE_NAMES or "[" in x))
+        ]
+        param = ".".join(loc) or None
+        msg = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
+        if len(errors) > 1:
+            msg += f" (and {len(errors) - 1} more errors)"
+        return JSONResponse(error_body(msg, param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            error_body(str(exc.detail), code=exc.status_code), status_code=exc.status_code
+        )
+
+    @app.exception_handler(Exception)
+    async def _server_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error while serving a request")
+        return JSONResponse(
+            error_body(f"internal server error: {exc}", type="server_error"), status_code=500
+        )
+
+    if srv.cfg.api_key:
+        expected = f"Bearer {srv.cfg.api_key}"
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next: Any) -> Response:
+            if request.url.path.startswith("/v1") and (
+                request.headers.get("authorization") != expected
+            ):
+                return JSONResponse(
+                    error_body("invalid or missing API key", code="invalid_api_key"),
+                    status_code=401,
+                )
+            return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(srv.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": srv.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "mambaradix",
+            "root": engine.model_name,
+            "max_model_len": engine.context_length,
+            "vocab_size": srv.vocab_size,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Any:
+        req = await _parse(request, CompletionRequest)
+        srv.check_model(req.model)
+        tok = engine.tokenizer
+        jobs: list[Job] = []
+        for p_idx, prompt in enumerate(req.prompts()):
+            ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            srv.check_ids(ids)
+            params = req.sampling_params(srv.max_tokens_for(len(ids), req.max_tokens), False)
+            params.return_logprob = req.logprobs is not None
+            for j in range(req.n):
+                jobs.append(Job.make(p_idx * req.n + j, ids, params, j, tok, prompt_key=p_idx))
+        return await _serve(srv, jobs, req, request, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Any:
+        req = await _parse(request, ChatCompletionRequest)
+        srv.check_model(req.model)
+        tok = engine.tokenizer
+        text = tok.apply_chat_template(
+            req.chat_messages(), add_generation_prompt=True, tokenize=False
+        )
+        ids = tok.encode(text, add_special_tokens=False)
+        params = req.sampling_params(
+            srv.max_tokens_for(len(ids), req.requested_max_tokens()), req.logprobs
+        )
+        jobs = [Job.make(j, ids, params, j, tok, prompt_key=0) for j in range(req.n)]
+        return await _serve(srv, jobs, req, request, chat=True)
+
+    return app
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    """The body as JSON whatever its content type (curl -d sends form encoding), validated."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"malformed JSON body: {e}", code="json_invalid") from None
+    if not isinstance(data, dict):
+        raise APIError(f"the body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+
+
+async def _serve(srv: _Server, jobs: list[Job], req: Any, request: Request, chat: bool) -> Any:
+    srv.submit(jobs)
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    if req.stream:
+        return StreamingResponse(_stream(srv, jobs, req, rid, chat), media_type="text/event-stream")
+    watcher = asyncio.create_task(watch_disconnect(request, srv.engine, jobs))
+    try:
+        await asyncio.gather(*(job.collect() for job in jobs))
+    finally:
+        watcher.cancel()
+        for job in jobs:
+            if not job.finished:
+                srv.engine.abort(job.rid)
+    err = first_error(jobs)
+    if err is not None:
+        raise err
+    kind = "chat.completion" if chat else "text_completion"
+    body = response_envelope(kind, rid, srv.model_name, [j.final_choice(chat, req) for j in jobs])
+    body["usage"] = _usage(jobs)
+    return body
+
+
+def _usage(jobs: list[Job]) -> dict[str, Any]:
+    # n > 1 copies of one prompt count the prompt once, like OpenAI
+    seen: set[int] = set()
+    prompt = cached = 0
+    for job in jobs:
+        if job.prompt_key not in seen:
+            seen.add(job.prompt_key)
+            prompt += job.prompt_tokens
+            cached += job.cached_tokens
+    return usage_dict(prompt, sum(j.completion_tokens for j in jobs), cached)
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _stream(
+    srv: _Server, jobs: list[Job], req: Any, rid: str, chat: bool
+) -> AsyncIterator[str]:
+    """SSE events: one chunk per engine event per choice, an optional usage chunk, [DONE].
+    Cancelled (client gone) or not, the finally block aborts every unfinished request."""
+    queue: asyncio.Queue = asyncio.Queue()
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    tasks = [asyncio.create_task(job.pump(queue)) for job in jobs]
+    try:
+        if chat:
+            for job in jobs:
+                first = {"index": job.index, "delta": {"role": "assistant", "content": ""}}
+                first["logprobs"], first["finish_reason"] = None, None
+                yield _sse(response_envelope(kind, rid, srv.model_name, [first]))
+        remaining = len(jobs)
+        while remaining:
+            job, out = await queue.get()
+            if isinstance(out, BaseException):
+                err = out if isinstance(out, APIError) else APIError(str(out), 500, "server_error")
+                yield _sse(err.body())
+                break
+            job.add(out)
+            choice = job.chunk_choice(out, chat, req)
+            if choice is not None:
+                body = response_envelope(kind, rid, srv.model_name, [choice])
+                if req.return_token_ids and out.finished:
+                    body["prompt_token_ids"] = job.input_ids
+                yield _sse(body)
+            if out.finished:
+                remaining -= 1
+        else:
+            if req.include_usage:
+                body = response_envelope(kind, rid, srv.model_name, [])
+                body["usage"] = _usage(jobs)
+                yield _sse(body)
+            yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
+        for job in jobs:
+            if not job.finished:
+                srv.engine.abort(job.rid)

@@ -1,0 +1,73 @@
+"""Running the app: blocking (``serve``, the CLI) or in a background thread (``ServerThread``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from mambaradix.config import ServerConfig
+from mambaradix.server.app import create_app
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def serve(engine: Any, cfg: ServerConfig) -> None:
+    """Serve until interrupted (uvicorn handles SIGINT / SIGTERM)."""
+    app = create_app(engine, cfg)
+    logger.info("serving %s on http://%s:%d", cfg.served_model_name or engine.model_name,
+                cfg.host, cfg.port)  # fmt: skip
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+
+
+class ServerThread:
+    """Runs ``create_app(engine, cfg)`` under uvicorn in a daemon thread; port 0 picks a free one.
+
+    Use as a context manager; ``stop()`` shuts uvicorn down (the engine stays the caller's).
+    """
+
+    def __init__(self, engine: Any, cfg: ServerConfig | None = None) -> None:
+        cfg = dataclasses.replace(cfg) if cfg is not None else ServerConfig(port=0)
+        if cfg.port == 0:
+            cfg.port = free_port(cfg.host)
+        self.cfg = cfg
+        self.app = create_app(engine, cfg)
+        config = uvicorn.Config(
+            self.app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="mambaradix-http", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.cfg.host}:{self.cfg.port}"
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"HTTP server did not start on {self.base_url}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
