@@ -26,25 +26,47 @@ def opt(default: Any, help: str, choices: list[str] | None = None) -> Any:
 
 @dataclass
 class EngineConfig:
-    model_path: str = opt("", "Local Hugging Face checkpoint folder (or 'tiny:<arch>' for a built-in tiny model).")
+    model_path: str = opt(
+        "", "Local Hugging Face checkpoint folder (or 'tiny:<arch>' for a built-in tiny model)."
+    )
     dtype: str = opt("float32", "Weight and activation dtype.", ["float32", "bfloat16", "float16"])
     device: str = opt("cpu", "Torch device.")
-    seed: int = opt(0, "Seed for model init of tiny models and for sampling without a per-request seed.")
+    seed: int = opt(
+        0, "Seed for model init of tiny models and for sampling without a per-request seed."
+    )
     context_length: int = opt(0, "Maximum sequence length; 0 takes the checkpoint's.")
     page_size: int = opt(1, "KV slots per page; the radix tree caches whole pages.")
-    chunked_prefill_size: int = opt(512, "Max prompt tokens computed per request per forward; -1 disables chunking.")
+    chunked_prefill_size: int = opt(
+        512, "Max prompt tokens computed per request per forward; -1 disables chunking."
+    )
     max_prefill_tokens: int = opt(4096, "Max new tokens in one forward (prefill + decode).")
-    max_running_requests: int = opt(0, "Cap on running requests; 0 derives it from the state slots.")
+    max_running_requests: int = opt(
+        0, "Cap on running requests; 0 derives it from the state slots."
+    )
     max_total_tokens: int = opt(0, "KV pool size in tokens; 0 sizes it from --mem-budget-gb.")
     mem_budget_gb: float = opt(2.0, "Memory for KV + state pools when not sized explicitly.")
-    max_mamba_cache_size: int = opt(0, "State pool size in slots; 0 splits the budget by --mamba-full-memory-ratio.")
-    mamba_full_memory_ratio: float = opt(0.5, "State bytes : KV bytes when splitting the memory budget.")
-    mamba_ssm_dtype: str = opt("float32", "Dtype of the temporal (SSM / delta-rule) state.", ["float32", "bfloat16", "float16"])
-    mamba_scheduler_strategy: str = opt("auto", "How snapshots move into the tree.", ["auto", "no_buffer", "extra_buffer"])
+    max_mamba_cache_size: int = opt(
+        0, "State pool size in slots; 0 splits the budget by --mamba-full-memory-ratio."
+    )
+    mamba_full_memory_ratio: float = opt(
+        0.5, "State bytes : KV bytes when splitting the memory budget."
+    )
+    mamba_ssm_dtype: str = opt(
+        "float32",
+        "Dtype of the temporal (SSM / delta-rule) state.",
+        ["float32", "bfloat16", "float16"],
+    )
+    mamba_scheduler_strategy: str = opt(
+        "auto", "How snapshots move into the tree.", ["auto", "no_buffer", "extra_buffer"]
+    )
     mamba_track_interval: int = opt(256, "Snapshot every N decode tokens.")
-    disable_radix_cache: bool = opt(False, "Run without prefix caching (same engine, everything freed at finish).")
+    disable_radix_cache: bool = opt(
+        False, "Run without prefix caching (same engine, everything freed at finish)."
+    )
     schedule_policy: str = opt("fcfs", "Order of the waiting queue.", ["fcfs", "lpm"])
-    disable_overlap_schedule: bool = opt(False, "Prepare the next batch only after the current one finished.")
+    disable_overlap_schedule: bool = opt(
+        False, "Prepare the next batch only after the current one finished."
+    )
     num_threads: int = opt(0, "torch intra-op threads; 0 keeps torch's default.")
 
     def validate(self) -> None:
@@ -63,7 +85,9 @@ class ServerConfig:
     host: str = opt("127.0.0.1", "Address to bind.")
     port: int = opt(30000, "Port to bind.")
     api_key: str = opt("", "If set, requests must send 'Authorization: Bearer <key>'.")
-    served_model_name: str = opt("", "Model name reported by /v1/models; defaults to the model path.")
+    served_model_name: str = opt(
+        "", "Model name reported by /v1/models; defaults to the model path."
+    )
     log_level: str = opt("info", "Log level.", ["debug", "info", "warning", "error"])
 
 
@@ -73,7 +97,9 @@ def _flag(name: str) -> str:
 
 def _base_type(tp: Any) -> Any:
     if isinstance(tp, str):
-        tp = {"int": int, "float": float, "str": str, "bool": bool}.get(tp.split("|")[0].strip(), str)
+        tp = {"int": int, "float": float, "str": str, "bool": bool}.get(
+            tp.split("|")[0].strip(), str
+        )
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -88,9 +114,16 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
         tp = _base_type(hints.get(f.name, f.type))
         help_text = f.metadata.get("help", "")
         if tp is bool:
-            parser.add_argument(_flag(f.name), dest=f.name, action="store_true", default=f.default, help=help_text)
+            parser.add_argument(
+                _flag(f.name), dest=f.name, action="store_true", default=f.default, help=help_text
+            )
             continue
-        kwargs: dict[str, Any] = {"dest": f.name, "type": tp, "default": f.default, "help": f"{help_text} (default: {f.default})"}
+        kwargs: dict[str, Any] = {
+            "dest": f.name,
+            "type": tp,
+            "default": f.default,
+            "help": f"{help_text} (default: {f.default})",
+        }
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
         parser.add_argument(_flag(f.name), **kwargs)

@@ -1,0 +1,302 @@
+"""Request-level cache operations: admit, grow, snapshot, finish, release; both strategies.
+
+A request's KV row in the request table::
+
+    |<-- tree_len: tree-owned, kv-locked via `node` -->|<-- request-owned (pages) -->|
+    0                                             tree_len                       kv_alloc
+
+State slots a request holds: its working slot, under ``extra_buffer`` two tracking slots, and
+under ``no_buffer`` the snapshot slots whose deferred copy is recorded but not yet inserted.
+Nothing here touches state tensors: resumes and snapshot copies come back as ``StateOps``.
+With the cache disabled the same interface allocates and frees, and the tree is absent.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from mambaradix.cache.kv_pool import KVPool
+from mambaradix.cache.radix import IntegrityError, MatchResult, RadixTree, TreeNode
+from mambaradix.cache.req_slots import ReqSlots
+from mambaradix.cache.state_pool import StatePool
+from mambaradix.core import StateOps
+
+logger = logging.getLogger(__name__)
+
+NO_BUFFER = "no_buffer"
+EXTRA_BUFFER = "extra_buffer"
+
+
+@dataclass(slots=True, eq=False)
+class ReqCache:
+    """Cache-side resources of one live request."""
+
+    row: int
+    state_slot: int
+    track_slots: list[int]
+    node: TreeNode | None  # kv-locked node at depth tree_len (None: cache disabled)
+    tree_len: int = 0
+    kv_alloc: int = 0
+    state_node: TreeNode | None = None  # state-locked until the resume copy has run
+    pending: list[int] = field(default_factory=list)  # no_buffer snapshot slots not yet inserted
+
+
+@dataclass(slots=True)
+class CacheCounters:
+    evicted_kv_tokens: int = 0
+    evicted_states: int = 0
+    skipped_snapshots: int = 0
+    snapshots_inserted: int = 0
+
+
+class RequestCache:
+    """What the scheduler calls; owns the tree and the pools' bookkeeping per request.
+
+    Contract: every method either completes or leaves nothing allocated (admission and growth
+    return None / False on shortage after trying eviction). ``check_integrity`` accounts for
+    every KV and state slot: free, in the tree, or held by a live ``ReqCache``.
+    """
+
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        state_pool: StatePool,
+        req_slots: ReqSlots,
+        *,
+        enabled: bool = True,
+        strategy: str = EXTRA_BUFFER,
+    ) -> None:
+        if strategy not in (NO_BUFFER, EXTRA_BUFFER):
+            raise ValueError(f"unknown mamba scheduler strategy {strategy!r}")
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.req_slots = req_slots
+        self.page_size = kv_pool.page_size
+        self.strategy = strategy
+        self.tree = RadixTree(kv_pool, state_pool, page_size=self.page_size) if enabled else None
+        self.live: set[ReqCache] = set()
+        self.counters = CacheCounters()
+
+    @property
+    def enabled(self) -> bool:
+        return self.tree is not None
+
+    @property
+    def state_slots_per_req(self) -> int:
+        return 3 if (self.enabled and self.strategy == EXTRA_BUFFER) else 1
+
+    # ------------------------------------------------------------------ lookup and admission
+
+    def match(self, tokens: list[int]) -> MatchResult:
+        """Lookup with limit len(tokens) - 1: at least one token must be computed."""
+        if self.tree is None:
+            return MatchResult(0, 0, None, torch.empty(0, dtype=torch.long))  # type: ignore[arg-type]
+        return self.tree.match(tokens, limit=len(tokens) - 1)
+
+    def admit(self, match: MatchResult, first_len: int) -> tuple[ReqCache, StateOps] | None:
+        """Take a request row, its state slots and KV for tokens [0, first_len).
+
+        Returns the request's resources and the deferred resume op (copy of the matched state
+        into the working slot, or a clear), or None with nothing taken.
+        """
+        node = match.node if self.tree is not None else None
+        if node is not None:
+            self.tree.lock(node)
+            if match.prefix_len > 0:
+                self.tree.lock_state(node)
+        row = self.req_slots.alloc()
+        slots = self._alloc_state(self.state_slots_per_req) if row is not None else None
+        if slots is None:
+            if row is not None:
+                self.req_slots.free(row)
+            self._unlock(node, match.prefix_len > 0)
+            return None
+        rc = ReqCache(
+            row=row,
+            state_slot=slots[0],
+            track_slots=slots[1:],
+            node=node,
+            tree_len=match.prefix_len,
+            kv_alloc=match.prefix_len,
+            state_node=node if match.prefix_len > 0 else None,
+        )
+        if match.prefix_len:
+            self.req_slots.table[row, : match.prefix_len] = match.kv_slots
+        self.live.add(rc)
+        if not self.ensure_kv(rc, first_len):
+            self.release(rc)
+            return None
+        ops = StateOps()
+        if match.prefix_len > 0:
+            ops.add_copy(node.state_slot, rc.state_slot)
+        else:
+            ops.clear.append(rc.state_slot)
+        return rc, ops
+
+    def resume_done(self, rc: ReqCache) -> None:
+        """The resume copy has executed: the source state no longer needs protection."""
+        if rc.state_node is not None:
+            self.tree.unlock_state(rc.state_node)
+            rc.state_node = None
+
+    def ensure_kv(self, rc: ReqCache, length: int) -> bool:
+        """Make sure the request's row has KV slots for tokens [0, length) (whole pages)."""
+        need = -(-length // self.page_size) * self.page_size - rc.kv_alloc
+        if need <= 0:
+            return True
+        slots = self._alloc_kv(need)
+        if slots is None:
+            return False
+        self.req_slots.table[rc.row, rc.kv_alloc : rc.kv_alloc + need] = slots
+        rc.kv_alloc += need
+        return True
+
+    def kv_slots(self, rc: ReqCache, length: int) -> torch.Tensor:
+        """A copy of the KV slots of tokens [0, length) (safe to hand to an in-flight forward)."""
+        return self.req_slots.table[rc.row, :length].clone()
+
+    # ------------------------------------------------------------------ snapshots
+
+    def track_slot(self, rc: ReqCache, index: int) -> int:
+        return rc.track_slots[index]
+
+    def alloc_snapshot_slot(self, rc: ReqCache) -> int | None:
+        """no_buffer: a new slot for a recorded working -> snapshot copy (held until inserted)."""
+        got = self._alloc_state(1)
+        if got is None:
+            self.counters.skipped_snapshots += 1
+            return None
+        rc.pending.append(got[0])
+        return got[0]
+
+    def insert_snapshot(self, rc: ReqCache, tokens: list[int], length: int, slot: int) -> None:
+        """no_buffer: the copy into ``slot`` has run; move it into the tree at ``length``."""
+        rc.pending.remove(slot)
+        if not self._insert(rc, tokens, length, slot):
+            self.state_pool.free([slot])
+
+    def donate_track(self, rc: ReqCache, index: int, tokens: list[int], length: int) -> None:
+        """extra_buffer: the forward wrote the state at ``length`` into track slot ``index``;
+        give that slot to the tree (no copy) and take a fresh one in its place."""
+        fresh = self._alloc_state(1)
+        if fresh is None:
+            self.counters.skipped_snapshots += 1
+            return
+        if self._insert(rc, tokens, length, rc.track_slots[index]):
+            rc.track_slots[index] = fresh[0]
+        else:
+            self.state_pool.free(fresh)
+
+    # ------------------------------------------------------------------ end of a request
+
+    def finish(self, rc: ReqCache, tokens: list[int], fed_len: int) -> None:
+        """Cache what the request computed (KV of tokens [0, fed_len) and the working state at
+        fed_len, donated without a copy), then release the rest. Also used on retraction, so a
+        re-queued request resumes where it stopped."""
+        if self.tree is not None and fed_len > rc.tree_len and fed_len % self.page_size == 0:
+            if self._insert(rc, tokens, fed_len, rc.state_slot):
+                rc.state_slot = -1
+        self.release(rc)
+
+    def release(self, rc: ReqCache) -> None:
+        """Free everything the request owns; its tree prefix stays (abort, or after finish)."""
+        self.resume_done(rc)
+        owned = self.req_slots.table[rc.row, rc.tree_len : rc.kv_alloc]
+        if owned.numel():
+            self.kv_pool.free(owned.clone())
+        states = list(rc.track_slots) + rc.pending
+        if rc.state_slot >= 0:
+            states.append(rc.state_slot)
+        self.state_pool.free(states)
+        if self.tree is not None and rc.node is not None:
+            self.tree.unlock(rc.node)
+        self.req_slots.free(rc.row)
+        self.live.discard(rc)
+        rc.track_slots, rc.pending, rc.state_slot, rc.node = [], [], -1, None
+
+    # ------------------------------------------------------------------ accounting
+
+    def token_usage(self) -> float:
+        evictable = self.tree.evictable_kv() if self.tree is not None else 0
+        return (self.kv_pool.size - self.kv_pool.available() - evictable) / self.kv_pool.size
+
+    def mamba_usage(self) -> float:
+        evictable = self.tree.evictable_state() if self.tree is not None else 0
+        size = self.state_pool.size
+        return (size - self.state_pool.available() - evictable) / size
+
+    def held_slots(self) -> tuple[list[int], list[int]]:
+        kv: list[int] = []
+        states: list[int] = []
+        for rc in self.live:
+            kv.extend(self.req_slots.table[rc.row, rc.tree_len : rc.kv_alloc].tolist())
+            states.extend(rc.track_slots + rc.pending)
+            if rc.state_slot >= 0:
+                states.append(rc.state_slot)
+        return kv, states
+
+    def check_integrity(self) -> None:
+        """Every KV slot and state slot is free, in the tree, or held by exactly one live
+        request; each live request's tree-owned prefix matches the tree's path."""
+        held_kv, held_state = self.held_slots()
+        if len(self.live) + self.req_slots.available() != self.req_slots.num_rows:
+            raise IntegrityError(
+                f"request rows: {len(self.live)} live + {self.req_slots.available()} free "
+                f"!= {self.req_slots.num_rows}"
+            )
+        if self.tree is not None:
+            self.tree.check_integrity(held_kv=held_kv, held_state=held_state)
+            for rc in self.live:
+                path = self.tree.path_kv(rc.node)
+                if not torch.equal(path, self.req_slots.table[rc.row, : rc.tree_len]):
+                    raise IntegrityError(f"row {rc.row}: tree-owned prefix differs from tree path")
+            return
+        for name, free, held, size in (
+            ("KV", self.kv_pool.free_slot_list(), held_kv, self.kv_pool.size),
+            ("state", self.state_pool.free_slot_list(), held_state, self.state_pool.size),
+        ):
+            everything = free + held
+            if len(everything) != size or len(set(everything)) != size:
+                raise IntegrityError(
+                    f"{name} slots: {len(free)} free + {len(held)} held != {size} (or duplicated)"
+                )
+
+    # ------------------------------------------------------------------ internals
+
+    def _insert(self, rc: ReqCache, tokens: list[int], length: int, state_slot: int) -> bool:
+        """Insert tokens[:length] with the request's KV and a state; keep the row pointing at
+        the tree's slots and move the request's lock down to the new node."""
+        tree = self.tree
+        owned_from = min(rc.tree_len, length)
+        kv = self.req_slots.table[rc.row, :length].clone()
+        res = tree.insert(tokens[:length], kv, state_slot, owned_from=owned_from)
+        if length > rc.tree_len:
+            self.req_slots.table[rc.row, :length] = tree.path_kv(res.node)
+            tree.lock(res.node)
+            tree.unlock(rc.node)
+            rc.node, rc.tree_len = res.node, length
+        if res.state_attached:
+            self.counters.snapshots_inserted += 1
+        return res.state_attached
+
+    def _alloc_state(self, n: int) -> list[int] | None:
+        short = n - self.state_pool.available()
+        if short > 0 and self.tree is not None:
+            self.counters.evicted_states += self.tree.evict_state(short)
+        return self.state_pool.alloc(n)
+
+    def _alloc_kv(self, n: int) -> torch.Tensor | None:
+        short = n - self.kv_pool.available()
+        if short > 0 and self.tree is not None:
+            self.counters.evicted_kv_tokens += self.tree.evict_kv(short)
+        return self.kv_pool.alloc(n)
+
+    def _unlock(self, node: TreeNode | None, state: bool) -> None:
+        if self.tree is None or node is None:
+            return
+        if state:
+            self.tree.unlock_state(node)
+        self.tree.unlock(node)

@@ -1,0 +1,469 @@
+"""Offline engine API: ``Engine(model_path=..., **flags)``, ``generate``, ``submit``, ``abort``.
+
+The scheduler runs on one background thread; callers talk to it through an inbox, and get
+their outputs through a ``RequestHandle`` (blocking iterator, asyncio iterator, or result).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mambaradix.cache.kv_pool import KVPool
+from mambaradix.cache.req_slots import ReqSlots
+from mambaradix.cache.request_cache import EXTRA_BUFFER, RequestCache
+from mambaradix.cache.state_pool import StatePool
+from mambaradix.config import EngineConfig
+from mambaradix.core import FinishReason, SamplingParams, StateSpec
+from mambaradix.engine.detokenizer import DetokState, IncrementalDetokenizer, find_stop, holdback
+from mambaradix.engine.request import Req
+from mambaradix.engine.runner import ModelRunner
+from mambaradix.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    rid: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    new_logprobs: list[float] | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    token_usage: float = 0.0
+    mamba_usage: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_prefill_tokens: int = 0
+    generated_tokens: int = 0
+    evicted_kv_tokens: int = 0
+    evicted_states: int = 0
+    retractions: int = 0
+    admission_waits: int = 0
+    skipped_snapshots: int = 0
+    snapshots_inserted: int = 0
+    state_copies: int = 0
+    state_copy_bytes: int = 0
+    finished_requests: int = 0
+    forwards: int = 0
+
+
+class RequestHandle:
+    """Outputs of one request. Created inside a running asyncio loop, it delivers to
+    ``aevents``; otherwise to ``events`` / ``result``."""
+
+    def __init__(self, rid: str, prompt_tokens: int) -> None:
+        self.rid = rid
+        self.prompt_tokens = prompt_tokens
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            self._aq: asyncio.Queue | None = asyncio.Queue()
+        except RuntimeError:
+            self._loop, self._aq = None, None
+        self._q: queue.Queue = queue.Queue()
+
+    def _put(self, out: RequestOutput) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._aq.put_nowait, out)
+        else:
+            self._q.put(out)
+
+    def events(self) -> Iterator[RequestOutput]:
+        while True:
+            out = self._q.get()
+            yield out
+            if out.finished:
+                return
+
+    async def aevents(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            out = await self._aq.get()
+            yield out
+            if out.finished:
+                return
+
+    def result(self) -> dict:
+        return _collect(self.events())
+
+
+def _collect(events: Iterator[RequestOutput]) -> dict:
+    ids: list[int] = []
+    lps: list[float] = []
+    text = []
+    last = None
+    for out in events:
+        ids += out.new_token_ids
+        text.append(out.new_text)
+        if out.new_logprobs:
+            lps += out.new_logprobs
+        last = out
+    meta = {
+        "id": last.rid,
+        "prompt_tokens": last.prompt_tokens,
+        "completion_tokens": last.completion_tokens,
+        "cached_tokens": max(0, last.cached_tokens),
+        "finish_reason": last.finish_reason,
+    }
+    if lps:
+        meta["output_token_logprobs"] = lps
+    return {"text": "".join(text), "output_ids": ids, "meta_info": meta}
+
+
+def size_pools(
+    cfg: EngineConfig, kv_bytes_per_token: int, state_spec: StateSpec
+) -> tuple[int, int]:
+    """KV tokens and state slots: explicit flags, else a split of --mem-budget-gb by
+    --mamba-full-memory-ratio (state bytes : KV bytes)."""
+    budget = cfg.mem_budget_gb * (1 << 30)
+    ratio = cfg.mamba_full_memory_ratio
+    state_bytes = state_spec.slot_bytes()
+    if cfg.max_mamba_cache_size > 0:
+        slots = cfg.max_mamba_cache_size
+    else:
+        slots = int(budget * ratio / (1 + ratio) // max(1, state_bytes))
+        slots = max(16, min(slots, 4096))
+    if cfg.max_total_tokens > 0:
+        tokens = cfg.max_total_tokens
+    else:
+        rest = (
+            budget - slots * state_bytes if cfg.max_mamba_cache_size > 0 else budget / (1 + ratio)
+        )
+        tokens = int(max(rest, 0) // max(1, kv_bytes_per_token))
+        tokens = max(4096, min(tokens, 1 << 21))
+    tokens -= tokens % cfg.page_size
+    return tokens, slots
+
+
+class Engine:
+    """Offline serving engine. ``Engine(model_path="tiny:qwen3_next", page_size=16)``."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        debug_integrity: bool = False,
+        model: torch.nn.Module | None = None,
+        tokenizer: Any = None,
+        **flags: Any,
+    ) -> None:
+        cfg = dataclasses.replace(config or EngineConfig(), **flags)
+        cfg.validate()
+        self.config = cfg
+        self.model_name = cfg.model_path
+        if cfg.num_threads > 0:
+            torch.set_num_threads(cfg.num_threads)
+        if model is None:
+            from mambaradix.models.loader import load_model, load_tokenizer, resolve_model_path
+
+            path = resolve_model_path(cfg.model_path)
+            model = load_model(
+                path,
+                dtype=_DTYPES[cfg.dtype],
+                device=cfg.device,
+                ssm_dtype=_DTYPES[cfg.mamba_ssm_dtype],
+            )
+            tokenizer = load_tokenizer(path)
+        self.model = model
+        self.tokenizer = tokenizer
+        model_ctx = int(getattr(model, "max_position_embeddings", 0) or 1 << 20)
+        self.context_length = cfg.context_length or model_ctx
+        kv_tokens, state_slots = size_pools(cfg, model.kv_spec.bytes_per_token(), model.state_spec)
+        strategy = cfg.mamba_scheduler_strategy
+        strategy = EXTRA_BUFFER if strategy == "auto" else strategy
+        self.kv_pool = KVPool(model.kv_spec, kv_tokens, cfg.page_size, cfg.device)
+        self.state_pool = StatePool(model.state_spec, state_slots, cfg.device)
+        enabled = not cfg.disable_radix_cache
+        per_req = 3 if (enabled and strategy == EXTRA_BUFFER) else 1
+        max_running = cfg.max_running_requests or max(
+            1, min(256, (state_slots * 3 // 4) // per_req)
+        )
+        if max_running * per_req > state_slots:
+            raise ValueError(
+                f"--max-running-requests {max_running} needs {max_running * per_req} state slots "
+                f"but the pool has {state_slots}; raise --max-mamba-cache-size or lower it"
+            )
+        self.context_length = min(self.context_length, kv_tokens)
+        req_slots = ReqSlots(max_running, self.context_length + cfg.page_size)
+        self.cache = RequestCache(
+            self.kv_pool, self.state_pool, req_slots, enabled=enabled, strategy=strategy
+        )
+        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, cfg.device)
+        self.scheduler = Scheduler(
+            cfg,
+            self.cache,
+            self.runner,
+            eos_token_ids=list(getattr(model, "eos_token_ids", []) or []),
+            context_length=self.context_length,
+            max_running=max_running,
+            on_tokens=self._on_tokens,
+            on_finish=self._on_finish,
+        )
+        self.debug_integrity = debug_integrity
+        self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self._reqs: dict[str, Req] = {}
+        self._inbox: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._stop = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="mambaradix-engine", daemon=True)
+        self._thread.start()
+        logger.info(
+            "engine ready: %d KV tokens, %d state slots (%d B each), %d running max, strategy %s",
+            kv_tokens,
+            state_slots,
+            self.state_pool.slot_bytes,
+            max_running,
+            strategy,
+        )
+
+    # ------------------------------------------------------------------ public API
+
+    def submit(
+        self, input_ids: list[int], params: SamplingParams | None = None, rid: str | None = None
+    ) -> RequestHandle:
+        req, handle = self._make_req(input_ids, params, rid)
+        self._inbox.put(("add", [req]))
+        return handle
+
+    def submit_many(
+        self, input_ids: list[list[int]], params: list[SamplingParams]
+    ) -> list[RequestHandle]:
+        """Queue several requests at once (they arrive together, in one scheduler step)."""
+        made = [self._make_req(ids, p, None) for ids, p in zip(input_ids, params)]
+        self._inbox.put(("add", [req for req, _ in made]))
+        return [h for _, h in made]
+
+    def _make_req(
+        self, input_ids: list[int], params: SamplingParams | None, rid: str | None
+    ) -> tuple[Req, RequestHandle]:
+        params = params or SamplingParams()
+        params.validate()
+        if not input_ids:
+            raise ValueError("the prompt is empty; send at least one token")
+        total = len(input_ids) + params.max_new_tokens
+        if len(input_ids) >= self.context_length or total > self.context_length:
+            raise ValueError(
+                f"prompt ({len(input_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                f"exceeds the context length {self.context_length}; shorten the prompt or lower "
+                "max_new_tokens"
+            )
+        vocab = self.model.vocab_size
+        if min(input_ids) < 0 or max(input_ids) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        self._raise_if_broken()
+        rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        req = Req(rid=rid, prompt_ids=list(input_ids), params=params)
+        handle = RequestHandle(rid, len(input_ids))
+        req.stream = handle
+        req.detok = DetokState()
+        return req, handle
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+    ) -> dict | list[dict]:
+        single = isinstance(prompt, str) or (
+            input_ids is not None and len(input_ids) > 0 and isinstance(input_ids[0], int)
+        )
+        if prompt is not None:
+            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+            ids_list = [self.tokenizer.encode(p) for p in prompts]
+        elif input_ids is not None:
+            ids_list = [input_ids] if single else list(input_ids)
+        else:
+            raise ValueError("generate() needs a prompt or input_ids")
+        if isinstance(sampling_params, list):
+            params = [SamplingParams(**p) for p in sampling_params]
+        else:
+            params = [SamplingParams(**(sampling_params or {})) for _ in ids_list]
+        if len(params) != len(ids_list):
+            raise ValueError("sampling_params list must have one entry per prompt")
+        handles = self.submit_many(ids_list, params)
+        results = [h.result() for h in handles]
+        self._raise_if_broken()
+        return results[0] if single else results
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats
+        c = self.cache.counters
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            token_usage=self.cache.token_usage(),
+            mamba_usage=self.cache.mamba_usage(),
+            prompt_tokens=s.prompt_tokens,
+            cached_tokens=s.cached_tokens,
+            computed_prefill_tokens=s.computed_prefill_tokens,
+            generated_tokens=s.generated_tokens,
+            evicted_kv_tokens=c.evicted_kv_tokens,
+            evicted_states=c.evicted_states,
+            retractions=s.retractions,
+            admission_waits=s.admission_waits,
+            skipped_snapshots=c.skipped_snapshots,
+            snapshots_inserted=c.snapshots_inserted,
+            state_copies=self.state_pool.copies,
+            state_copy_bytes=self.state_pool.copied_bytes,
+            finished_requests=s.finished_requests,
+            forwards=s.forwards,
+        )
+
+    def is_idle(self) -> bool:
+        return self.call(self.scheduler.is_idle)
+
+    def check_integrity(self) -> None:
+        """Raise if any slot is unaccounted for (run on the engine thread, between steps)."""
+        self.call(self.cache.check_integrity)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread between steps and return its result."""
+        fut: Future = Future()
+        self._inbox.put(("call", fn, fut))
+        return fut.result()
+
+    def shutdown(self) -> None:
+        if self._stop:
+            return
+        self._stop = True
+        self._inbox.put(("stop",))
+        self._thread.join(timeout=30)
+        self.runner.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _raise_if_broken(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"engine loop failed: {self._error!r}") from self._error
+
+    def _loop(self) -> None:
+        while not self._stop:
+            try:
+                self._pull(block=self.scheduler.is_idle())
+                if self._stop:
+                    break
+                if not self.scheduler.is_idle():
+                    self.scheduler.step()
+                    if self.debug_integrity:
+                        self.cache.check_integrity()
+            except BaseException as exc:  # keep serving callers: fail their requests
+                logger.exception("engine step failed")
+                self._error = exc
+                self._fail_all()
+                return
+
+    def _pull(self, block: bool) -> None:
+        while True:
+            try:
+                item = self._inbox.get(block=block, timeout=0.1 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            kind = item[0]
+            if kind == "add":
+                for req in item[1]:
+                    self._reqs[req.rid] = req
+                    self.scheduler.add(req)
+            elif kind == "abort":
+                req = self._reqs.get(item[1])
+                if req is not None:
+                    self.scheduler.abort(req)
+            elif kind == "call":
+                _, fn, fut = item
+                try:
+                    if not self.scheduler.is_idle():
+                        self.scheduler.drain()
+                    fut.set_result(fn())
+                except BaseException as exc:
+                    fut.set_exception(exc)
+            elif kind == "stop":
+                return
+
+    def _fail_all(self) -> None:
+        for req in list(self._reqs.values()):
+            req.finish_reason = FinishReason.ABORT
+            self._emit(req, [], [], "", finished=True)
+        self._reqs.clear()
+
+    def _on_tokens(self, req: Req, ids: list[int], logprobs: list[float]) -> bool:
+        stop_hit = False
+        st: DetokState = req.detok
+        if self._detok is not None:
+            self._detok.step(st, req.output_ids)
+            stops = req.params.stop
+            if stops:
+                found = find_stop(st.text, stops, st.sent)
+                if found is not None:
+                    st.text = st.text[: found[0]]
+                    req.finish_matched = found[1]
+                    stop_hit = True
+        text = self._take_text(req, final=stop_hit)
+        lps = logprobs if req.params.return_logprob else None
+        self._emit(req, ids, lps, text, finished=False)
+        return stop_hit
+
+    def _take_text(self, req: Req, final: bool) -> str:
+        st: DetokState = req.detok
+        if self._detok is None:
+            return ""
+        end = len(st.text) if final else len(st.text) - holdback(st.text, req.params.stop)
+        text = st.text[st.sent : end] if end > st.sent else ""
+        st.sent = max(st.sent, end)
+        return text
+
+    def _on_finish(self, req: Req) -> None:
+        if self._detok is not None and not isinstance(req.finish_matched, str):
+            self._detok.flush(req.detok, req.output_ids)  # no stop string cut the text
+        self._emit(req, [], None, self._take_text(req, final=True), finished=True)
+        self._reqs.pop(req.rid, None)
+
+    def _emit(
+        self, req: Req, ids: list[int], lps: list[float] | None, text: str, finished: bool
+    ) -> None:
+        handle: RequestHandle = req.stream
+        reason = req.finish_reason.value if (finished and req.finish_reason) else None
+        handle._put(
+            RequestOutput(
+                rid=req.rid,
+                new_token_ids=list(ids),
+                new_text=text,
+                finished=finished,
+                finish_reason=reason,
+                prompt_tokens=len(req.prompt_ids),
+                completion_tokens=len(req.output_ids),
+                cached_tokens=req.cached_tokens,
+                new_logprobs=lps,
+            )
+        )

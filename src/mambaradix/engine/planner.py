@@ -1,0 +1,78 @@
+"""Snapshot planning: where a request's recurrent state is saved (design.md section 5).
+
+Positions are sequence lengths (the state after that many tokens), multiples of the snapshot
+alignment ``max(64, page_size)`` (rounded up to whole pages), and below the request's length, so
+that a later request can resume there and still compute at least one token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mambaradix.cache.request_cache import NO_BUFFER
+
+
+def snapshot_alignment(page_size: int, chunk: int = 64) -> int:
+    return page_size * max(1, -(-chunk // page_size))
+
+
+def align_down(x: int, a: int) -> int:
+    return x // a * a
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+@dataclass(slots=True)
+class Segment:
+    end: int  # the forward computes tokens [start, end)
+    snapshot: int | None  # absolute position whose state this forward saves (None: none)
+
+
+def admission_targets(
+    *,
+    seq_len: int,
+    prefix_len: int,
+    kv_len: int,
+    queue_branch: int,
+    align: int,
+) -> list[int]:
+    """Snapshot positions a newly admitted request aims for, sorted: the branch point revealed
+    by the lookup, the branch point shared with waiting requests, and the exact-repeat point."""
+    limit = seq_len - 1
+    wanted = {
+        align_down(min(kv_len, limit), align),  # lookup branch (mid-edge or tombstone)
+        align_down(min(queue_branch, limit), align),  # in-batch sharing
+        align_down(limit, align),  # exact repeat
+    }
+    return sorted(w for w in wanted if w > prefix_len)
+
+
+def plan_segment(
+    start: int, chunk_end: int, seq_len: int, wanted: list[int], align: int, strategy: str
+) -> Segment:
+    """Choose where this forward ends and which position it snapshots.
+
+    ``no_buffer`` snapshots only at a forward's end (the working state is copied afterwards), so
+    the forward is cut at the first wanted position. ``extra_buffer`` writes one state per forward
+    into a tracking slot, anywhere inside; with two wanted positions the forward ends at the
+    first. A non-final chunk also snapshots the aligned position inside it.
+    """
+    inside = [w for w in wanted if start < w <= chunk_end]
+    if chunk_end < seq_len:
+        c = align_down(chunk_end, align)
+        if c > start and c not in inside:
+            inside.append(c)
+            inside.sort()
+    if not inside:
+        return Segment(chunk_end, None)
+    if strategy == NO_BUFFER or len(inside) > 1:
+        return Segment(inside[0], inside[0])
+    return Segment(chunk_end, inside[0])

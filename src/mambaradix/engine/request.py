@@ -1,0 +1,67 @@
+"""The engine's record of one request through its lifecycle."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from mambaradix.cache.request_cache import ReqCache
+from mambaradix.core import FinishReason, SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Req:
+    """A request. Its sequence is ``prompt_ids + output_ids``; ``fed_len`` counts the tokens
+    already scheduled into forwards (the runner executes batches in order, so the scheduler can
+    treat them as computed). With overlap, the token sampled by a batch still in flight is known
+    only as a placeholder in ``futures`` (which the runner resolves)."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    rc: ReqCache | None = None
+    fed_len: int = 0
+    futures: list[int] = field(default_factory=list)  # placeholders of tokens still in flight
+    cached_tokens: int = -1  # prefix hit at first admission (-1: not admitted yet)
+    share_targets: list[int] = field(default_factory=list)  # branch snapshots others wait for
+    lcp_cache: dict[str, int] = field(default_factory=dict)  # common prefix with running reqs
+    pending_snaps: list[tuple[int, int, int]] = field(default_factory=list)  # (batch, pos, slot)
+    track_next: int = 0
+    inflight: int = 0  # batches containing this request not yet processed
+    finish_reason: FinishReason | None = None
+    finish_matched: str | int | None = None  # stop string or stop token
+    aborted: bool = False
+    generator: torch.Generator | None = None
+    np_ids: np.ndarray | None = None
+    stream: object = None  # engine-side output sink
+    detok: object = None
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) + len(self.futures)
+
+    def tokens(self) -> list[int]:
+        """All known tokens (prompt + outputs); excludes a token still in flight."""
+        return self.prompt_ids + self.output_ids
+
+    def num_outputs(self) -> int:
+        return len(self.output_ids) + len(self.futures)
+
+    def prefix_ids(self) -> np.ndarray:
+        if self.np_ids is None or len(self.np_ids) != len(self.prompt_ids) + len(self.output_ids):
+            self.np_ids = np.asarray(self.tokens(), dtype=np.int64)
+        return self.np_ids

@@ -1,0 +1,97 @@
+"""Model runner: turns a scheduled batch into tensors, runs the deferred state operations,
+the forward and sampling. Batches execute strictly in submission order (one worker thread
+under overlap), which is what lets the scheduler treat every scheduled batch as done."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from mambaradix.cache.kv_pool import KVPool
+from mambaradix.cache.state_pool import StatePool
+from mambaradix.core import ForwardBatch, ForwardContext, SamplingParams
+from mambaradix.engine.sampler import sample
+
+logger = logging.getLogger(__name__)
+
+FUTURE_STRIDE = 1 << 20
+_KEEP_BATCHES = 4
+
+
+def future_id(batch_id: int, index: int) -> int:
+    """Placeholder token for the ``index``-th token sampled by ``batch_id`` (negative)."""
+    return -(batch_id * FUTURE_STRIDE + index + 1)
+
+
+@dataclass(slots=True)
+class RunBatch:
+    batch_id: int
+    forward: ForwardBatch
+    sample_rows: list[int] = field(default_factory=list)  # indices into forward.reqs
+    params: list[SamplingParams] = field(default_factory=list)
+    generators: list[torch.Generator | None] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RunResult:
+    batch_id: int
+    tokens: list[int]
+    logprobs: list[float]
+
+
+class ModelRunner:
+    """Contract: ``run(batch)`` resolves placeholder tokens from earlier batches, applies
+    ``batch.forward.state_ops`` (copies, then clears) before any layer reads a state, runs the
+    model and samples the rows in ``sample_rows``."""
+
+    def __init__(
+        self, model: torch.nn.Module, kv_pool: KVPool, state_pool: StatePool, device: str = "cpu"
+    ) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.device = device
+        self._sampled: dict[int, list[int]] = {}
+        self._executor: ThreadPoolExecutor | None = None
+
+    def _resolve(self, ids: list[int]) -> list[int]:
+        out = []
+        for t in ids:
+            if t < 0:
+                code = -t - 1
+                t = self._sampled[code // FUTURE_STRIDE][code % FUTURE_STRIDE]
+            out.append(t)
+        return out
+
+    @torch.inference_mode()
+    def run(self, batch: RunBatch) -> RunResult:
+        fb = batch.forward
+        for r in fb.reqs:
+            if any(t < 0 for t in r.input_ids):
+                r.input_ids = self._resolve(r.input_ids)
+        self.state_pool.apply(fb.state_ops)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        if fb.reqs:
+            ctx = ForwardContext.build(fb.reqs, self.kv_pool, self.state_pool, self.device)
+            logits = self.model.forward(ctx)
+            if batch.sample_rows:
+                rows = logits[torch.tensor(batch.sample_rows, dtype=torch.long)]
+                tokens, logprobs = sample(rows, batch.params, batch.generators)
+        self._sampled[batch.batch_id] = tokens
+        self._sampled.pop(batch.batch_id - _KEEP_BATCHES, None)
+        return RunResult(batch.batch_id, tokens, logprobs)
+
+    def submit(self, batch: RunBatch) -> Future:
+        """Run asynchronously on the runner's single worker thread (overlap scheduling)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="mambaradix-runner")
+        return self._executor.submit(self.run, batch)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None

@@ -1,0 +1,447 @@
+"""Continuous-batching scheduler with snapshot planning (design.md sections 5 and 6).
+
+One ``step``: build a batch (deferred state ops, decodes, continuing prefill chunks, new
+admissions), hand it to the runner, and process the results of the previous batch (overlap)
+or of this one. The scheduler never touches state tensors; it records copies and clears.
+
+Because the runner executes batches strictly in order, the scheduler treats every scheduled
+batch as already computed (``fed_len``); only sampled token values arrive late (``futures``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from mambaradix.cache.request_cache import NO_BUFFER, RequestCache
+from mambaradix.config import EngineConfig
+from mambaradix.core import FinishReason, ForwardBatch, ForwardReq, StateOps
+from mambaradix.engine.planner import (
+    admission_targets,
+    align_down,
+    common_prefix_len,
+    plan_segment,
+    snapshot_alignment,
+)
+from mambaradix.engine.request import Req, ReqStatus
+from mambaradix.engine.runner import ModelRunner, RunBatch, RunResult, future_id
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Entry:
+    """What to do with one request when its batch's results arrive."""
+
+    req: Req
+    end: int
+    sample_row: int | None = None
+    resumed: bool = False
+    track: tuple[int, int] | None = None  # extra_buffer: (position, track index)
+
+
+@dataclass(slots=True)
+class BatchPlan:
+    run: RunBatch
+    entries: list[Entry]
+    copies: list[tuple[Req, int, int]] = field(default_factory=list)  # no_buffer (req, pos, slot)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_prefill_tokens: int = 0
+    generated_tokens: int = 0
+    retractions: int = 0
+    admission_waits: int = 0
+    held_for_sharing: int = 0
+    forwards: int = 0
+    finished_requests: int = 0
+
+
+class Scheduler:
+    """Contract: ``add`` queues a validated request; ``step`` advances the engine by one batch;
+    ``abort`` ends a request wherever it is. ``on_tokens(req, ids, logprobs) -> bool`` reports
+    new tokens (True: a stop string matched, finish the request); ``on_finish(req)`` reports the
+    end. Resources are released once no batch in flight uses them."""
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        cache: RequestCache,
+        runner: ModelRunner,
+        *,
+        eos_token_ids: list[int],
+        context_length: int,
+        max_running: int,
+        on_tokens: Callable[[Req, list[int], list[float]], bool] = lambda r, i, lp: False,
+        on_finish: Callable[[Req], None] = lambda r: None,
+    ) -> None:
+        self.cfg = cfg
+        self.cache = cache
+        self.runner = runner
+        self.eos = set(eos_token_ids)
+        self.context_length = context_length
+        self.max_running = max_running
+        self.on_tokens = on_tokens
+        self.on_finish = on_finish
+        self.align = snapshot_alignment(cache.page_size)
+        self.overlap = not cfg.disable_overlap_schedule
+        chunk = cfg.chunked_prefill_size
+        self.chunk = chunk if chunk > 0 else 1 << 62
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.finishing: list[Req] = []
+        self.inflight: tuple[BatchPlan, object] | None = None
+        self.batch_id = 0
+        self.stats = SchedulerStats()
+        self._need_copy: dict[Req, int] = {}
+        self._wanted: dict[Req, list[int]] = {}
+
+    # ------------------------------------------------------------------ public
+
+    def add(self, req: Req) -> None:
+        req.status = ReqStatus.WAITING
+        self.waiting.append(req)
+
+    def is_idle(self) -> bool:
+        return not (self.waiting or self.running or self.finishing or self.inflight)
+
+    def abort(self, req: Req) -> None:
+        if req.status is ReqStatus.FINISHED:
+            return
+        req.aborted = True
+        if req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+            req.status = ReqStatus.FINISHED
+            req.finish_reason = FinishReason.ABORT
+            self.on_finish(req)
+            return
+        self._finish(req, FinishReason.ABORT)
+
+    def step(self) -> None:
+        plan = self._schedule()
+        if self.overlap:
+            fut = self.runner.submit(plan.run) if plan else None
+            self._drain()
+            if plan:
+                self.inflight = (plan, fut)
+        elif plan:
+            self._process(plan, self.runner.run(plan.run))
+        self._release_finished()
+
+    def drain(self) -> None:
+        self._drain()
+        self._release_finished()
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _schedule(self) -> BatchPlan | None:
+        self._make_room_for_decodes()
+        self.batch_id += 1
+        bid = self.batch_id
+        ops = StateOps()
+        plan = BatchPlan(RunBatch(bid, ForwardBatch([], ops)), [])
+        for req, pos in list(self._need_copy.items()):
+            del self._need_copy[req]
+            slot = self.cache.alloc_snapshot_slot(req.rc)
+            if slot is not None:
+                ops.add_copy(req.rc.state_slot, slot)
+                plan.copies.append((req, pos, slot))
+            else:  # skipped: nobody may wait for it
+                req.share_targets = [t for t in req.share_targets if t > pos]
+        budget = self.cfg.max_prefill_tokens
+        decodes = [r for r in self.running if r.seq_len - r.fed_len == 1]
+        for req in decodes:
+            if self._schedulable(req) and self.cache.ensure_kv(req.rc, req.fed_len + 1):
+                self._add_entry(plan, req, req.fed_len + 1)
+                budget -= 1
+        for req in self.running:
+            if req.seq_len - req.fed_len > 1 and budget > 0:
+                budget -= self._add_prefill(plan, req, budget)
+        budget = self._admit(plan, budget)
+        if not plan.entries and not plan.copies:
+            if self.running and not self.inflight:
+                self._retract_newest()  # nothing fits: make room and try next step
+            return None
+        for e in plan.entries:
+            e.req.inflight += 1
+            if e.sample_row is not None:
+                e.req.futures.append(future_id(bid, e.sample_row))
+        self.stats.forwards += 1
+        return plan
+
+    def _schedulable(self, req: Req) -> bool:
+        """A decode whose token would be past max_new_tokens or the context is not run."""
+        return req.num_outputs() < req.params.max_new_tokens and req.seq_len < self.context_length
+
+    def _add_prefill(self, plan: BatchPlan, req: Req, budget: int) -> int:
+        """Schedule the request's next prompt chunk; returns the tokens it takes (0: none)."""
+        start = req.fed_len
+        chunk_end = min(req.seq_len, start + self.chunk, start + budget)
+        wanted = [w for w in self._wanted.get(req, ()) if w > max(start, req.rc.tree_len)]
+        if not self.cache.enabled:
+            wanted = []
+            seg_end, snap = chunk_end, None
+        else:
+            seg = plan_segment(
+                start, chunk_end, req.seq_len, wanted, self.align, self.cache.strategy
+            )
+            seg_end, snap = seg.end, seg.snapshot
+        if not self.cache.ensure_kv(req.rc, seg_end):
+            return 0
+        self._add_entry(plan, req, seg_end, snap)
+        return seg_end - start
+
+    def _add_entry(self, plan: BatchPlan, req: Req, end: int, snap: int | None = None) -> None:
+        start = req.fed_len
+        known = req.tokens()
+        ids = known[start:end]
+        if end > len(known):  # the tokens sampled by batches still in flight
+            ids = ids + req.futures[: end - len(known)]
+        entry = Entry(req, end)
+        if snap is None and self.cache.enabled and end - start == 1:
+            snap = end if (end % self.cfg.mamba_track_interval == 0) else None
+            if snap is not None and snap % self.cache.page_size:
+                snap = None
+        snapshots: list[tuple[int, int]] = []
+        if snap is not None:
+            if self.cache.strategy == NO_BUFFER:
+                self._need_copy[req] = snap  # copied out of the working slot next batch
+            else:
+                idx = req.track_next
+                req.track_next ^= 1
+                snapshots.append((snap - start, req.rc.track_slots[idx]))
+                entry.track = (snap, idx)
+        if end == req.seq_len:
+            entry.sample_row = len(plan.run.sample_rows)
+            plan.run.sample_rows.append(len(plan.run.forward.reqs))
+            plan.run.params.append(req.params)
+            plan.run.generators.append(req.generator)
+        if start < len(req.prompt_ids) or end - start > 1:
+            self.stats.computed_prefill_tokens += end - start
+        plan.run.forward.reqs.append(
+            ForwardReq(
+                prefix_len=start,
+                input_ids=ids,
+                kv_slots=self.cache.kv_slots(req.rc, end),
+                state_slot=req.rc.state_slot,
+                snapshots=snapshots,
+            )
+        )
+        plan.entries.append(entry)
+        req.fed_len = end
+
+    def _admit(self, plan: BatchPlan, budget: int) -> int:
+        if not self.waiting:
+            return budget
+        order = self.waiting
+        matches = {}
+        if self.cfg.schedule_policy == "lpm" and self.cache.enabled:
+            matches = {id(r): self.cache.match(r.tokens()) for r in self.waiting}
+            order = sorted(self.waiting, key=lambda r: -matches[id(r)].prefix_len)
+        for req in list(order):
+            if len(self.running) >= self.max_running or budget <= 0:
+                break
+            tokens = req.tokens()
+            m = matches.get(id(req)) or self.cache.match(tokens)
+            if self._held(req, m.prefix_len):
+                self.stats.held_for_sharing += 1
+                continue
+            queue_branch = self._queue_branch(req, m.prefix_len) if self.cache.enabled else 0
+            wanted = admission_targets(
+                seq_len=len(tokens),
+                prefix_len=m.prefix_len,
+                kv_len=m.kv_len,
+                queue_branch=queue_branch,
+                align=self.align,
+            )
+            first_end = min(len(tokens), m.prefix_len + min(self.chunk, budget))
+            if self.cache.enabled:
+                seg = plan_segment(
+                    m.prefix_len, first_end, len(tokens), wanted, self.align, self.cache.strategy
+                )
+                first_end = seg.end
+            got = self.cache.admit(m, first_end)
+            if got is None:
+                self.stats.admission_waits += 1
+                break
+            req.rc, ops = got
+            plan.run.forward.state_ops.extend(ops)
+            self.waiting.remove(req)
+            self.running.append(req)
+            req.status = ReqStatus.RUNNING
+            req.fed_len = m.prefix_len
+            req.share_targets = [queue_branch] if queue_branch > m.prefix_len else []
+            self._wanted[req] = wanted
+            if req.cached_tokens < 0:
+                req.cached_tokens = m.prefix_len
+                self.stats.prompt_tokens += len(req.prompt_ids)
+                self.stats.cached_tokens += m.prefix_len
+            if req.generator is None and req.params.seed is not None:
+                req.generator = torch.Generator().manual_seed(req.params.seed)
+            taken = self._add_prefill(plan, req, budget)
+            plan.entries[-1].resumed = m.prefix_len > 0
+            budget -= taken
+        return budget
+
+    def _held(self, req: Req, prefix_len: int) -> bool:
+        """In-batch prefix sharing: hold a waiting request back while a running one is about
+        to snapshot a longer prefix both share. A running request still in prefill that has not
+        yet passed the shared point is asked to snapshot there."""
+        n_req = len(req.prompt_ids) + len(req.output_ids)
+        ids = None
+        for r in self.running:
+            for t in r.share_targets:
+                if prefix_len < t < n_req:
+                    ids = req.prefix_ids() if ids is None else ids
+                    if (ids[:t] == r.prefix_ids()[:t]).all():
+                        return True
+            n_r = len(r.prompt_ids) + len(r.output_ids)
+            if r.fed_len >= n_r - 1 or r.prompt_ids[0] != req.prompt_ids[0]:
+                continue  # not in prefill any more, or nothing shared
+            ids = req.prefix_ids() if ids is None else ids
+            lcp = req.lcp_cache.get(r.rid)
+            if lcp is None:
+                lcp = req.lcp_cache[r.rid] = common_prefix_len(ids, r.prefix_ids())
+            p = align_down(min(lcp, n_req - 1, n_r - 1), self.align)
+            if p > prefix_len and p > r.fed_len and p > r.rc.tree_len:
+                r.share_targets.append(p)
+                wanted = self._wanted.setdefault(r, [])
+                if p not in wanted:
+                    wanted.append(p)
+                    wanted.sort()
+                return True
+        return False
+
+    def _queue_branch(self, req: Req, prefix_len: int) -> int:
+        """Longest aligned prefix this request shares with another waiting request."""
+        ids = req.prefix_ids()
+        best = 0
+        for w in self.waiting:
+            if w is req or w.prompt_ids[0] != req.prompt_ids[0]:
+                continue
+            n = min(common_prefix_len(ids, w.prefix_ids()), len(w.prompt_ids) - 1)
+            best = max(best, align_down(n, self.align))
+        return best if best > prefix_len else 0
+
+    # ------------------------------------------------------------------ memory pressure
+
+    def _make_room_for_decodes(self) -> None:
+        """Retract the newest requests until every decode can get its next KV slot."""
+        while True:
+            page = self.cache.page_size
+            need = sum(
+                page
+                for r in self.running
+                if r.seq_len - r.fed_len == 1 and r.rc.kv_alloc < r.fed_len + 1
+            )
+            tree = self.cache.tree
+            avail = self.cache.kv_pool.available() + (tree.evictable_kv() if tree else 0)
+            if need <= avail or not self.running:
+                return
+            self._drain()
+            self._release_finished()
+            if not self.running:
+                return
+            self._retract_newest()
+
+    def _retract_newest(self) -> None:
+        self._drain()
+        self._release_finished()
+        if not self.running:
+            return
+        victim = self.running.pop()
+        self.cache.finish(victim.rc, victim.tokens(), victim.fed_len)
+        self._reset(victim)
+        victim.status = ReqStatus.WAITING
+        self.waiting.insert(0, victim)
+        self.stats.retractions += 1
+        logger.debug("retracted %s at %d tokens", victim.rid, victim.fed_len)
+
+    def _reset(self, req: Req) -> None:
+        req.rc = None
+        req.fed_len = 0
+        req.share_targets = []
+        req.track_next = 0
+        self._need_copy.pop(req, None)
+        self._wanted.pop(req, None)
+
+    # ------------------------------------------------------------------ results
+
+    def _drain(self) -> None:
+        if self.inflight is None:
+            return
+        plan, fut = self.inflight
+        self.inflight = None
+        self._process(plan, fut.result())
+
+    def _process(self, plan: BatchPlan, result: RunResult) -> None:
+        for req, pos, slot in plan.copies:
+            if req.rc is not None and slot in req.rc.pending:
+                self.cache.insert_snapshot(req.rc, req.tokens(), pos, slot)
+                req.share_targets = [t for t in req.share_targets if t > pos]
+        for e in plan.entries:
+            req = e.req
+            req.inflight -= 1
+            if req.rc is None or req.status is ReqStatus.FINISHED:
+                continue
+            if e.resumed:
+                self.cache.resume_done(req.rc)
+            if e.track is not None:
+                self.cache.donate_track(req.rc, e.track[1], req.tokens(), e.track[0])
+            if req.share_targets:  # no_buffer: a target at the cut waits for its copy
+                last = e.end - 1 if self.cache.strategy == NO_BUFFER else e.end
+                req.share_targets = [t for t in req.share_targets if t > last]
+            if e.sample_row is None:
+                continue
+            tok = result.tokens[e.sample_row]
+            req.futures.pop(0)
+            req.output_ids.append(tok)
+            req.output_logprobs.append(result.logprobs[e.sample_row])
+            self.stats.generated_tokens += 1
+            reason = self._finish_reason(req, tok)
+            stop_hit = self.on_tokens(req, [tok], [result.logprobs[e.sample_row]])
+            if stop_hit:
+                reason = FinishReason.STOP
+            if reason is not None:
+                self._finish(req, reason)
+
+    def _finish_reason(self, req: Req, tok: int) -> FinishReason | None:
+        p = req.params
+        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            req.finish_matched = tok
+            return FinishReason.STOP
+        if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.context_length:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        self._need_copy.pop(req, None)
+        self._wanted.pop(req, None)
+        req.share_targets = []
+        self.finishing.append(req)
+        self.stats.finished_requests += 1
+        self.on_finish(req)
+
+    def _release_finished(self) -> None:
+        keep = []
+        for req in self.finishing:
+            if req.inflight:
+                keep.append(req)
+                continue
+            if req.rc is not None:
+                if req.finish_reason is FinishReason.ABORT:
+                    self.cache.release(req.rc)
+                else:
+                    self.cache.finish(req.rc, req.tokens(), req.fed_len)
+                req.rc = None
+        self.finishing = keep
