@@ -17,7 +17,6 @@ from mambaradix.server.launch import ServerThread  # noqa: E402
 
 # TODO(helperD): plain import once engine/engine.py has landed
 Engine = pytest.importorskip("mambaradix.engine.engine").Engine
-from mambaradix.server.launch import ServerThread  # noqa: E402
 
 
 @pytest.fixture(scope="session")
