@@ -1,0 +1,72 @@
+"""Pooled attention kernels and rotary embedding against direct computations."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_qn
+
+from mambaradix.kernels.attention import attention_decode, attention_prefill
+from mambaradix.layers.rotary import RotaryEmbedding, rope_config
+
+
+def _naive(q, k, v, qpos, scale):
+    """q [n, Hq, D], k/v [S, Hkv, D]; query i attends keys 0..qpos[i]."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = torch.einsum("nhd,shd->hns", q, k) * scale
+    mask = torch.arange(k.shape[0])[None, :] <= qpos[:, None]
+    s = s.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("hns,shd->nhd", s.softmax(-1), v)
+
+
+def test_prefill_with_prefix_and_gqa():
+    g = torch.Generator().manual_seed(0)
+    pool_k, pool_v = torch.randn(64, 2, 8, generator=g), torch.randn(64, 2, 8, generator=g)
+    slots = torch.randperm(64, generator=g)[:20]
+    for prefix in (0, 7):
+        n = 20 - prefix
+        q = torch.randn(n, 4, 8, generator=g)
+        out = attention_prefill(q, pool_k, pool_v, slots, prefix, 0.3)
+        ref = _naive(q, pool_k[slots], pool_v[slots], torch.arange(prefix, 20), 0.3)
+        assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_decode_batch_with_padding():
+    g = torch.Generator().manual_seed(1)
+    pool_k, pool_v = torch.randn(64, 2, 8, generator=g), torch.randn(64, 2, 8, generator=g)
+    lens = [5, 1, 12]
+    seqs = [torch.randperm(64, generator=g)[:n] for n in lens]
+    table = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=0)
+    q = torch.randn(3, 4, 8, generator=g)
+    out = attention_decode(q, pool_k, pool_v, table, torch.tensor(lens), 0.5)
+    for b, s in enumerate(seqs):
+        ref = _naive(q[b : b + 1], pool_k[s], pool_v[s], torch.tensor([len(s) - 1]), 0.5)
+        assert torch.allclose(out[b], ref[0], atol=1e-5)
+
+
+def test_rope_config_reads_both_layouts():
+    block = SimpleNamespace(rope_parameters={"rope_theta": 5e5, "partial_rotary_factor": 0.25})
+    flat = SimpleNamespace(rope_theta=5e5, partial_rotary_factor=0.25)
+    for cfg in (block, flat):
+        p = rope_config(cfg)
+        assert p["rope_theta"] == 5e5 and p["partial_rotary_factor"] == 0.25
+        assert p["rope_type"] == "default"
+    assert rope_config(SimpleNamespace())["partial_rotary_factor"] == 1.0
+
+
+def test_partial_rotary_matches_transformers():
+    cfg = SimpleNamespace(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.5})
+    rope = RotaryEmbedding(cfg, head_dim=16)
+    assert rope.rotary_dim == 8
+    pos = torch.arange(3, 13)
+    q, k = torch.randn(10, 4, 16), torch.randn(10, 2, 16)
+    cos, sin = rope(pos)
+    ours_q, ours_k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    ref_q, ref_k = hf_qn.apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None]
+    )
+    assert torch.allclose(ours_q, ref_q[0].transpose(0, 1), atol=1e-6)
+    assert torch.allclose(ours_k, ref_k[0].transpose(0, 1), atol=1e-6)
+    assert torch.equal(ours_q[..., 8:], q[..., 8:])  # the pass-through part is untouched
