@@ -13,14 +13,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from mambaradix.config import ServerConfig  # noqa: E402
+from mambaradix.engine.engine import Engine  # noqa: E402
 from mambaradix.server.launch import ServerThread  # noqa: E402
-
-# TODO(helperD): plain import once engine/engine.py has landed
-Engine = pytest.importorskip("mambaradix.engine.engine").Engine
 
 
 @pytest.fixture(scope="session")
-def engine() -> Iterator:
+def engine() -> Iterator[Engine]:
     eng = Engine(
         model_path="tiny:qwen3_next",
         max_total_tokens=16384,
@@ -34,7 +32,7 @@ def engine() -> Iterator:
 
 
 @pytest.fixture(scope="session")
-def server(engine) -> Iterator[ServerThread]:
+def server(engine: Engine) -> Iterator[ServerThread]:
     with ServerThread(engine, ServerConfig(port=0, served_model_name="tiny-qwen")) as st:
         yield st
 

@@ -82,7 +82,7 @@ class EngineBackend:
             async for out in handle.aevents():
                 timing.tokens(len(out.new_token_ids))
                 res.output_ids.extend(out.new_token_ids)
-                res.cached_tokens = out.cached_tokens
+                res.cached_tokens = max(0, out.cached_tokens)
                 if out.finished:
                     res.success = out.finish_reason != "abort"
                     if not res.success:

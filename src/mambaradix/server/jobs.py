@@ -76,7 +76,7 @@ class Job:
             self.logprobs.extend(out.new_logprobs)
         self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = out.completion_tokens
-        self.cached_tokens = out.cached_tokens
+        self.cached_tokens = max(0, out.cached_tokens)
         if out.finished:
             self.finished = True
             self.finish_reason = out.finish_reason

@@ -151,7 +151,7 @@ class RequestTimer:
         if not self.counted_prompt:
             self.counted_prompt = True
             m.prompt_tokens.labels(name).inc(out.prompt_tokens)
-            m.cached_tokens.labels(name).inc(out.cached_tokens)
+            m.cached_tokens.labels(name).inc(max(0, out.cached_tokens))
         n = len(out.new_token_ids)
         if n:
             m.generation_tokens.labels(name).inc(n)
