@@ -188,9 +188,9 @@ async def _http_run(cfg: BenchConfig, base_url: str, ecfg: EngineConfig, label: 
 
 
 def run_benchmark(
-    cfg: BenchConfig, ecfg: EngineConfig | None = None, out: TextIO | None = sys.stdout
+    cfg: BenchConfig, ecfg: EngineConfig | None = None, out: TextIO | None = None
 ) -> dict[str, Any]:
-    """Run, write the fixed-format figures to ``out`` and return
+    """Run, write the fixed-format figures to ``out`` (default stdout) and return
     ``{"config", "results", "cache_off"?, "ratios"?}`` (``results``: the main run)."""
     ecfg = ecfg or EngineConfig()
     report: dict[str, Any] = {"config": {"bench": dataclasses.asdict(cfg)}}
@@ -213,9 +213,9 @@ def run_benchmark(
         report["cache_off"] = off
         report["ratios"] = comparison(results, off)
         text += [format_summary(off, title + " (cache off)"), format_comparison(results, off)]
-    if out is not None:
-        out.write("\n".join(text) + "\n")
-        out.flush()
+    out = out or sys.stdout
+    out.write("\n".join(text) + "\n")
+    out.flush()
     if cfg.output_json:
         with open(cfg.output_json, "w") as f:
             json.dump(report, f, indent=2, default=str)
