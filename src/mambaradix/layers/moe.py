@@ -54,7 +54,9 @@ def experts_forward(
         out[start : start + n] = F.linear(act(g) * u, down[e])
         start += n
     out = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-    return torch.zeros_like(x).index_add_(0, token_of, out)
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out  # back to (token, k) order, then sum the k experts of each token
+    return unsorted.view(T, K, -1).sum(1)
 
 
 class Experts(nn.Module):
