@@ -50,6 +50,7 @@ class CacheCounters:
     evicted_states: int = 0
     skipped_snapshots: int = 0
     snapshots_inserted: int = 0
+    snapshot_attempts: int = 0  # snapshot slots offered to the tree (attached or not)
 
 
 class RequestCache:
@@ -175,6 +176,7 @@ class RequestCache:
     def insert_snapshot(self, rc: ReqCache, tokens: list[int], length: int, slot: int) -> None:
         """no_buffer: the copy into ``slot`` has run; move it into the tree at ``length``."""
         rc.pending.remove(slot)
+        self.counters.snapshot_attempts += 1
         if not self._insert(rc, tokens, length, slot):
             self.state_pool.free([slot])
 
@@ -185,6 +187,7 @@ class RequestCache:
         if fresh is None:
             self.counters.skipped_snapshots += 1
             return
+        self.counters.snapshot_attempts += 1
         if self._insert(rc, tokens, length, rc.track_slots[index]):
             rc.track_slots[index] = fresh[0]
         else:

@@ -69,6 +69,8 @@ class EngineStats:
     state_copy_bytes: int = 0
     finished_requests: int = 0
     forwards: int = 0
+    resumes: int = 0
+    snapshot_copies: int = 0
 
 
 class RequestHandle:
@@ -333,6 +335,8 @@ class Engine:
             state_copy_bytes=self.state_pool.copied_bytes,
             finished_requests=s.finished_requests,
             forwards=s.forwards,
+            resumes=s.resumes,
+            snapshot_copies=s.snapshot_copies,
         )
 
     def is_idle(self) -> bool:

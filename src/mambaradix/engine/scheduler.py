@@ -61,6 +61,8 @@ class SchedulerStats:
     held_for_sharing: int = 0
     forwards: int = 0
     finished_requests: int = 0
+    resumes: int = 0  # admissions that copy a tree state into their working slot
+    snapshot_copies: int = 0  # no_buffer working -> snapshot copies recorded
 
 
 class Scheduler:
@@ -91,6 +93,7 @@ class Scheduler:
         self.on_finish = on_finish
         self.align = snapshot_alignment(cache.page_size)
         self.overlap = not cfg.disable_overlap_schedule
+        self.exact_repeat = cache.page_size == 1 and cache.strategy != NO_BUFFER
         chunk = cfg.chunked_prefill_size
         self.chunk = chunk if chunk > 0 else 1 << 62
         self.waiting: list[Req] = []
@@ -152,6 +155,7 @@ class Scheduler:
             if slot is not None:
                 ops.add_copy(req.rc.state_slot, slot)
                 plan.copies.append((req, pos, slot))
+                self.stats.snapshot_copies += 1
             else:  # skipped: nobody may wait for it
                 req.share_targets = [t for t in req.share_targets if t > pos]
         budget = self.cfg.max_prefill_tokens
@@ -259,6 +263,7 @@ class Scheduler:
                 kv_len=m.kv_len,
                 queue_branch=queue_branch,
                 align=self.align,
+                exact_repeat=self.exact_repeat,
             )
             first_end = min(len(tokens), m.prefix_len + min(self.chunk, budget))
             if self.cache.enabled:
@@ -271,6 +276,7 @@ class Scheduler:
                 self.stats.admission_waits += 1
                 break
             req.rc, ops = got
+            self.stats.resumes += m.prefix_len > 0
             plan.run.forward.state_ops.extend(ops)
             self.waiting.remove(req)
             self.running.append(req)
@@ -430,7 +436,8 @@ class Scheduler:
         req.share_targets = []
         self.finishing.append(req)
         self.stats.finished_requests += 1
-        self.on_finish(req)
+        if reason is FinishReason.ABORT:
+            self.on_finish(req)
 
     def _release_finished(self) -> None:
         keep = []
@@ -438,10 +445,14 @@ class Scheduler:
             if req.inflight:
                 keep.append(req)
                 continue
-            if req.rc is not None:
-                if req.finish_reason is FinishReason.ABORT:
+            if req.finish_reason is FinishReason.ABORT:
+                if req.rc is not None:
                     self.cache.release(req.rc)
-                else:
+            else:
+                # Report the end only once the request's cache entries are in the tree, so a
+                # follow-up request (the next chat turn) finds them.
+                if req.rc is not None:
                     self.cache.finish(req.rc, req.tokens(), req.fed_len)
-                req.rc = None
+                self.on_finish(req)
+            req.rc = None
         self.finishing = keep
