@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import openai
+import pytest
 
 ALIGN = 64  # snapshot alignment: max(64, page_size)
 MODEL = "tiny-qwen"
@@ -122,3 +124,29 @@ def test_models_and_health(client: openai.OpenAI, http) -> None:
     assert http.get("/health").json() == {"status": "ok"}
     card = http.get("/v1/models").json()["data"][0]
     assert card["max_model_len"] > 0 and card["vocab_size"] > 0
+
+
+def test_extensions_logprobs_and_seed(http) -> None:
+    body = {"prompt": "abc", "max_tokens": 6, "temperature": 1.0, "seed": 7, "top_k": 50,
+            "min_p": 0.001, "ignore_eos": True, "logprobs": 1,
+            "return_token_ids": True}  # fmt: skip
+    a = http.post("/v1/completions", json=body).json()["choices"][0]
+    b = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 6  # seeded: reproducible
+    lps = a["logprobs"]["token_logprobs"]
+    assert len(lps) == 6 and all(x <= 0 for x in lps)
+    # streamed: every token id and logprob arrives, even those whose text was held back
+    ids, stream_lps = [], []
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    ids += c["token_ids"]
+                    stream_lps += (c["logprobs"] or {}).get("token_logprobs", [])
+    assert ids == a["token_ids"] and stream_lps == pytest.approx(lps)
+    # a stop token id ends the completion at its first occurrence
+    stop_at = a["token_ids"][2]
+    first = a["token_ids"].index(stop_at)
+    c = http.post("/v1/completions", json={**body, "stop_token_ids": [stop_at]}).json()
+    assert c["choices"][0]["finish_reason"] == "stop"
+    assert c["usage"]["completion_tokens"] == first + 1

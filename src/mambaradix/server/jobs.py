@@ -26,7 +26,7 @@ class Job:
     __slots__ = (
         "index", "rid", "input_ids", "params", "prompt_key", "tok", "handle", "timer",
         "text_parts", "token_ids", "logprobs", "finish_reason", "prompt_tokens",
-        "completion_tokens", "cached_tokens", "finished", "error",
+        "completion_tokens", "cached_tokens", "finished", "error", "pending_ids", "pending_lps",
     )  # fmt: skip
 
     def __init__(
@@ -49,6 +49,9 @@ class Job:
         self.cached_tokens = 0
         self.finished = False
         self.error: BaseException | None = None
+        # streamed tokens not sent yet (an event whose text the detokenizer held back)
+        self.pending_ids: list[int] = []
+        self.pending_lps: list[float] = []
 
     @classmethod
     def make(
@@ -127,21 +130,27 @@ class Job:
         return choice
 
     def chunk_choice(self, out: Any, chat: bool, req: Any) -> dict[str, Any] | None:
-        """The streamed choice for one event, or None when the event carries nothing to send."""
-        if not (out.new_text or out.finished or (req.return_token_ids and out.new_token_ids)):
+        """The streamed choice for one event, or None when the event carries no text yet (its
+        token ids and logprobs are then sent with the next chunk)."""
+        self.pending_ids.extend(out.new_token_ids)
+        if out.new_logprobs:
+            self.pending_lps.extend(out.new_logprobs)
+        if not (out.new_text or out.finished):
             return None
-        lps = out.new_logprobs if self.params.return_logprob and out.new_logprobs else None
+        ids, self.pending_ids = self.pending_ids, []
+        lps, self.pending_lps = self.pending_lps, []
+        want_lps = self.params.return_logprob and lps
+        strs = self._token_strs(ids) if want_lps else []
         choice: dict[str, Any] = {"index": self.index}
-        strs = self._token_strs(out.new_token_ids) if lps else []
         if chat:
             choice["delta"] = {"content": out.new_text} if out.new_text else {}
-            choice["logprobs"] = chat_logprobs(strs, lps) if lps else None
+            choice["logprobs"] = chat_logprobs(strs, lps) if want_lps else None
         else:
             choice["text"] = out.new_text
-            choice["logprobs"] = completion_logprobs(strs, lps) if lps else None
+            choice["logprobs"] = completion_logprobs(strs, lps) if want_lps else None
         choice["finish_reason"] = out.finish_reason if out.finished else None
         if req.return_token_ids:
-            choice["token_ids"] = list(out.new_token_ids)
+            choice["token_ids"] = ids
         return choice
 
 
