@@ -15,17 +15,18 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mambaradix.core import ForwardContext, KVSpec, StateSpec
 from mambaradix.layers.attention import BatchLayout, pooled_attention
 from mambaradix.layers.mamba2 import Mamba2Mixer
 from mambaradix.layers.mlp import activation
+from mambaradix.layers.moe import experts_forward
 from mambaradix.layers.norm import RMSNorm
 from mambaradix.layers.rotary import RotaryEmbedding
 from mambaradix.models.loader import assign_weights
 from mambaradix.models.registry import register_model
+from mambaradix.models.tiny import register_tiny
 
 logger = logging.getLogger(__name__)
 
@@ -129,25 +130,11 @@ class GraniteMoE(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.router.layer(x).float()
-        top_logits, top_idx = logits.topk(self.top_k, dim=-1)
+        top_logits, top_idx = self.router.layer(x).float().topk(self.top_k, dim=-1)
         top_w = torch.softmax(top_logits, dim=-1).to(x.dtype)
-        out = torch.zeros_like(x)
-        flat_e = top_idx.reshape(-1)
-        order = torch.argsort(flat_e, stable=True)
-        counts = torch.bincount(flat_e, minlength=self.num_experts).tolist()
-        tok = order // self.top_k
-        w = top_w.reshape(-1)[order]
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            t_e = tok[start : start + n]
-            g, u = F.linear(x[t_e], self.input_linear.weight[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(g) * u, self.output_linear.weight[e])
-            out.index_add_(0, t_e, y * w[start : start + n, None])
-            start += n
-        return out
+        return experts_forward(
+            x, top_w, top_idx, self.input_linear.weight, self.output_linear.weight, self.act
+        )
 
 
 class GraniteHybridLayer(nn.Module):
@@ -276,3 +263,59 @@ class GraniteHybridForCausalLM(nn.Module):
             h = h.index_select(0, ctx.last_token_rows())
         h = self.model.norm(h)
         return self.lm_head(h) / self.logits_scaling
+
+
+# --------------------------------------------------------------------------- tiny checkpoints
+
+_MAMBA_DIMS = {  # size -> (mamba heads, head dim, d_state, layers)
+    "tiny": (4, 32, 16, 5),
+    "small": (8, 64, 64, 8),
+    "mid": (32, 64, 128, 12),
+}
+
+
+def _granite_kinds(n_layers: int) -> list[str]:
+    """Mostly Mamba with an attention layer at index 1 and every fourth layer after it."""
+    return ["attention" if i % 4 == 1 else "mamba" for i in range(n_layers)]
+
+
+def _tiny_granite(size: str = "tiny", moe: bool = False, **overrides: Any):
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    from mambaradix.models.tiny import size_dims
+
+    d = size_dims(size)
+    heads, head_dim, d_state, n_layers = _MAMBA_DIMS[size]
+    kw: dict[str, Any] = dict(
+        vocab_size=d["vocab"],
+        hidden_size=d["hidden"],
+        num_hidden_layers=n_layers,
+        layer_types=_granite_kinds(n_layers),
+        num_attention_heads=d["heads"],
+        num_key_value_heads=d["kv_heads"],
+        intermediate_size=d["intermediate"] // 4,
+        shared_intermediate_size=d["intermediate"],
+        num_local_experts=8 if moe else 0,
+        num_experts_per_tok=2,
+        mamba_n_heads=heads,
+        mamba_d_head=head_dim,
+        mamba_d_state=d_state,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_chunk_size=64,
+        # the dense variant uses RoPE, the MoE one no positional encoding (as Granite-4.0-H)
+        position_embedding_type=None if moe else "rope",
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=(d["hidden"] // d["heads"]) ** -0.5,
+        logits_scaling=2.0,
+        max_position_embeddings=4096,
+        initializer_range=0.1 if size == "tiny" else 0.05,
+        tie_word_embeddings=False,
+    )
+    kw.update(overrides)
+    return GraniteMoeHybridConfig(**kw), GraniteMoeHybridForCausalLM
+
+
+register_tiny("granite_hybrid", _tiny_granite)
+register_tiny("granite_hybrid_moe", lambda size="tiny", **kw: _tiny_granite(size, moe=True, **kw))
