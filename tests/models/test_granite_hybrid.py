@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from model_oracle import ORACLE_CHECKS, OracleCase
 
 

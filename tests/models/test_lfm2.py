@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from model_oracle import ORACLE_CHECKS, OracleCase
 
 
