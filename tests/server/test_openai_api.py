@@ -150,3 +150,13 @@ def test_extensions_logprobs_and_seed(http) -> None:
     c = http.post("/v1/completions", json={**body, "stop_token_ids": [stop_at]}).json()
     assert c["choices"][0]["finish_reason"] == "stop"
     assert c["usage"]["completion_tokens"] == first + 1
+
+
+def test_batch_with_shared_prefix_hits_together(client: openai.OpenAI, engine) -> None:
+    system = _ids(engine, 140, 20)
+    prompts = [system + _ids(engine, 10, 200 + i) for i in range(3)]
+    r = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=2, temperature=0, extra_body={"ignore_eos": True}
+    )
+    # arriving together: all but the first resume at align_down(140) = 128
+    assert r.usage.prompt_tokens_details.cached_tokens >= 2 * 128
