@@ -123,17 +123,21 @@ def recurrent_gated_delta_step(
     beta: torch.Tensor,
     state: torch.Tensor,
     use_qk_l2norm: bool = True,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for B sequences: q, k ``[B, Hk, Dk]``; v ``[B, Hv, Dv]``; g, beta ``[B, Hv]``;
-    state ``[B, Hv, Dk, Dv]``. Returns ``(out [B, Hv, Dv], new_state fp32)``; ``state`` is not
-    modified."""
-    Hv = v.shape[1]
+    state ``[B, Hv, Dk, Dv]``. Returns ``(out [B, Hv, Dv], new_state fp32)``. ``state`` is not
+    modified unless ``inplace`` (then a fp32 ``state`` is updated and returned)."""
+    B, Hv, Dv = v.shape
     q, k = _prepare_qk(q, k, Hv, use_qk_l2norm)
-    s = state.float() * g.float().exp()[..., None, None]
-    pred = (s * k.unsqueeze(-1)).sum(-2)  # S^T k: [B, Hv, Dv]
+    s = state if (inplace and state.dtype == torch.float32) else state.float().clone()
+    s.mul_(g.float().exp()[..., None, None])
+    flat = s.view(B * Hv, -1, Dv)
+    kf = k.reshape(B * Hv, 1, -1)
+    pred = torch.bmm(kf, flat).view(B, Hv, Dv)  # S^T k
     delta = (v.float() - pred) * beta.float().unsqueeze(-1)
-    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    out = (s * q.unsqueeze(-1)).sum(-2)
+    flat.baddbmm_(kf.transpose(1, 2), delta.view(B * Hv, 1, Dv))
+    out = torch.bmm(q.reshape(B * Hv, 1, -1), flat).view(B, Hv, Dv)
     return out.to(v.dtype), s
 
 

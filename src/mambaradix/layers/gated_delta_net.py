@@ -22,6 +22,11 @@ from mambaradix.kernels.conv import conv_state_after
 from mambaradix.layers.attention import BatchLayout
 from mambaradix.layers.norm import GatedRMSNorm
 
+GDN_MERGES = {
+    "qwen3_next": {"in_proj": ("in_proj_qkvz", "in_proj_ba")},
+    "qwen3_5": {"in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")},
+}
+
 
 class GatedDeltaNet(nn.Module):
     def __init__(
@@ -49,14 +54,11 @@ class GatedDeltaNet(nn.Module):
         self.layout = layout
         self.activation = activation
         self.chunk_size = chunk_size
-        if layout == "qwen3_next":
-            self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-            self.in_proj_ba = nn.Linear(hidden, 2 * num_v_heads, bias=False)
-        else:
-            self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
-            self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
-            self.in_proj_b = nn.Linear(hidden, num_v_heads, bias=False)
-            self.in_proj_a = nn.Linear(hidden, num_v_heads, bias=False)
+        # All input projections in one GEMM (``in_proj``): the HF linears stacked in the order
+        # of GDN_MERGES[layout]; both layouts have qkv(z) then b/a parts.
+        self.in_proj = nn.Linear(
+            hidden, self.conv_dim + self.value_dim + 2 * num_v_heads, bias=False
+        )
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False
         )
@@ -76,13 +78,15 @@ class GatedDeltaNet(nn.Module):
     def _project(self, x: torch.Tensor):
         """-> mixed_qkv [T, conv_dim] (q|k|v flat), z [T, Hv, Dv], b [T, Hv], a [T, Hv]."""
         T = x.shape[0]
+        proj = self.in_proj(x)
         if self.layout == "qwen3_5":
-            z = self.in_proj_z(x).view(T, self.hv, self.dv)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+            mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
+            return mixed, z.reshape(T, self.hv, self.dv), b, a
         r = self.hv // self.hk
-        qkvz = self.in_proj_qkvz(x).view(T, self.hk, 2 * self.dk + 2 * r * self.dv)
+        qkvz, ba = proj.split([self.conv_dim + self.value_dim, 2 * self.hv], dim=-1)
+        qkvz = qkvz.reshape(T, self.hk, 2 * self.dk + 2 * r * self.dv)
         q, k, v, z = torch.split(qkvz, [self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
-        ba = self.in_proj_ba(x).view(T, self.hk, 2 * r)
+        ba = ba.reshape(T, self.hk, 2 * r)
         b, a = ba[..., :r].reshape(T, self.hv), ba[..., r:].reshape(T, self.hv)
         mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
         return mixed, z.reshape(T, self.hv, self.dv), b, a
@@ -115,7 +119,7 @@ class GatedDeltaNet(nn.Module):
             q, k, v = self._split_qkv(conv_out)
             gd, bd = (g, beta) if layout.all_decode else (g[rows], beta[rows])
             o, new_ssm = get_kernel("recurrent_gated_delta_step")(
-                q, k, v, gd, bd, ssm_pool.index_select(0, slots)
+                q, k, v, gd, bd, ssm_pool.index_select(0, slots), inplace=True
             )
             conv_pool.index_copy_(0, slots, new_conv.to(conv_pool.dtype))
             ssm_pool.index_copy_(0, slots, new_ssm.to(ssm_pool.dtype))

@@ -25,12 +25,19 @@ def activation(name: str):
 
 
 class GatedMLP(nn.Module):
+    """``gate_up_proj`` is HF's ``gate_proj`` and ``up_proj`` stacked (one GEMM); checkpoints
+    are mapped with ``loader.merge_weights(..., GATE_UP_MERGE)``."""
+
     def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+GATE_UP_MERGE = {"gate_up_proj": ("gate_proj", "up_proj")}

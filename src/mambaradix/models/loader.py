@@ -167,6 +167,36 @@ def assign_weights(
         raise CheckpointError("checkpoint does not fit the model: " + "; ".join(problems))
 
 
+def merge_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], merges: dict[str, tuple[str, ...]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Concatenate (dim 0) the weights of sibling linears into one fused parameter.
+
+    ``merges`` maps a fused module name to its parts, e.g. ``{"gate_up_proj": ("gate_proj",
+    "up_proj")}``: ``X.gate_proj.weight`` + ``X.up_proj.weight`` -> ``X.gate_up_proj.weight``.
+    Names under ``.experts.<n>.`` are never merged. Incomplete groups pass through unchanged.
+    """
+    part_of = {part: (fused, parts) for fused, parts in merges.items() for part in parts}
+    pending: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for name, t in weights:
+        prefix, _, rest = name.rpartition(".")
+        mod_prefix, _, mod = prefix.rpartition(".")
+        hit = part_of.get(mod) if rest == "weight" else None
+        if hit is None or ".experts." in name and mod_prefix.split(".")[-1].isdigit():
+            yield name, t
+            continue
+        fused, parts = hit
+        group = pending.setdefault((mod_prefix, fused), {})
+        group[mod] = t
+        if len(group) == len(parts):
+            del pending[(mod_prefix, fused)]
+            full = f"{mod_prefix}.{fused}.weight" if mod_prefix else f"{fused}.weight"
+            yield full, torch.cat([group[p] for p in parts], dim=0)
+    for (mod_prefix, _), group in pending.items():
+        for mod, t in group.items():
+            yield (f"{mod_prefix}.{mod}.weight" if mod_prefix else f"{mod}.weight"), t
+
+
 # --------------------------------------------------------------------------- entry points
 
 

@@ -18,12 +18,12 @@ from torch import nn
 
 from mambaradix.core import ForwardContext, KVSpec, StateSpec
 from mambaradix.layers.attention import BatchLayout, pooled_attention
-from mambaradix.layers.gated_delta_net import GatedDeltaNet
-from mambaradix.layers.mlp import GatedMLP
+from mambaradix.layers.gated_delta_net import GDN_MERGES, GatedDeltaNet
+from mambaradix.layers.mlp import GATE_UP_MERGE, GatedMLP
 from mambaradix.layers.moe import SparseMoeBlock, stack_expert_weights
 from mambaradix.layers.norm import RMSNorm
 from mambaradix.layers.rotary import RotaryEmbedding
-from mambaradix.models.loader import assign_weights
+from mambaradix.models.loader import assign_weights, merge_weights
 from mambaradix.models.registry import register_model
 from mambaradix.models.tiny import register_tiny, size_dims
 
@@ -210,7 +210,8 @@ class Qwen3NextForCausalLM(nn.Module):
                     continue
                 yield name, t
 
-        assign_weights(self, stack_expert_weights(renamed()))
+        merges = {**GATE_UP_MERGE, **GDN_MERGES[self.gdn_layout]}
+        assign_weights(self, merge_weights(stack_expert_weights(renamed()), merges))
 
 
 @register_model("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
