@@ -9,6 +9,7 @@ CASES = [
     OracleCase("qwen3_next_moe", "qwen3_next"),
     OracleCase("qwen3_next_dense", "qwen3_next", {"moe": False}),
     OracleCase("qwen3_5", "qwen3_5"),
+    OracleCase("qwen3_5_moe", "qwen3_5_moe"),
 ]
 
 

@@ -219,6 +219,24 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     gdn_layout = "qwen3_5"
 
 
+@register_model("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5-MoE: Qwen3.5 Gated DeltaNet layout, a sparse MoE block in every layer."""
+
+    gdn_layout = "qwen3_5"
+
+    def _make_mlp(self, cfg: Any, i: int) -> nn.Module:
+        return SparseMoeBlock(
+            cfg.hidden_size,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            cfg.moe_intermediate_size,
+            cfg.shared_expert_intermediate_size,
+            normalize=True,
+            act=cfg.hidden_act,
+        )
+
+
 register_model("Qwen3NextForCausalLM")(Qwen3NextForCausalLM)
 
 
@@ -282,5 +300,27 @@ def _tiny_qwen3_5(size: str = "tiny", **overrides: Any):
     return Qwen3_5TextConfig(**kw), HFModel
 
 
+def _tiny_qwen3_5_moe(size: str = "tiny", **overrides: Any):
+    from transformers import Qwen3_5MoeForCausalLM as HFModel
+    from transformers import Qwen3_5MoeTextConfig
+
+    d = size_dims(size)
+    base, _ = _tiny_qwen3_5(size)
+    kw = {k: getattr(base, k) for k in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim",
+        "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+        "max_position_embeddings", "initializer_range", "layer_types")}  # fmt: skip
+    kw.update(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=d["intermediate"] // 4,
+        shared_expert_intermediate_size=d["intermediate"] // 4,
+    )
+    kw.update(overrides)
+    return Qwen3_5MoeTextConfig(**kw), HFModel
+
+
 register_tiny("qwen3_next", _tiny_qwen3_next)
+register_tiny("qwen3_5_moe", _tiny_qwen3_5_moe)
 register_tiny("qwen3_5", _tiny_qwen3_5)
