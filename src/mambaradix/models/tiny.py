@@ -162,7 +162,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    make_tiny_checkpoint(args.arch, args.out, seed=args.seed, size=args.size)
+    # Under ``python -m`` this file is ``__main__``; model modules register their builders in
+    # the importable ``mambaradix.models.tiny``, so use that one.
+    from mambaradix.models import tiny
+
+    tiny.make_tiny_checkpoint(args.arch, args.out, seed=args.seed, size=args.size)
 
 
 if __name__ == "__main__":
