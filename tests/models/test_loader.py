@@ -186,3 +186,27 @@ def test_resolve_tiny_spec_builds_once(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="available"):
         resolve_model_path("tiny:nonexistent")
     assert {"qwen3_next", "qwen3_5"} <= set(tiny_archs())
+
+
+def test_tiny_cli_writes_a_loadable_checkpoint(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "cli"
+    subprocess.run(
+        [sys.executable, "-m", "mambaradix.models.tiny", "--arch", "qwen3_next", "--out", str(out)],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert load_model(str(out)).vocab_size == 512 and (out / "tokenizer.json").exists()
+
+
+def test_bfloat16_weights_and_ssm_dtype(base):
+    ref = logits(load_model(str(base)))
+    model = load_model(str(base), dtype=torch.bfloat16, ssm_dtype=torch.bfloat16)
+    assert model.kv_spec.dtype == torch.bfloat16
+    assert {s.temporal_dtype for s in model.state_spec.layers} == {torch.bfloat16}
+    out = logits(model).float()
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    assert (out - ref).abs().max() < 0.1 * ref.abs().max()
