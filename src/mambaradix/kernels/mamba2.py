@@ -107,19 +107,14 @@ class ChunkPlan:
         )
 
 
-def _segsum(a: torch.Tensor) -> torch.Tensor:
-    """``out[..., l, s] = sum(a[..., s+1 : l+1])`` for l >= s, -inf above the diagonal.
-
-    Built from a masked cumulative sum rather than a difference of cumsums, which would lose
-    precision once the running sum is large.
-    """
-    q = a.shape[-1]
-    x = a[..., None].expand(*a.shape, q)  # [..., k, s]: a[k] for every s
-    strict = torch.tril(torch.ones(q, q, dtype=torch.bool, device=a.device), diagonal=-1)
-    x = x.masked_fill(~strict, 0.0)  # keep k > s
-    out = torch.cumsum(x, dim=-2)  # [..., l, s] = sum_{s < k <= l} a[k]
-    lower = torch.tril(torch.ones(q, q, dtype=torch.bool, device=a.device))
-    return out.masked_fill(~lower, float("-inf"))
+def _segsum(cs: torch.Tensor) -> torch.Tensor:
+    """``out[..., l, s] = cs[..., l] - cs[..., s]`` (the sum of a over s+1..l) for l >= s, -inf
+    above the diagonal, from float64 cumulative sums ``cs``: in float32 two large cumulative
+    sums would cancel and lose the small differences that matter near the diagonal."""
+    q = cs.shape[-1]
+    out = (cs[..., :, None] - cs[..., None, :]).float()
+    upper = torch.triu(torch.ones(q, q, dtype=torch.bool, device=cs.device), diagonal=1)
+    return out.masked_fill_(upper, float("-inf"))
 
 
 @register_kernel("mamba2_chunk_scan")
@@ -156,25 +151,25 @@ def mamba2_chunk_scan(
         out.index_copy_(0, rows, src.float())
         return out.view(NC, Q, *src.shape[1:])
 
-    xdt = padded(xf * dtf[..., None]).view(NC, Q, G, hpg, P)
-    dA = padded(dtf * A.float()[None, :])  # [NC, Q, H]
-    Bp = padded(B)  # [NC, Q, G, N]
-    Cp = padded(C)
+    # head-major layouts so every contraction is one batched matmul
+    xdt = padded(xf * dtf[..., None]).view(NC, Q, G, hpg, P).permute(0, 2, 3, 1, 4)
+    xdt = xdt.contiguous()  # [NC, G, hpg, Q, P]
+    dA = padded(dtf * A.float()[None, :]).permute(0, 2, 1)  # [NC, H, Q]
+    Bg = padded(B).permute(0, 2, 1, 3)  # [NC, G, Q, N]
+    Cg = padded(C).permute(0, 2, 1, 3)
+    # cumulative log-decays in float64: their differences must not cancel (see _segsum)
+    cs = torch.cumsum(dA.double(), dim=-1)  # [NC, H, Q]
 
-    dA_h = dA.permute(0, 2, 1)  # [NC, H, Q]
-    cs = torch.cumsum(dA_h, dim=-1)  # [NC, H, Q]
-
-    # 1. intra-chunk (diagonal blocks): y_l += sum_{s<=l} (C_l . B_s) exp(segsum) xdt_s
-    decay_ls = torch.exp(_segsum(dA_h)).view(NC, G, hpg, Q, Q)
-    cb = torch.einsum("clgn,csgn->cgls", Cp, Bp)  # [NC, G, Q, Q]
-    m = decay_ls * cb[:, :, None]  # [NC, G, hpg, l, s]
-    y = torch.einsum("cghls,csghp->clghp", m, xdt)
+    # 1. intra-chunk (diagonal blocks): y_l += sum_{s<=l} (C_l . B_s) exp(a_{s+1}+..+a_l) xdt_s
+    decay_ls = torch.exp(_segsum(cs)).view(NC, G, hpg, Q, Q)
+    cb = Cg @ Bg.transpose(-1, -2)  # [NC, G, Q, Q]
+    y = (decay_ls * cb[:, :, None]) @ xdt  # [NC, G, hpg, Q, P]
 
     # 2. state contributed by each chunk on its own (zero start state)
-    decay_to_end = torch.exp(cs[:, :, -1:] - cs).view(NC, G, hpg, Q)  # [NC, G, hpg, Q]
-    chunk_states = torch.einsum("clgn,cghl,clghp->cghpn", Bp, decay_to_end, xdt)
+    decay_to_end = torch.exp((cs[:, :, -1:] - cs).float()).view(NC, G, hpg, Q, 1)
+    chunk_states = (xdt * decay_to_end).transpose(-1, -2) @ Bg[:, :, None]  # [NC,G,hpg,P,N]
     chunk_states = chunk_states.reshape(NC, H, P, N)
-    chunk_decay = torch.exp(cs[:, :, -1])  # [NC, H]
+    chunk_decay = torch.exp(cs[:, :, -1].float())  # [NC, H]
 
     # 3. inter-chunk recurrence, batched across sequences: start state of every chunk
     start = torch.empty((NC, H, P, N), dtype=torch.float32, device=dev)
@@ -187,11 +182,11 @@ def mamba2_chunk_scan(
         cur.index_copy_(0, seq_ids, h)
 
     # 4. start state -> outputs of the chunk (off-diagonal blocks)
-    decay_in = torch.exp(cs).view(NC, G, hpg, Q)
+    decay_in = torch.exp(cs.float()).view(NC, G, hpg, Q, 1)
     start_g = start.view(NC, G, hpg, P, N)
-    y = y + torch.einsum("clgn,cghpn,cghl->clghp", Cp, start_g, decay_in)
+    y = y + (Cg[:, :, None] @ start_g.transpose(-1, -2)) * decay_in
 
-    y = y.reshape(NC * Q, H, P).index_select(0, rows)
+    y = y.permute(0, 3, 1, 2, 4).reshape(NC * Q, H, P).index_select(0, rows)
     if D is not None:
         y = y + xf * D.float()[None, :, None]
 
