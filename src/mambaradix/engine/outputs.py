@@ -1,0 +1,106 @@
+"""What the engine hands back: per-step request outputs, handles to consume them, statistics."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    rid: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    new_logprobs: list[float] | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    token_usage: float = 0.0
+    mamba_usage: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_prefill_tokens: int = 0
+    generated_tokens: int = 0
+    evicted_kv_tokens: int = 0
+    evicted_states: int = 0
+    retractions: int = 0
+    admission_waits: int = 0
+    skipped_snapshots: int = 0
+    snapshots_inserted: int = 0
+    state_copies: int = 0
+    state_copy_bytes: int = 0
+    finished_requests: int = 0
+    forwards: int = 0
+    resumes: int = 0
+    snapshot_copies: int = 0
+
+
+class RequestHandle:
+    """Outputs of one request. Created inside a running asyncio loop, it delivers to
+    ``aevents``; otherwise to ``events`` / ``result``."""
+
+    def __init__(self, rid: str, prompt_tokens: int) -> None:
+        self.rid = rid
+        self.prompt_tokens = prompt_tokens
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            self._aq: asyncio.Queue | None = asyncio.Queue()
+        except RuntimeError:
+            self._loop, self._aq = None, None
+        self._q: queue.Queue = queue.Queue()
+
+    def _put(self, out: RequestOutput) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._aq.put_nowait, out)
+        else:
+            self._q.put(out)
+
+    def events(self) -> Iterator[RequestOutput]:
+        while True:
+            out = self._q.get()
+            yield out
+            if out.finished:
+                return
+
+    async def aevents(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            out = await self._aq.get()
+            yield out
+            if out.finished:
+                return
+
+    def result(self) -> dict:
+        return _collect(self.events())
+
+
+def _collect(events: Iterator[RequestOutput]) -> dict:
+    ids: list[int] = []
+    lps: list[float] = []
+    text = []
+    last = None
+    for out in events:
+        ids += out.new_token_ids
+        text.append(out.new_text)
+        if out.new_logprobs:
+            lps += out.new_logprobs
+        last = out
+    meta = {
+        "id": last.rid,
+        "prompt_tokens": last.prompt_tokens,
+        "completion_tokens": last.completion_tokens,
+        "cached_tokens": max(0, last.cached_tokens),
+        "finish_reason": last.finish_reason,
+    }
+    if lps:
+        meta["output_token_logprobs"] = lps
+    return {"text": "".join(text), "output_ids": ids, "meta_info": meta}
