@@ -8,7 +8,7 @@ import itertools
 import random
 
 import pytest
-from conftest import FakeModel
+from engine_helpers import FakeModel
 
 from mambaradix.engine.engine import Engine
 

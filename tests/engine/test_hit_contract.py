@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import GREEDY, fake_engine, rand_tokens
+from engine_helpers import GREEDY, fake_engine, rand_tokens
 
 STRATEGIES = ["no_buffer", "extra_buffer"]
 ALIGN = 64

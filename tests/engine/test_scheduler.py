@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import (
+from engine_helpers import (
     GREEDY,
     assert_all_free,
     fake_engine,
