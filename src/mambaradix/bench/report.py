@@ -79,9 +79,18 @@ _LATENCIES = [
 ]
 
 
+_ENGINE_ROWS = [  # only for in-process runs
+    ("Computed prefill tokens:", "computed_prefill_tokens", "{:d}"),
+    ("Ideal computed prefill tokens:", "ideal_computed_prefill_tokens", "{:d}"),
+    ("Computed / ideal:", "computed_over_ideal", "{:.4f}"),
+    ("State copies:", "state_copies", "{:d}"),
+    ("Retractions:", "retractions", "{:d}"),
+]
+
+
 def format_summary(s: dict[str, Any], title: str = "Serving Benchmark Result") -> str:
     lines = [f"{' ' + title + ' ':=^60}"]
-    for label, key, fmt in _ROWS:
+    for label, key, fmt in _ROWS + [r for r in _ENGINE_ROWS if r[1] in s]:
         lines.append(f"{label:<44}{fmt.format(s[key]):>16}")
     for name, key in _LATENCIES:
         lines.append(f"{name:-^60}")
@@ -108,8 +117,10 @@ _COMPARE = [
 
 
 def comparison(on: dict[str, Any], off: dict[str, Any]) -> dict[str, float]:
-    """on / off ratio of every compared figure (0 where off is 0)."""
-    return {key: (on[key] / off[key] if off[key] else 0.0) for _, key, _ in _COMPARE}
+    """on / off ratio of every compared figure (0 where off is 0), and the ideal speed-up."""
+    ratios = {key: (on[key] / off[key] if off[key] else 0.0) for _, key, _ in _COMPARE}
+    ratios["ideal_throughput_ratio"] = ideal_speedup(on)
+    return ratios
 
 
 def format_comparison(on: dict[str, Any], off: dict[str, Any]) -> str:
@@ -122,4 +133,17 @@ def format_comparison(on: dict[str, Any], off: dict[str, Any]) -> str:
     speed = ratios["output_throughput"]
     ttft = off["mean_ttft_ms"] / on["mean_ttft_ms"] if on["mean_ttft_ms"] else 0.0
     lines.append(f"cache on: {speed:.2f}x output throughput, {ttft:.2f}x faster mean TTFT")
+    ideal = ideal_speedup(on)
+    lines.append(
+        f"ideal on/off ratio for the workload's token counts: {ideal:.2f}x "
+        f"(measured / ideal = {speed / ideal:.3f})"
+    )
     return "\n".join(lines)
+
+
+def ideal_speedup(s: dict[str, Any]) -> float:
+    """Throughput ratio if time were proportional to tokens computed: (prompt + output) with
+    the cache off over (prompt not ideally cached + output) with it on."""
+    total = s["total_input_tokens"] + s["total_output_tokens"]
+    on = s["total_input_tokens"] * (1.0 - s["ideal_hit_rate"]) + s["total_output_tokens"]
+    return total / on if on else 0.0

@@ -128,6 +128,8 @@ async def _play(
         res = await backend.generate(warm.tokens(16), 2)
         if not res.success:
             raise RuntimeError(f"warm-up request failed: {res.error}")
+    engine = getattr(backend, "engine", None)
+    before = engine.stats() if engine is not None else None
     bar = tqdm(total=workload.num_requests, desc=label, disable=cfg.disable_tqdm, leave=False)
     try:
         results, duration = await run_workload(
@@ -135,7 +137,17 @@ async def _play(
         )
     finally:
         bar.close()
-    return summarize(results, duration, alignment)
+    summary = summarize(results, duration, alignment)
+    if engine is not None:  # in-process: what the engine really computed during the run
+        after = engine.stats()
+        computed = after.computed_prefill_tokens - before.computed_prefill_tokens
+        ideal = summary["total_input_tokens"] * (1.0 - summary["ideal_hit_rate"])
+        summary["computed_prefill_tokens"] = computed
+        summary["ideal_computed_prefill_tokens"] = round(ideal)
+        summary["computed_over_ideal"] = computed / ideal if ideal else 0.0
+        summary["state_copies"] = after.state_copies - before.state_copies
+        summary["retractions"] = after.retractions - before.retractions
+    return summary
 
 
 def _samplers(cfg: BenchConfig, vocab: int, specials: set[int]) -> tuple[Workload, TokenSampler]:
