@@ -11,6 +11,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -32,6 +33,7 @@ from mambaradix.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
+ARRIVAL_WINDOW_S = 0.003
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -290,11 +292,15 @@ class Engine:
                 return
 
     def _pull(self, block: bool) -> None:
+        """Take everything in the inbox. Waking from idle, wait a moment for the rest of a
+        burst, so that requests sent together are planned together (in-batch sharing)."""
         while True:
             try:
                 item = self._inbox.get(block=block, timeout=0.1 if block else None)
             except queue.Empty:
                 return
+            if block:
+                time.sleep(ARRIVAL_WINDOW_S)
             block = False
             kind = item[0]
             if kind == "add":
