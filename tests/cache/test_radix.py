@@ -314,3 +314,20 @@ def test_tree_page_size_must_fit_pool():
         RadixTree(kv_pool, state_pool, page_size=8)
     with pytest.raises(ValueError, match="policy"):
         RadixTree(kv_pool, state_pool, page_size=16, state_policy="nope")
+
+
+def test_cascade_stops_at_kv_locked_tombstone_until_unlock():
+    tree, kv_pool, state_pool = make_tree()
+    put(tree, [1, 2])
+    m = tree.match([1, 2, 9])
+    tree.lock(m.node)
+    put(tree, [1, 2, 3])
+    assert tree.evict_state(1) == 1  # [1, 2]: internal, so it becomes a tombstone
+    assert shape(tree) == {((1, 2), False): {((3,), True): {}}}
+    assert tree.evict_kv(1) == 1  # leaf [3]; the cascade stops at the locked [1, 2]
+    assert shape(tree) == {((1, 2), False): {}} and tree.protected_kv() == 2
+    tree.check_integrity()
+    tree.unlock(m.node)
+    assert tree.num_nodes() == 0
+    assert kv_pool.available() == kv_pool.size and state_pool.available() == state_pool.size
+    tree.check_integrity()
