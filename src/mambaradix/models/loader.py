@@ -170,31 +170,35 @@ def assign_weights(
 def merge_weights(
     weights: Iterable[tuple[str, torch.Tensor]], merges: dict[str, tuple[str, ...]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Concatenate (dim 0) the weights of sibling linears into one fused parameter.
+    """Concatenate (dim 0) the weights (and biases) of sibling linears into one fused module.
 
     ``merges`` maps a fused module name to its parts, e.g. ``{"gate_up_proj": ("gate_proj",
     "up_proj")}``: ``X.gate_proj.weight`` + ``X.up_proj.weight`` -> ``X.gate_up_proj.weight``.
     Names under ``.experts.<n>.`` are never merged. Incomplete groups pass through unchanged.
     """
     part_of = {part: (fused, parts) for fused, parts in merges.items() for part in parts}
-    pending: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    pending: dict[tuple[str, str, str], dict[str, torch.Tensor]] = {}
+
+    def join(*names: str) -> str:
+        return ".".join(n for n in names if n)
+
     for name, t in weights:
-        prefix, _, rest = name.rpartition(".")
+        prefix, _, leaf = name.rpartition(".")
         mod_prefix, _, mod = prefix.rpartition(".")
-        hit = part_of.get(mod) if rest == "weight" else None
-        if hit is None or ".experts." in name and mod_prefix.split(".")[-1].isdigit():
+        hit = part_of.get(mod) if leaf in ("weight", "bias") else None
+        if hit is None or (".experts." in name and mod_prefix.split(".")[-1].isdigit()):
             yield name, t
             continue
         fused, parts = hit
-        group = pending.setdefault((mod_prefix, fused), {})
+        key = (mod_prefix, fused, leaf)
+        group = pending.setdefault(key, {})
         group[mod] = t
         if len(group) == len(parts):
-            del pending[(mod_prefix, fused)]
-            full = f"{mod_prefix}.{fused}.weight" if mod_prefix else f"{fused}.weight"
-            yield full, torch.cat([group[p] for p in parts], dim=0)
-    for (mod_prefix, _), group in pending.items():
+            del pending[key]
+            yield join(mod_prefix, fused, leaf), torch.cat([group[p] for p in parts], dim=0)
+    for (mod_prefix, _, leaf), group in pending.items():
         for mod, t in group.items():
-            yield (f"{mod_prefix}.{mod}.weight" if mod_prefix else f"{mod}.weight"), t
+            yield join(mod_prefix, mod, leaf), t
 
 
 # --------------------------------------------------------------------------- entry points

@@ -30,6 +30,9 @@ from mambaradix.models.tiny import register_tiny, size_dims
 logger = logging.getLogger(__name__)
 
 
+ATTN_MERGE = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
+
 class GatedAttention(nn.Module):
     """Full attention whose output is gated by ``sigmoid(gate)``; ``q_proj`` yields, per head,
     the query and the gate (``[H, 2*D]``). q/k get a zero-centred RMSNorm over the head dim."""
@@ -39,9 +42,8 @@ class GatedAttention(nn.Module):
         self.h, self.hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.d = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.h
         bias = getattr(cfg, "attention_bias", False)
-        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d * 2, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=bias)
+        # q_proj (query + gate per head), k_proj and v_proj stacked: one GEMM (ATTN_MERGE).
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (2 * self.h + 2 * self.hkv) * self.d, bias=bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, zero_centered=True)
@@ -51,11 +53,13 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: BatchLayout, cos_sin) -> torch.Tensor:
         T = x.shape[0]
-        qg = self.q_proj(x).view(T, self.h, 2 * self.d)
+        hq, hk = 2 * self.h * self.d, self.hkv * self.d
+        qg, k, v = self.qkv_proj(x).split([hq, hk, hk], dim=-1)
+        qg = qg.reshape(T, self.h, 2 * self.d)
         q, gate = qg[..., : self.d], qg[..., self.d :]
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(T, self.hkv, self.d))
-        v = self.v_proj(x).view(T, self.hkv, self.d)
+        k = self.k_norm(k.reshape(T, self.hkv, self.d))
+        v = v.reshape(T, self.hkv, self.d)
         cos, sin = cos_sin
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         o = pooled_attention(layout, self.attn_layer, q, k, v, self.scale)
@@ -210,7 +214,7 @@ class Qwen3NextForCausalLM(nn.Module):
                     continue
                 yield name, t
 
-        merges = {**GATE_UP_MERGE, **GDN_MERGES[self.gdn_layout]}
+        merges = {**GATE_UP_MERGE, **GDN_MERGES[self.gdn_layout], **ATTN_MERGE}
         assign_weights(self, merge_weights(stack_expert_weights(renamed()), merges))
 
 
