@@ -68,14 +68,14 @@ def plan_segment(
     ``no_buffer`` snapshots only at a forward's end (the working state is copied afterwards), so
     the forward is cut at the first wanted position. ``extra_buffer`` writes one state per forward
     into a tracking slot, anywhere inside; with two wanted positions the forward ends at the
-    first. A non-final chunk also snapshots the aligned position inside it.
+    first. A non-final chunk with no wanted position snapshots the aligned position inside it
+    (so a long prompt stays reusable if the request is retracted).
     """
     inside = [w for w in wanted if start < w <= chunk_end]
-    if chunk_end < seq_len:
+    if chunk_end < seq_len and not inside:
         c = align_down(chunk_end, align)
-        if c > start and c not in inside:
+        if c > start:
             inside.append(c)
-            inside.sort()
     if not inside:
         return Segment(chunk_end, None)
     if strategy == NO_BUFFER or len(inside) > 1:

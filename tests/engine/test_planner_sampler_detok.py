@@ -1,0 +1,116 @@
+"""Pure pieces of the engine: snapshot planning, sampling, incremental detokenization."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from engine_helpers import GREEDY, fake_engine, rand_tokens
+
+from mambaradix.core import SamplingParams
+from mambaradix.engine.detokenizer import DetokState, IncrementalDetokenizer, find_stop, holdback
+from mambaradix.engine.planner import (
+    admission_targets,
+    common_prefix_len,
+    plan_segment,
+    snapshot_alignment,
+)
+from mambaradix.engine.sampler import sample
+
+
+def test_alignment_is_whole_pages_and_at_least_64():
+    assert [snapshot_alignment(p) for p in (1, 16, 48, 64, 128)] == [64, 64, 96, 64, 128]
+
+
+def test_admission_targets():
+    # lookup matched KV to 300 without a state; a waiting request shares 700; prompt of 1000
+    got = admission_targets(seq_len=1000, prefix_len=0, kv_len=300, queue_branch=700, align=64)
+    assert got == [256, 640, 960]
+    exact = admission_targets(
+        seq_len=1000, prefix_len=0, kv_len=0, queue_branch=0, align=64, exact_repeat=True
+    )
+    assert exact == [999]
+    # nothing at or below the resumed prefix
+    assert admission_targets(seq_len=100, prefix_len=64, kv_len=64, queue_branch=0, align=64) == []
+
+
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer"])
+def test_plan_segment(strategy):
+    # one wanted position inside the chunk
+    seg = plan_segment(0, 512, 1000, [256], 64, strategy)
+    if strategy == "no_buffer":
+        assert (seg.end, seg.snapshot) == (256, 256)  # cut: the copy happens at the boundary
+    else:
+        assert (seg.end, seg.snapshot) == (512, 256)  # tracked inside the forward
+    # a non-final chunk snapshots its aligned end; the final chunk does not
+    assert plan_segment(0, 500, 1000, [], 64, strategy).snapshot == 448
+    assert plan_segment(512, 1000, 1000, [], 64, strategy).snapshot is None
+    # two wanted positions: the forward ends at the first
+    seg = plan_segment(0, 512, 1000, [128, 320], 64, strategy)
+    assert (seg.end, seg.snapshot) == (128, 128)
+
+
+def test_common_prefix_len():
+    a = np.array([1, 2, 3, 4])
+    assert common_prefix_len(a, np.array([1, 2, 9])) == 2
+    assert common_prefix_len(a, np.array([1, 2, 3, 4, 5])) == 4
+    assert common_prefix_len(a, np.array([], dtype=np.int64)) == 0
+
+
+def test_sampler_filters():
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.9, 0.5, -1.0, -3.0]] * 400)
+    gen = torch.Generator().manual_seed(3)
+
+    def draw(**kw):
+        p = SamplingParams(temperature=1.0, **kw)
+        toks, lps = sample(logits, [p] * 400, [gen] * 400)
+        return set(toks), lps
+
+    assert draw(top_k=1)[0] == {0}
+    assert draw(top_k=2)[0] == {0, 1}
+    assert draw(top_p=0.3)[0] == {0}
+    assert draw(min_p=0.5)[0] == {0, 1}  # p(2) / p(0) = e^-1.5 < 0.5
+    assert draw()[0] >= {0, 1, 2}
+    toks, lps = sample(logits[:1], [SamplingParams(temperature=0.0)], [None])
+    assert toks == [0] and lps[0] == pytest.approx(torch.log_softmax(logits[0], -1)[0].item())
+
+
+class ByteTokenizer:
+    """Each id is one byte; multi-byte characters span several ids."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_incremental_detokenizer_matches_full_decode():
+    text = "héllo wörld ✓ done"
+    ids = list(text.encode())
+    detok = IncrementalDetokenizer(ByteTokenizer())
+    st = DetokState()
+    seen = []
+    for i in range(1, len(ids) + 1):
+        before = len(st.text)
+        detok.step(st, ids[:i])
+        seen.append(st.text[before:])
+        assert "\ufffd" not in st.text  # never emits half a character
+    detok.flush(st, ids)
+    assert st.text == text and "".join(seen) == text
+
+
+def test_stop_string_helpers():
+    assert find_stop("abc STOP def", ["STOP"], 0) == (4, "STOP")
+    assert find_stop("abc", ["STOP"], 0) is None
+    assert holdback("the end ST", ["STOP"]) == 2
+    assert holdback("the end", ["STOP"]) == 0
+
+
+def test_lpm_policy_same_outputs_and_hits(rng):
+    system = rand_tokens(rng, 200)
+    prompts = [system + rand_tokens(rng, 30) for _ in range(8)] + [rand_tokens(rng, 90)]
+    with fake_engine() as eng:
+        fcfs = eng.generate(input_ids=prompts, sampling_params=GREEDY)
+    with fake_engine(schedule_policy="lpm") as eng:
+        lpm = eng.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [r["output_ids"] for r in lpm] == [r["output_ids"] for r in fcfs]
+    assert sum(r["meta_info"]["cached_tokens"] >= 192 for r in lpm) == 7
