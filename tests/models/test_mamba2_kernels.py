@@ -89,7 +89,7 @@ def test_step_matches_transformers_and_scan(G: int) -> None:
     x, dt_raw, dt_bias, A, B, C, D = _inputs(S, H, P, G, N, seed=2)
     state = torch.randn(S, H, P, N)
     dt = process_dt(dt_raw, dt_bias)
-    y, new = mamba2_step(state, x, dt, A, B, C, D)
+    y, new = mamba2_step(state.clone(), x, dt, A, B, C, D)
 
     ref_state = state.clone()
     ref_y = hf_granite.mamba2_selective_state_update(
@@ -157,5 +157,7 @@ def test_chunk_scan_matches_naive_recurrence_with_strong_decay() -> None:
     # and the step kernel, token by token, agrees with the same recurrence
     h = h0
     for t in range(20):
-        yt, h = mamba2_step(h, x[t : t + 1], dt[t : t + 1], A, B[t : t + 1], C[t : t + 1], D)
+        yt, h = mamba2_step(
+            h.clone(), x[t : t + 1], dt[t : t + 1], A, B[t : t + 1], C[t : t + 1], D
+        )
         torch.testing.assert_close(yt[0].double(), ref_y[t], atol=1e-4, rtol=1e-4)

@@ -214,17 +214,19 @@ def mamba2_step(
 
     Args: ``state [S,H,P,N]``, ``x [S,H,P]``, ``dt [S,H]`` (processed), ``A [H]``,
     ``B, C [S,G,N]``, ``D [H]`` or None. Returns ``(y [S,H,P], new_state [S,H,P,N])``, both
-    float32; the input state is not modified.
+    float32. A float32 ``state`` is updated in place and returned (callers pass a gathered
+    copy of the pool rows): the state is the large operand, so every pass over it counts.
     """
     S, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     hpg = H // G
     xf, dtf = x.float(), dt.float()
     decay = torch.exp(dtf * A.float()[None, :])  # [S, H]
-    h = state.float().view(S, G, hpg, P, N) * decay.view(S, G, hpg, 1, 1)
-    xdt = (xf * dtf[..., None]).view(S, G, hpg, P)
-    h = h + xdt[..., None] * B.float()[:, :, None, None, :]
-    y = torch.einsum("sghpn,sgn->sghp", h, C.float()).reshape(S, H, P)
+    h = state.float().view(S, G, hpg, P, N)
+    h.mul_(decay.view(S, G, hpg, 1, 1))
+    xdt = (xf * dtf[..., None]).view(S, G, hpg, P, 1)
+    h.addcmul_(xdt, B.float()[:, :, None, None, :])  # h += xdt (x) B, no outer-product temp
+    y = (h @ C.float()[:, :, None, :, None]).view(S, H, P)  # [S, G, hpg, P, 1]
     if D is not None:
         y = y + xf * D.float()[None, :, None]
-    return y, h.reshape(S, H, P, N)
+    return y, h.view(S, H, P, N)
