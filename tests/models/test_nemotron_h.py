@@ -42,3 +42,14 @@ def test_group_limited_routing_masks_groups(oracle_for):
     per = moe.gate.num_experts // moe.gate.n_group
     assert torch.all(idx[:, 0] // per == idx[:, 1] // per)
     assert torch.allclose(w.sum(-1), torch.ones(50) * moe.gate.scaling, atol=1e-5)
+
+
+def test_router_stays_float32_in_bfloat16_model(oracle_for):
+    import torch
+
+    from mambaradix.models.nemotron_h import NemotronHForCausalLM
+
+    m = NemotronHForCausalLM(oracle_for(CASE).config).to(torch.bfloat16)
+    gate = next(b.mixer.gate for b in m.backbone.layers if b.kind == "moe")
+    assert gate.weight.dtype == torch.float32
+    assert m.backbone.embeddings.weight.dtype == torch.bfloat16

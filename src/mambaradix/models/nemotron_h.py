@@ -62,6 +62,14 @@ class NemotronRouter(nn.Module):
             torch.zeros(self.num_experts), requires_grad=False
         )
 
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001
+        # Router weights stay float32 whatever the model dtype (as in the reference model):
+        # in bfloat16 near-tied expert scores would otherwise route differently.
+        super()._apply(fn, recurse)
+        for p in (self.weight, self.e_score_correction_bias):
+            p.data = p.data.float()
+        return self
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias.float()
