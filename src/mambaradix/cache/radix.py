@@ -274,7 +274,7 @@ class RadixTree:
         if pos < n and state_slot is not None:
             leaf = TreeNode(
                 key=list(tokens[pos:]),
-                kv=kv_slots[pos:].to(torch.long, copy=True),
+                kv=kv_slots[pos:].clone(),
                 state_slot=None,
                 parent=node,
                 depth=n,
