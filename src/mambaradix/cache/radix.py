@@ -27,81 +27,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import torch
 
 from mambaradix.cache.evict_policy import make_state_policy
 from mambaradix.cache.integrity import IntegrityError, check_tree
-from mambaradix.cache.lru import LRULink, LRUList
+from mambaradix.cache.lru import LRUList
+from mambaradix.cache.tree_node import InsertResult, MatchResult, TreeNode, common_prefix_len
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["InsertResult", "IntegrityError", "MatchResult", "RadixTree", "TreeNode"]
-
-_CMP_STEP = 64  # tokens compared per C-level slice comparison before the per-token scan
-
-
-@dataclass(slots=True, eq=False)
-class TreeNode:
-    key: list[int]
-    kv: torch.Tensor
-    state_slot: int | None
-    parent: TreeNode | None
-    children: dict = field(default_factory=dict)
-    kv_lock: int = 0
-    state_lock: int = 0
-    depth: int = 0
-    kv_link: LRULink = field(default=None)  # type: ignore[assignment]
-    st_link: LRULink = field(default=None)  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        self.kv_link = LRULink(self)
-        self.st_link = LRULink(self)
-
-    def __repr__(self) -> str:
-        key = self.key if len(self.key) <= 8 else [*self.key[:8], "..."]
-        return (
-            f"TreeNode(key={key}, depth={self.depth}, state={self.state_slot}, "
-            f"kv_lock={self.kv_lock}, state_lock={self.state_lock})"
-        )
-
-
-@dataclass(slots=True)
-class MatchResult:
-    """``kv_len``: longest matched KV prefix (whole pages, may end mid-edge); ``node``: deepest
-    node with a state at depth <= limit (root if none); ``prefix_len`` = its depth;
-    ``kv_slots``: KV slots of tokens [0, prefix_len) (a fresh tensor)."""
-
-    kv_len: int
-    prefix_len: int
-    node: TreeNode
-    kv_slots: torch.Tensor
-
-
-@dataclass(slots=True)
-class InsertResult:
-    """``existing_len``: leading tokens already in the tree before the insert; ``node``: the node
-    ending at ``inserted_len``; ``state_attached``: the given state slot now belongs to the tree
-    (False: the caller still owns and must free it). ``inserted_len`` is ``len(tokens)`` except
-    when no state was given and the tokens extend past the tree: a stateless leaf can't be kept,
-    so the tail is not inserted and ``kv_slots[inserted_len:]`` stay the caller's."""
-
-    existing_len: int
-    node: TreeNode
-    state_attached: bool
-    inserted_len: int = 0
-
-
-def _common_len(key: list[int], tokens: list[int], pos: int) -> int:
-    """Length of the common prefix of ``key`` and ``tokens[pos:]``."""
-    n = min(len(key), len(tokens) - pos)
-    i = 0
-    while i + _CMP_STEP <= n and key[i : i + _CMP_STEP] == tokens[pos + i : pos + i + _CMP_STEP]:
-        i += _CMP_STEP
-    while i < n and key[i] == tokens[pos + i]:
-        i += 1
-    return i
 
 
 class RadixTree:
@@ -167,7 +103,7 @@ class RadixTree:
                     best = len(path)
                 children = child.children
                 continue
-            m = min(_common_len(key, tokens, pos), end - pos)
+            m = min(common_prefix_len(key, tokens, pos), end - pos)
             pos += m - m % ps
             break
         if best == 0:
@@ -256,7 +192,7 @@ class RadixTree:
                 node = child
                 pos += klen
                 continue
-            m = _common_len(key, tokens, pos)
+            m = common_prefix_len(key, tokens, pos)
             m -= m % ps  # >= ps: the first page matched
             node = self._split(child, m)
             pos += m
