@@ -70,3 +70,39 @@ def test_partial_rotary_matches_transformers():
     assert torch.allclose(ours_q, ref_q[0].transpose(0, 1), atol=1e-6)
     assert torch.allclose(ours_k, ref_k[0].transpose(0, 1), atol=1e-6)
     assert torch.equal(ours_q[..., 8:], q[..., 8:])  # the pass-through part is untouched
+
+
+def test_decode_cascade_over_shared_prefixes_matches_per_request_softmax():
+    """Requests whose KV rows start with the same slots read that prefix once (cascade); the
+    merged result equals plain attention per request, and the groups found are the real ones."""
+    from mambaradix.kernels.attention import shared_prefixes
+
+    torch.manual_seed(0)
+    hq, hkv, d, pool = 4, 2, 8, 4000
+    k_pool, v_pool = torch.randn(pool, hkv, d), torch.randn(pool, hkv, d)
+    perm = torch.randperm(pool)
+    prefix_a, prefix_b = perm[:100], perm[100:140]
+    own = iter(perm[140:].split(7))
+    rows = [torch.cat([prefix_a, next(own)]) for _ in range(3)]  # group A: 100 shared
+    rows += [torch.cat([prefix_b, next(own)]) for _ in range(2)]  # group B: 40 shared
+    rows += [torch.cat([perm[:10], next(own)])]  # starts like group A, shares only 10
+    rows += [next(own)]  # alone
+    lens = torch.tensor([len(r) for r in rows])
+    table = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
+    q = torch.randn(len(rows), hq, d)
+    groups = shared_prefixes(table, lens)
+    found = sorted((m.tolist(), p) for m, p in groups)
+    # rows 0-2 and 5 start alike but share only 10 slots with row 5: group A is cut to 10 < 32
+    assert found == [([3, 4], 40)], found
+    table2 = table[[0, 1, 2, 3, 4, 6]]
+    lens2 = lens[[0, 1, 2, 3, 4, 6]]
+    found2 = sorted((m.tolist(), p) for m, p in shared_prefixes(table2, lens2))
+    assert found2 == [([0, 1, 2], 100), ([3, 4], 40)]
+    for tab, ln, qq in ((table, lens, q), (table2, lens2, q[[0, 1, 2, 3, 4, 6]])):
+        out = attention_decode(qq, k_pool, v_pool, tab, ln, 0.3)
+        for b in range(tab.shape[0]):
+            slots = tab[b, : ln[b]]
+            k = k_pool[slots].repeat_interleave(hq // hkv, 1)
+            v = v_pool[slots].repeat_interleave(hq // hkv, 1)
+            p = torch.einsum("hd,lhd->hl", qq[b], k).mul(0.3).softmax(-1)
+            torch.testing.assert_close(out[b], torch.einsum("hl,lhd->hd", p, v), atol=1e-5, rtol=0)

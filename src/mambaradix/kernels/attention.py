@@ -39,6 +39,9 @@ def attention_prefill(
     return out[0].transpose(0, 1).to(q.dtype)
 
 
+MIN_SHARED = 32  # shorter common prefixes are not worth a separate pass
+
+
 @register_kernel("attention_decode")
 def attention_decode(
     q: torch.Tensor,
@@ -47,21 +50,105 @@ def attention_decode(
     slot_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    groups: list[tuple[torch.Tensor, int]] | None = None,
 ) -> torch.Tensor:
     """One query per request for B requests: ``q`` ``[B, Hq, D]``; request ``b`` attends the
     keys at ``slot_table[b, :seq_lens[b]]`` (``slot_table`` ``[B, L]``, padded with any valid
-    slot). Returns ``[B, Hq, Dv]``."""
+    slot). Returns ``[B, Hq, Dv]``.
+
+    Cascade: requests whose rows start with the same KV slots (a prefix shared through the
+    radix cache) read that prefix once per group; each request then reads only its own part,
+    and the two softmax pieces are merged exactly (log-sum-exp). ``groups`` (from
+    ``shared_prefixes``, computed once per forward) may be passed in; else it is computed.
+    """
     B, Hq, D = q.shape
-    L = slot_table.shape[1]
-    flat = slot_table.reshape(-1)
-    k = k_pool.index_select(0, flat).view(B, L, -1, D)  # [B, L, Hkv, D]
-    v = v_pool.index_select(0, flat).view(B, L, k.shape[2], -1)
-    hkv = k.shape[2]
-    rep = Hq // hkv
-    qg = q.to(k.dtype).view(B, hkv, rep, D)
-    scores = torch.einsum("bgrd,blgd->bgrl", qg, k) * scale
-    valid = torch.arange(L, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-    out = torch.einsum("bgrl,blgd->bgrd", probs, v)
+    hkv = k_pool.shape[1]
+    qg = q.to(k_pool.dtype).view(B, hkv, Hq // hkv, D)
+    shared = torch.zeros(B, dtype=torch.long)
+    pieces = []
+    if groups is None:
+        groups = shared_prefixes(slot_table, seq_lens)
+    for members, plen in groups:
+        shared[members] = plen
+        pieces.append(
+            (
+                members,
+                _partial(
+                    qg[members], k_pool, v_pool, slot_table[members[:1], :plen], None, scale, True
+                ),
+            )
+        )
+    own_lens = seq_lens - shared
+    lo = int(own_lens.max())
+    idx = (shared[:, None] + torch.arange(lo)[None, :]).clamp_(max=slot_table.shape[1] - 1)
+    own = slot_table.gather(1, idx)
+    valid = torch.arange(lo)[None, :] < own_lens[:, None]
+    m, s, o = _partial(qg, k_pool, v_pool, own, valid, scale, False)
+    for members, (ms, ss, os_) in pieces:
+        mo, so, oo = m[members], s[members], o[members]
+        top = torch.maximum(mo, ms)
+        a, b = torch.exp(mo - top), torch.exp(ms - top)
+        m[members], s[members], o[members] = (
+            top,
+            so * a + ss * b,
+            oo * a[..., None] + os_ * b[..., None],
+        )
+    out = o / s[..., None]
     return out.reshape(B, Hq, -1).to(q.dtype)
+
+
+def _partial(
+    qg: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    valid: torch.Tensor | None,
+    scale: float,
+    broadcast: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unnormalized softmax pieces of ``qg`` [B, G, R, D] over the keys at ``slots`` [B', L]
+    (B' = 1 with ``broadcast``: every query reads the same keys): running max ``[B, G, R]``,
+    sum of exponentials ``[B, G, R]`` and weighted values ``[B, G, R, Dv]``."""
+    n, length = slots.shape
+    g = k_pool.shape[1]
+    # Gather straight into [n, G, L, D] (contiguous for the matmuls).
+    flat = (slots[:, None, :] * g + torch.arange(g)[None, :, None]).reshape(-1)
+    k = k_pool.reshape(-1, k_pool.shape[-1]).index_select(0, flat).view(n, g, length, -1)
+    v = v_pool.reshape(-1, v_pool.shape[-1]).index_select(0, flat).view(n, g, length, -1)
+    b, _, r, d = qg.shape
+    if broadcast:  # [B, G, R, D] -> [G, B*R, D] against one [G, L, D]
+        qb = qg.permute(1, 0, 2, 3).reshape(g, b * r, d)
+        scores = torch.matmul(qb, k[0].transpose(-1, -2)).float() * scale  # [G, B*R, L]
+        top = scores.amax(-1, keepdim=True)
+        e = torch.exp(scores - top)
+        o = torch.matmul(e.to(v.dtype), v[0]).float()  # [G, B*R, Dv]
+        unfold = lambda t: t.view(g, b, r, -1).permute(1, 0, 2, 3)  # noqa: E731
+        return unfold(top)[..., 0], unfold(e.sum(-1, keepdim=True))[..., 0], unfold(o)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, G, R, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    top = scores.amax(-1)
+    e = torch.exp(scores - top[..., None])
+    o = torch.matmul(e.to(v.dtype), v).float()
+    return top, e.sum(-1), o
+
+
+def shared_prefixes(
+    slot_table: torch.Tensor, seq_lens: torch.Tensor
+) -> list[tuple[torch.Tensor, int]]:
+    """Groups of requests (member indices) whose rows share their first ``plen`` slots, with
+    ``plen`` >= MIN_SHARED and below every member's length (each keeps >= 1 own key)."""
+    n = slot_table.shape[0]
+    if n < 2 or slot_table.shape[1] < MIN_SHARED:
+        return []
+    _, inverse, counts = torch.unique(slot_table[:, 0], return_inverse=True, return_counts=True)
+    if int(counts.max()) < 2:
+        return []
+    leader = torch.zeros(counts.shape[0], dtype=torch.long).scatter_(0, inverse, torch.arange(n))
+    same = (slot_table == slot_table[leader[inverse]]).to(torch.int32).cumprod(1).sum(1)
+    per_row = torch.minimum(same, seq_lens - 1)
+    plen = torch.full((counts.shape[0],), 1 << 62, dtype=torch.long)
+    plen = plen.scatter_reduce(0, inverse, per_row, reduce="amin")
+    groups = []
+    for gi in torch.nonzero((counts > 1) & (plen >= MIN_SHARED)).flatten().tolist():
+        groups.append((torch.nonzero(inverse == gi).flatten(), int(plen[gi])))
+    return groups

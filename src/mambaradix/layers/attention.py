@@ -13,6 +13,7 @@ import torch
 
 from mambaradix.core import ForwardContext
 from mambaradix.kernels import get_kernel
+from mambaradix.kernels.attention import shared_prefixes
 
 
 @dataclass(slots=True)
@@ -30,6 +31,7 @@ class BatchLayout:
     decode_rows: torch.Tensor
     decode_slots: torch.Tensor
     _slot_table: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _groups: list | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, ctx: ForwardContext) -> BatchLayout:
@@ -59,6 +61,12 @@ class BatchLayout:
             self._slot_table = (table.to(device=dev, dtype=torch.long), lens)
         return self._slot_table
 
+    def decode_groups(self) -> list:
+        """Decodes sharing a KV prefix (``kernels.attention.shared_prefixes``), once per forward."""
+        if self._groups is None:
+            self._groups = shared_prefixes(*self.decode_slot_table())
+        return self._groups
+
 
 def pooled_attention(
     layout: BatchLayout,
@@ -80,7 +88,8 @@ def pooled_attention(
     v_pool.index_copy_(0, ctx.out_kv_slots, v.to(v_pool.dtype))
     if layout.all_decode:
         table, lens = layout.decode_slot_table()
-        return get_kernel("attention_decode")(q, k_pool, v_pool, table, lens, scale)
+        groups = layout.decode_groups()
+        return get_kernel("attention_decode")(q, k_pool, v_pool, table, lens, scale, groups)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     prefill = get_kernel("attention_prefill")
     for i in layout.prefill_reqs:
@@ -91,5 +100,7 @@ def pooled_attention(
     if layout.decode_reqs:
         table, lens = layout.decode_slot_table()
         rows = layout.decode_rows
-        out[rows] = get_kernel("attention_decode")(q[rows], k_pool, v_pool, table, lens, scale)
+        groups = layout.decode_groups()
+        decode = get_kernel("attention_decode")
+        out[rows] = decode(q[rows], k_pool, v_pool, table, lens, scale, groups)
     return out
