@@ -69,9 +69,8 @@ class Trace:
             self.chats[i] = prompt  # the answer is appended below
         else:
             prompt = self.rand(self.rng.randint(32, 256))
-        answer = self.rand(self.rng.randint(8, 32))
-        total = len(prompt) + len(answer)
-        answer = answer[: len(answer) - total % self.page] if total % self.page else answer
+        n = self.rng.randint(8, 32)
+        answer = self.rand(n + (-(len(prompt) + n)) % self.page)  # whole pages in all
         if kind >= 0.4 and kind < 0.8:
             self.chats[i] = prompt + answer
         return prompt, answer
