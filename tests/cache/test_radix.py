@@ -331,3 +331,14 @@ def test_cascade_stops_at_kv_locked_tombstone_until_unlock():
     assert tree.num_nodes() == 0
     assert kv_pool.available() == kv_pool.size and state_pool.available() == state_pool.size
     tree.check_integrity()
+
+
+def test_tuple_tokens_match_like_lists():
+    tree, *_ = make_tree()
+    put(tree, [1, 2, 3])
+    kv = tree.kv_pool.alloc(4)
+    res = tree.insert((1, 2, 3, 4), kv, tree.state_pool.alloc(1)[0])
+    assert res.existing_len == 3 and res.state_attached
+    m = tree.match((1, 2, 3, 4, 5))
+    assert (m.kv_len, m.prefix_len) == (4, 4)
+    tree.check_integrity()

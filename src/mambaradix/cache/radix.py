@@ -80,6 +80,8 @@ class RadixTree:
     def match(self, tokens: list[int], limit: int | None = None) -> MatchResult:
         """Longest cached prefix of ``tokens``; never splits. Touches the KV-LRU along the path
         to the returned node and the state LRU of that node only."""
+        if type(tokens) is not list:  # slices of tuples/arrays never equal list keys
+            tokens = list(tokens)
         ps = self.page_size
         n = len(tokens)
         end = n - n % ps
@@ -171,6 +173,8 @@ class RadixTree:
         stateless-tail case). Splits where needed. Touches the KV-LRU along the path and the
         state LRU only for an attached state.
         """
+        if type(tokens) is not list:
+            tokens = list(tokens)
         n = len(tokens)
         ps = self.page_size
         if n != kv_slots.numel() or n % ps:
