@@ -4,7 +4,8 @@ Recurrent layer ``j`` reads each request's conv state ``state_pool.conv[j][slot]
 (``[conv_dim, K-1]``, pre-conv q|k|v inputs) and delta-rule state
 ``state_pool.temporal[j][slot]`` (``[Hv, Dk, Dv]``), and writes back the state after its new
 tokens; ``(n, slot)`` snapshots get the state after the first n new tokens. Prefills run the
-chunked kernel piecewise, split at the snapshot offsets (exact); decodes run one batched step.
+chunked kernel piecewise, split at the snapshot offsets (exact), with the pieces of different
+requests batched into one call; decodes run one batched step.
 
 Projection layouts: ``"qwen3_next"`` packs ``in_proj_qkvz`` / ``in_proj_ba`` per key-head group;
 ``"qwen3_5"`` has separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
@@ -163,31 +164,67 @@ class GatedDeltaNet(nn.Module):
         conv_out = get_kernel("causal_conv1d")(
             seg, weight, self.conv1d.bias, init_conv, lens, self.activation
         )
-        chunk = get_kernel("chunk_gated_delta_rule")
-        off = 0
+        q_all, k_all, v_all = self._split_qkv(conv_out)
+        # Each request's new tokens are cut at its snapshot offsets into pieces; round r runs
+        # the r-th piece of every request, batched by chunk count and right-padded with no-op
+        # tokens (beta = 0, g = 0 leave the state unchanged), so one kernel call serves many.
+        offs = [0]
+        for n in lens[:-1]:
+            offs.append(offs[-1] + n)
+        bounds = []
         for j, i in enumerate(idx):
-            r, s, n = ctx.reqs[i], starts[j], lens[j]
+            cuts = sorted({m for m, _ in ctx.reqs[i].snapshots if 0 < m < lens[j]})
+            bounds.append([0, *cuts, lens[j]])
+        state = [ssm_pool[sl].float() for sl in slots]
+        states_at: list[dict[int, torch.Tensor]] = [{} for _ in idx]
+        chunk = get_kernel("chunk_gated_delta_rule")
+        rounds = max(len(bd) - 1 for bd in bounds)
+        for rnd in range(rounds):
+            buckets: dict[int, list[int]] = {}
+            for j, bd in enumerate(bounds):
+                if rnd < len(bd) - 1:
+                    n_chunks = -(-(bd[rnd + 1] - bd[rnd]) // self.chunk_size)
+                    buckets.setdefault(n_chunks, []).append(j)
+            for members in buckets.values():
+                self._run_pieces(
+                    chunk, members, rnd, bounds, offs, starts, q_all, k_all, v_all, g, beta,
+                    state, states_at, core,
+                )  # fmt: skip
+        for j, i in enumerate(idx):
+            r, n, off = ctx.reqs[i], lens[j], offs[j]
             x_in = seg[off : off + n]
-            q, k, v = self._split_qkv(conv_out[off : off + n])
-            state = ssm_pool[slots[j]].unsqueeze(0)
-            cuts = sorted({m for m, _ in r.snapshots if 0 < m < n})
-            bounds = [0, *cuts, n]
-            states_at: dict[int, torch.Tensor] = {}
-            for p0, p1 in zip(bounds[:-1], bounds[1:]):
-                o, state = chunk(
-                    q[None, p0:p1],
-                    k[None, p0:p1],
-                    v[None, p0:p1],
-                    g[None, s + p0 : s + p1],
-                    beta[None, s + p0 : s + p1],
-                    state,
-                    self.chunk_size,
-                )
-                core[s + p0 : s + p1] = o[0]
-                states_at[p1] = state[0]
             for m, slot in r.snapshots:
                 conv_pool[slot] = conv_state_after(x_in, init_conv[j], m).to(conv_pool.dtype)
-                ssm_pool[slot] = states_at[m].to(ssm_pool.dtype)
+                ssm_pool[slot] = states_at[j][m].to(ssm_pool.dtype)
             conv_pool[slots[j]] = conv_state_after(x_in, init_conv[j], n).to(conv_pool.dtype)
-            ssm_pool[slots[j]] = state[0].to(ssm_pool.dtype)
-            off += n
+            ssm_pool[slots[j]] = state[j].to(ssm_pool.dtype)
+
+    def _run_pieces(
+        self, chunk, members, rnd, bounds, offs, starts, q_all, k_all, v_all, g, beta,
+        state, states_at, core,
+    ) -> None:  # fmt: skip
+        """One batched kernel call over piece ``rnd`` of the ``members`` requests."""
+        spans = [(bounds[j][rnd], bounds[j][rnd + 1]) for j in members]
+        width = max(p1 - p0 for p0, p1 in spans)
+
+        def stack(x: torch.Tensor, base: list[int]) -> torch.Tensor:
+            rows = []
+            for j, (p0, p1) in zip(members, spans):
+                piece = x[base[j] + p0 : base[j] + p1]
+                pad = [0, 0] * (piece.dim() - 1) + [0, width - (p1 - p0)]
+                rows.append(F.pad(piece, pad))
+            return torch.stack(rows)
+
+        o, new_state = chunk(
+            stack(q_all, offs),
+            stack(k_all, offs),
+            stack(v_all, offs),
+            stack(g, starts),
+            stack(beta, starts),
+            torch.stack([state[j] for j in members]),
+            self.chunk_size,
+        )
+        for row, (j, (p0, p1)) in enumerate(zip(members, spans)):
+            core[starts[j] + p0 : starts[j] + p1] = o[row, : p1 - p0]
+            state[j] = new_state[row]
+            states_at[j][p1] = new_state[row]
