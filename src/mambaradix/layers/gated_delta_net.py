@@ -68,7 +68,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(head_v_dim, eps=eps, norm_before_gate=True)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
 
-    def state_spec(self, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> StateLayerSpec:
+    def state_layer_spec(self, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> StateLayerSpec:
         return StateLayerSpec(
             conv_shape=(self.conv_dim, self.conv_kernel - 1),
             temporal_shape=(self.hv, self.dk, self.dv),

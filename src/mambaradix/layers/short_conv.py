@@ -39,7 +39,10 @@ class ShortConv(nn.Module):
         )
         self.out_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
 
-    def state_layer_spec(self, conv_dtype: torch.dtype = torch.float32) -> StateLayerSpec:
+    def state_layer_spec(
+        self, conv_dtype: torch.dtype = torch.float32, ssm_dtype: torch.dtype | None = None
+    ) -> StateLayerSpec:
+        """Conv state only (``ssm_dtype`` is accepted for a uniform mixer interface)."""
         return StateLayerSpec(conv_shape=(self.hidden_size, self.kernel - 1), conv_dtype=conv_dtype)
 
     def forward(self, hidden: torch.Tensor, layout: BatchLayout) -> torch.Tensor:

@@ -17,7 +17,7 @@ It returns next-token logits: ``[num_reqs, vocab]`` for each request's last new 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -30,3 +30,43 @@ class HybridModel(Protocol):
     vocab_size: int
 
     def forward(self, ctx: ForwardContext, all_logits: bool = False) -> torch.Tensor: ...
+
+
+class HybridCausalLM(torch.nn.Module):
+    """Shared plumbing of the model classes: the attributes of the contract above, and the two
+    memory specs derived from the model's attention layers and recurrent mixers.
+
+    A subclass calls ``_init_common`` first, and ``_init_memory`` once its layers exist. Every
+    recurrent mixer has ``state_layer_spec(conv_dtype, ssm_dtype) -> StateLayerSpec``.
+    """
+
+    def _init_common(self, config: Any, ssm_dtype: torch.dtype) -> None:
+        self.config = config
+        self.ssm_dtype = ssm_dtype
+        self.vocab_size = config.vocab_size
+        self.max_position_embeddings = config.max_position_embeddings
+        eos = getattr(config, "eos_token_id", None)
+        self.eos_token_ids = [] if eos is None else (
+            list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+        )  # fmt: skip
+
+    def _init_memory(
+        self, num_attn: int, kv_heads: int, head_dim: int, mixers: list[torch.nn.Module]
+    ) -> None:
+        self._attn_shape = (num_attn, kv_heads, head_dim)
+        self._mixers = mixers  # plain list: not registered twice as submodules
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def kv_spec(self) -> KVSpec:
+        n, heads, dim = self._attn_shape
+        return KVSpec(n, heads, dim, dtype=self.dtype)
+
+    @property
+    def state_spec(self) -> StateSpec:
+        return StateSpec(
+            tuple(m.state_layer_spec(self.dtype, self.ssm_dtype) for m in self._mixers)
+        )

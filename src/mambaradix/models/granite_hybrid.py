@@ -17,13 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from mambaradix.core import ForwardContext, KVSpec, StateSpec
+from mambaradix.core import ForwardContext
 from mambaradix.layers.attention import BatchLayout, pooled_attention
 from mambaradix.layers.mamba2 import Mamba2Mixer
 from mambaradix.layers.mlp import activation
 from mambaradix.layers.moe import experts_forward
 from mambaradix.layers.norm import RMSNorm
 from mambaradix.layers.rotary import RotaryEmbedding
+from mambaradix.models.base import HybridCausalLM
 from mambaradix.models.loader import assign_weights
 from mambaradix.models.registry import register_model
 from mambaradix.models.tiny import register_tiny
@@ -38,13 +39,6 @@ def layer_kinds(config: Any) -> list[str]:
     """Per-layer block kinds (``linear_attention`` / ``full_attention`` / ``mlp`` / ``moe``)."""
     kinds = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
     return [_LEGACY_TYPES.get(k, k) for k in kinds]
-
-
-def eos_ids(config: Any) -> list[int]:
-    eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
 class ProjAttention(nn.Module):
@@ -213,16 +207,12 @@ class _GraniteBody(nn.Module):
 
 
 @register_model("GraniteMoeHybridForCausalLM")
-class GraniteHybridForCausalLM(nn.Module):
+class GraniteHybridForCausalLM(HybridCausalLM):
     """Granite-4.0-H. Contract: ``models/base.py``."""
 
     def __init__(self, config: Any, ssm_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.config = config
-        self.ssm_dtype = ssm_dtype
-        self.vocab_size = config.vocab_size
-        self.max_position_embeddings = config.max_position_embeddings
-        self.eos_token_ids = eos_ids(config)
+        self._init_common(config, ssm_dtype)
         self.model = _GraniteBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
@@ -230,23 +220,14 @@ class GraniteHybridForCausalLM(nn.Module):
         self.embedding_multiplier = float(config.embedding_multiplier)
         self.logits_scaling = float(config.logits_scaling)
         attn = [m.self_attn for m in self.model.layers if m.kind == ATTENTION]
-        self._attn_shape = (len(attn), config.num_key_value_heads, attn[0].head_dim if attn else 1)
-        self._mambas = [m.mamba for m in self.model.layers if m.kind == MAMBA]
+        head_dim = attn[0].head_dim if attn else 1
+        mambas = [m.mamba for m in self.model.layers if m.kind == MAMBA]
+        self._init_memory(len(attn), config.num_key_value_heads, head_dim, mambas)
         self.rotary = (
-            RotaryEmbedding(config, self._attn_shape[2])
+            RotaryEmbedding(config, head_dim)
             if getattr(config, "position_embedding_type", None) == "rope" and attn
             else None
         )
-
-    @property
-    def kv_spec(self) -> KVSpec:
-        n, heads, dim = self._attn_shape
-        return KVSpec(n, heads, dim, dtype=self.model.embed_tokens.weight.dtype)
-
-    @property
-    def state_spec(self) -> StateSpec:
-        dt = self.model.embed_tokens.weight.dtype
-        return StateSpec(tuple(m.state_layer_spec(dt, self.ssm_dtype) for m in self._mambas))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = getattr(self.config, "tie_word_embeddings", False)

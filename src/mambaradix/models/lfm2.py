@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mambaradix.core import ForwardContext, KVSpec, StateSpec
+from mambaradix.core import ForwardContext
 from mambaradix.layers.attention import BatchLayout, pooled_attention
 from mambaradix.layers.norm import RMSNorm
 from mambaradix.layers.rotary import RotaryEmbedding
 from mambaradix.layers.short_conv import ShortConv
-from mambaradix.models.granite_hybrid import eos_ids
+from mambaradix.models.base import HybridCausalLM
 from mambaradix.models.loader import assign_weights
 from mambaradix.models.registry import register_model
 from mambaradix.models.tiny import register_tiny
@@ -121,16 +121,12 @@ class _Lfm2Body(nn.Module):
 
 
 @register_model("Lfm2ForCausalLM")
-class Lfm2ForCausalLM(nn.Module):
+class Lfm2ForCausalLM(HybridCausalLM):
     """LFM2. Contract: ``models/base.py`` (short conv has no temporal state)."""
 
     def __init__(self, config: Any, ssm_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.config = config
-        self.ssm_dtype = ssm_dtype  # no temporal state; kept for a uniform constructor
-        self.vocab_size = config.vocab_size
-        self.max_position_embeddings = config.max_position_embeddings
-        self.eos_token_ids = eos_ids(config)
+        self._init_common(config, ssm_dtype)  # ssm_dtype unused: no temporal state
         kinds = list(config.layer_types)
         self.model = _Lfm2Body(config, kinds)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -138,19 +134,9 @@ class Lfm2ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         attn = [m.self_attn for m in self.model.layers if m.is_attention]
         head_dim = attn[0].head_dim if attn else 1
-        self._attn_shape = (len(attn), config.num_key_value_heads, head_dim)
-        self._convs = [m.conv for m in self.model.layers if not m.is_attention]
+        convs = [m.conv for m in self.model.layers if not m.is_attention]
+        self._init_memory(len(attn), config.num_key_value_heads, head_dim, convs)
         self.rotary = RotaryEmbedding(config, head_dim) if attn else None
-
-    @property
-    def kv_spec(self) -> KVSpec:
-        n, heads, dim = self._attn_shape
-        return KVSpec(n, heads, dim, dtype=self.model.embed_tokens.weight.dtype)
-
-    @property
-    def state_spec(self) -> StateSpec:
-        dt = self.model.embed_tokens.weight.dtype
-        return StateSpec(tuple(c.state_layer_spec(dt) for c in self._convs))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = getattr(self.config, "tie_word_embeddings", False)

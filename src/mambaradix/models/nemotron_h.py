@@ -16,12 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mambaradix.core import ForwardContext, KVSpec, StateSpec
+from mambaradix.core import ForwardContext
 from mambaradix.layers.attention import BatchLayout
 from mambaradix.layers.mamba2 import Mamba2Mixer
 from mambaradix.layers.mlp import activation
 from mambaradix.layers.norm import RMSNorm
-from mambaradix.models.granite_hybrid import ATTENTION, MAMBA, ProjAttention, eos_ids, layer_kinds
+from mambaradix.models.base import HybridCausalLM
+from mambaradix.models.granite_hybrid import ATTENTION, MAMBA, ProjAttention, layer_kinds
 from mambaradix.models.loader import assign_weights
 from mambaradix.models.registry import register_model
 from mambaradix.models.tiny import register_tiny
@@ -193,34 +194,21 @@ class _Backbone(nn.Module):
 
 
 @register_model("NemotronHForCausalLM")
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(HybridCausalLM):
     """NemotronH. Contract: ``models/base.py``."""
 
     def __init__(self, config: Any, ssm_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.config = config
-        self.ssm_dtype = ssm_dtype
-        self.vocab_size = config.vocab_size
-        self.max_position_embeddings = config.max_position_embeddings
-        self.eos_token_ids = eos_ids(config)
+        self._init_common(config, ssm_dtype)
         kinds = [_PATTERN.get(k, k) for k in layer_kinds(config)]
         self.backbone = _Backbone(config, kinds)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.backbone.embeddings.weight
         attn = [b.mixer for b in self.backbone.layers if b.kind == ATTENTION]
-        self._attn_shape = (len(attn), config.num_key_value_heads, attn[0].head_dim if attn else 1)
-        self._mambas = [b.mixer for b in self.backbone.layers if b.kind == MAMBA]
-
-    @property
-    def kv_spec(self) -> KVSpec:
-        n, heads, dim = self._attn_shape
-        return KVSpec(n, heads, dim, dtype=self.backbone.embeddings.weight.dtype)
-
-    @property
-    def state_spec(self) -> StateSpec:
-        dt = self.backbone.embeddings.weight.dtype
-        return StateSpec(tuple(m.state_layer_spec(dt, self.ssm_dtype) for m in self._mambas))
+        mambas = [b.mixer for b in self.backbone.layers if b.kind == MAMBA]
+        head_dim = attn[0].head_dim if attn else 1
+        self._init_memory(len(attn), config.num_key_value_heads, head_dim, mambas)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = getattr(self.config, "tie_word_embeddings", False)

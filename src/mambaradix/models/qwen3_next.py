@@ -16,13 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from mambaradix.core import ForwardContext, KVSpec, StateSpec
+from mambaradix.core import ForwardContext
 from mambaradix.layers.attention import BatchLayout, pooled_attention
 from mambaradix.layers.gated_delta_net import GDN_MERGES, GatedDeltaNet
 from mambaradix.layers.mlp import GATE_UP_MERGE, GatedMLP
 from mambaradix.layers.moe import SparseMoeBlock, stack_expert_weights
 from mambaradix.layers.norm import RMSNorm
 from mambaradix.layers.rotary import RotaryEmbedding
+from mambaradix.models.base import HybridCausalLM
 from mambaradix.models.loader import assign_weights, merge_weights
 from mambaradix.models.registry import register_model
 from mambaradix.models.tiny import register_tiny, size_dims
@@ -89,23 +90,17 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(HybridCausalLM):
     """Runtime model for Qwen3-Next / Qwen3.5 checkpoints (contract: ``models/base.py``)."""
 
     gdn_layout = "qwen3_next"
 
     def __init__(self, config: Any, ssm_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.config = config
         cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self._init_common(cfg, ssm_dtype)
+        self.config = config  # the full config (multimodal for Qwen3.5); text part below
         self.text_config = cfg
-        self.ssm_dtype = ssm_dtype
-        self.vocab_size = cfg.vocab_size
-        self.max_position_embeddings = cfg.max_position_embeddings
-        eos = getattr(cfg, "eos_token_id", None)
-        self.eos_token_ids: list[int] = (
-            [] if eos is None else list(eos if isinstance(eos, list) else [eos])
-        )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.head_dim = head_dim
         self.rotary = RotaryEmbedding(cfg, head_dim)
@@ -143,6 +138,8 @@ class Qwen3NextForCausalLM(nn.Module):
         )
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        gdn = [layer.linear_attn for layer in self.layers if layer.mixer_kind == "gdn"]
+        self._init_memory(n_attn, cfg.num_key_value_heads, head_dim, gdn)
 
     def _make_mlp(self, cfg: Any, i: int) -> nn.Module:
         num_experts = getattr(cfg, "num_experts", 0) or 0
@@ -159,27 +156,6 @@ class Qwen3NextForCausalLM(nn.Module):
                 act=cfg.hidden_act,
             )
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-
-    # ------------------------------------------------------------------ memory specs
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
-
-    @property
-    def kv_spec(self) -> KVSpec:
-        cfg = self.text_config
-        return KVSpec(self.num_attn_layers, cfg.num_key_value_heads, self.head_dim, self.dtype)
-
-    @property
-    def state_spec(self) -> StateSpec:
-        return StateSpec(
-            tuple(
-                layer.linear_attn.state_spec(self.dtype, self.ssm_dtype)
-                for layer in self.layers
-                if layer.mixer_kind == "gdn"
-            )
-        )
 
     # ------------------------------------------------------------------ forward
 
