@@ -114,3 +114,14 @@ def test_lpm_policy_same_outputs_and_hits(rng):
         lpm = eng.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [r["output_ids"] for r in lpm] == [r["output_ids"] for r in fcfs]
     assert sum(r["meta_info"]["cached_tokens"] >= 192 for r in lpm) == 7
+
+
+def test_token_slice_spans_prompt_outputs_and_placeholders():
+    from mambaradix.engine.request import Req
+
+    r = Req(rid="x", prompt_ids=[1, 2, 3, 4], params=SamplingParams())
+    r.output_ids, r.futures = [5, 6], [-7, -8]
+    full = [1, 2, 3, 4, 5, 6, -7, -8]
+    for a in range(9):
+        for b in range(a, 9):
+            assert r.token_slice(a, b) == full[a:b]

@@ -58,6 +58,21 @@ class Req:
         """All known tokens (prompt + outputs); excludes a token still in flight."""
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + outputs + in-flight placeholders, without building
+        the whole sequence (this runs for every request in every step)."""
+        n_prompt, n_known = len(self.prompt_ids), len(self.prompt_ids) + len(self.output_ids)
+        if end <= n_prompt:
+            return self.prompt_ids[start:end]
+        if start >= n_prompt and end <= n_known:
+            return self.output_ids[start - n_prompt : end - n_prompt]
+        ids = (
+            self.prompt_ids[start:end] + self.output_ids[max(0, start - n_prompt) : end - n_prompt]
+        )
+        if end > n_known:
+            ids += self.futures[max(0, start - n_known) : end - n_known]
+        return ids
+
     def num_outputs(self) -> int:
         return len(self.output_ids) + len(self.futures)
 

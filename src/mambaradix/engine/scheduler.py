@@ -203,10 +203,7 @@ class Scheduler:
 
     def _add_entry(self, plan: BatchPlan, req: Req, end: int, snap: int | None = None) -> None:
         start = req.fed_len
-        known = req.tokens()
-        ids = known[start:end]
-        if end > len(known):  # the tokens sampled by batches still in flight
-            ids = ids + req.futures[: end - len(known)]
+        ids = req.token_slice(start, end)  # may hold placeholders of tokens still in flight
         entry = Entry(req, end)
         if snap is None and self.cache.enabled and end - start == 1:
             snap = end if (end % self.cfg.mamba_track_interval == 0) else None
