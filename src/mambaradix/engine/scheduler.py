@@ -19,15 +19,10 @@ import torch
 from mambaradix.cache.request_cache import NO_BUFFER, RequestCache
 from mambaradix.config import EngineConfig
 from mambaradix.core import FinishReason, ForwardBatch, ForwardReq, StateOps
-from mambaradix.engine.planner import (
-    admission_targets,
-    align_down,
-    common_prefix_len,
-    plan_segment,
-    snapshot_alignment,
-)
+from mambaradix.engine.planner import admission_targets, plan_segment, snapshot_alignment
 from mambaradix.engine.request import Req, ReqStatus
 from mambaradix.engine.runner import ModelRunner, RunBatch, RunResult, future_id
+from mambaradix.engine.sharing import held_for_sharing, shared_with_queue
 
 logger = logging.getLogger(__name__)
 
@@ -250,10 +245,14 @@ class Scheduler:
                 break
             tokens = req.tokens()
             m = matches.get(id(req)) or self.cache.match(tokens)
-            if self._held(req, m.prefix_len):
+            if held_for_sharing(req, m.prefix_len, self.running, self._wanted, self.align):
                 self.stats.held_for_sharing += 1
                 continue
-            queue_branch = self._queue_branch(req, m.prefix_len) if self.cache.enabled else 0
+            queue_branch = (
+                shared_with_queue(req, self.waiting, m.prefix_len, self.align)
+                if self.cache.enabled
+                else 0
+            )
             wanted = admission_targets(
                 seq_len=len(tokens),
                 prefix_len=m.prefix_len,
@@ -291,46 +290,6 @@ class Scheduler:
             plan.entries[-1].resumed = m.prefix_len > 0
             budget -= taken
         return budget
-
-    def _held(self, req: Req, prefix_len: int) -> bool:
-        """In-batch prefix sharing: hold a waiting request back while a running one is about
-        to snapshot a longer prefix both share. A running request still in prefill that has not
-        yet passed the shared point is asked to snapshot there."""
-        n_req = len(req.prompt_ids) + len(req.output_ids)
-        ids = None
-        for r in self.running:
-            for t in r.share_targets:
-                if prefix_len < t < n_req:
-                    ids = req.prefix_ids() if ids is None else ids
-                    if (ids[:t] == r.prefix_ids()[:t]).all():
-                        return True
-            n_r = len(r.prompt_ids) + len(r.output_ids)
-            if r.fed_len >= n_r - 1 or r.prompt_ids[0] != req.prompt_ids[0]:
-                continue  # not in prefill any more, or nothing shared
-            ids = req.prefix_ids() if ids is None else ids
-            lcp = req.lcp_cache.get(r.rid)
-            if lcp is None:
-                lcp = req.lcp_cache[r.rid] = common_prefix_len(ids, r.prefix_ids())
-            p = align_down(min(lcp, n_req - 1, n_r - 1), self.align)
-            if p > prefix_len and p > r.fed_len and p > r.rc.tree_len:
-                r.share_targets.append(p)
-                wanted = self._wanted.setdefault(r, [])
-                if p not in wanted:
-                    wanted.append(p)
-                    wanted.sort()
-                return True
-        return False
-
-    def _queue_branch(self, req: Req, prefix_len: int) -> int:
-        """Longest aligned prefix this request shares with another waiting request."""
-        ids = req.prefix_ids()
-        best = 0
-        for w in self.waiting:
-            if w is req or w.prompt_ids[0] != req.prompt_ids[0]:
-                continue
-            n = min(common_prefix_len(ids, w.prefix_ids()), len(w.prompt_ids) - 1)
-            best = max(best, align_down(n, self.align))
-        return best if best > prefix_len else 0
 
     # ------------------------------------------------------------------ memory pressure
 

@@ -1,0 +1,57 @@
+"""In-batch prefix sharing: requests that share a prefix and are waiting or running together.
+
+The first request of a group snapshots at the shared length; the others wait until that state is
+in the tree and then resume from it, so a burst of requests with one system prompt computes it
+once (design.md section 5, "Requests waiting together").
+"""
+
+from __future__ import annotations
+
+from mambaradix.engine.planner import align_down, common_prefix_len
+from mambaradix.engine.request import Req
+
+
+def shared_with_queue(req: Req, waiting: list[Req], prefix_len: int, align: int) -> int:
+    """Longest aligned prefix ``req`` shares with another waiting request (0: none beyond
+    ``prefix_len``): where ``req`` should snapshot for them."""
+    ids = req.prefix_ids()
+    best = 0
+    for w in waiting:
+        if w is req or w.prompt_ids[0] != req.prompt_ids[0]:
+            continue
+        n = min(common_prefix_len(ids, w.prefix_ids()), len(w.prompt_ids) - 1)
+        best = max(best, align_down(n, align))
+    return best if best > prefix_len else 0
+
+
+def held_for_sharing(
+    req: Req, prefix_len: int, running: list[Req], wanted: dict[Req, list[int]], align: int
+) -> bool:
+    """Whether waiting ``req`` (resumable at ``prefix_len``) should wait for a running request
+    that is about to snapshot a longer prefix both share. A running request still in prefill
+    that has not yet passed the shared point gets that point added to its snapshot targets
+    (``share_targets`` and ``wanted``)."""
+    n_req = len(req.prompt_ids) + len(req.output_ids)
+    ids = None
+    for r in running:
+        for t in r.share_targets:
+            if prefix_len < t < n_req:
+                ids = req.prefix_ids() if ids is None else ids
+                if (ids[:t] == r.prefix_ids()[:t]).all():
+                    return True
+        n_r = len(r.prompt_ids) + len(r.output_ids)
+        if r.fed_len >= n_r - 1 or r.prompt_ids[0] != req.prompt_ids[0]:
+            continue  # not in prefill any more, or nothing shared
+        ids = req.prefix_ids() if ids is None else ids
+        lcp = req.lcp_cache.get(r.rid)
+        if lcp is None:
+            lcp = req.lcp_cache[r.rid] = common_prefix_len(ids, r.prefix_ids())
+        p = align_down(min(lcp, n_req - 1, n_r - 1), align)
+        if p > prefix_len and p > r.fed_len and p > r.rc.tree_len:
+            r.share_targets.append(p)
+            targets = wanted.setdefault(r, [])
+            if p not in targets:
+                targets.append(p)
+                targets.sort()
+            return True
+    return False
