@@ -110,3 +110,25 @@ def test_cache_disabled_never_hits(rng):
         eng.check_integrity()
     assert [cached(r) for r in res] == [0, 0, 0]
     assert res[0]["output_ids"] == res[1]["output_ids"] == res[2]["output_ids"]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_paged_next_chat_turn_and_repeat(overlap, rng):
+    """With pages of 16 the tree keeps whole pages; extra_buffer still resumes the next turn at
+    the last page boundary (a tracking slot follows decode page by page) and an exact repeat at
+    align_down(L - 1, 16)."""
+    prompt = rand_tokens(rng, 150)
+    with fake_engine(page_size=16, disable_overlap_schedule=not overlap) as eng:
+        for _turn in range(4):
+            n_out = rng.randrange(5, 40)
+            r = eng.generate(
+                input_ids=prompt,
+                sampling_params={**GREEDY, "max_new_tokens": n_out, "ignore_eos": True},
+            )
+            again = eng.generate(input_ids=prompt, sampling_params=GREEDY)
+            assert cached(again) >= (len(prompt) - 1) // 16 * 16
+            history = prompt + r["output_ids"]
+            prompt = history + rand_tokens(rng, 30)
+            nxt = eng.generate(input_ids=prompt, sampling_params=GREEDY)
+            assert cached(nxt) >= (len(history) - 1) // 16 * 16
+            prompt = prompt + nxt["output_ids"] + rand_tokens(rng, 20)

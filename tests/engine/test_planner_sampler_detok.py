@@ -27,9 +27,13 @@ def test_admission_targets():
     got = admission_targets(seq_len=1000, prefix_len=0, kv_len=300, queue_branch=700, align=64)
     assert got == [256, 640, 960]
     exact = admission_targets(
-        seq_len=1000, prefix_len=0, kv_len=0, queue_branch=0, align=64, exact_repeat=True
+        seq_len=1000, prefix_len=0, kv_len=0, queue_branch=0, align=64, repeat_align=1
     )
     assert exact == [999]
+    paged = admission_targets(
+        seq_len=1000, prefix_len=0, kv_len=0, queue_branch=0, align=64, repeat_align=16
+    )
+    assert paged == [992]
     # nothing at or below the resumed prefix
     assert admission_targets(seq_len=100, prefix_len=64, kv_len=64, queue_branch=0, align=64) == []
 

@@ -195,13 +195,28 @@ class RequestCache:
 
     # ------------------------------------------------------------------ end of a request
 
-    def finish(self, rc: ReqCache, tokens: list[int], fed_len: int) -> None:
+    def finish(
+        self,
+        rc: ReqCache,
+        tokens: list[int],
+        fed_len: int,
+        tracked: tuple[int, int] | None = None,
+    ) -> None:
         """Cache what the request computed (KV of tokens [0, fed_len) and the working state at
         fed_len, donated without a copy), then release the rest. Also used on retraction, so a
-        re-queued request resumes where it stopped."""
-        if self.tree is not None and fed_len > rc.tree_len and fed_len % self.page_size == 0:
-            if self._insert(rc, tokens, fed_len, rc.state_slot):
-                rc.state_slot = -1
+        re-queued request resumes where it stopped.
+
+        The tree keeps whole pages only: when fed_len is not page-aligned, ``tracked``
+        ``(position, track index)`` names a tracking slot holding the state at an earlier page
+        boundary, which is donated instead."""
+        if self.tree is not None and fed_len > rc.tree_len:
+            if fed_len % self.page_size == 0:
+                if self._insert(rc, tokens, fed_len, rc.state_slot):
+                    rc.state_slot = -1
+            elif tracked is not None and rc.tree_len < tracked[0] <= fed_len:
+                slot = rc.track_slots[tracked[1]]
+                if self._insert(rc, tokens, tracked[0], slot):
+                    rc.track_slots.remove(slot)
         self.release(rc)
 
     def release(self, rc: ReqCache) -> None:

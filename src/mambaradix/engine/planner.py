@@ -43,19 +43,20 @@ def admission_targets(
     kv_len: int,
     queue_branch: int,
     align: int,
-    exact_repeat: bool = False,
+    repeat_align: int | None = None,
 ) -> list[int]:
     """Snapshot positions a newly admitted request aims for, sorted: the branch point revealed
     by the lookup, the branch point shared with waiting requests, and the exact-repeat point.
 
-    The repeat point is ``seq_len - 1`` itself when ``exact_repeat`` (a tracking slot can take
-    any position inside the last forward at no extra cost), else rounded down to ``align``.
+    The repeat point is ``seq_len - 1`` rounded down to ``repeat_align`` (default ``align``): a
+    tracking slot can take any position inside the last forward at no extra cost, so under
+    ``extra_buffer`` it is the page size (1: exactly ``seq_len - 1``).
     """
     limit = seq_len - 1
     wanted = {
         align_down(min(kv_len, limit), align),  # lookup branch (mid-edge or tombstone)
         align_down(min(queue_branch, limit), align),  # in-batch sharing
-        limit if exact_repeat else align_down(limit, align),  # exact repeat
+        align_down(limit, repeat_align or align),  # exact repeat
     }
     return sorted(w for w in wanted if w > prefix_len)
 

@@ -41,6 +41,8 @@ class Req:
     lcp_cache: dict[str, int] = field(default_factory=dict)  # common prefix with running reqs
     pending_snaps: list[tuple[int, int, int]] = field(default_factory=list)  # (batch, pos, slot)
     track_next: int = 0
+    page_track: tuple[int, int] | None = None  # (page-aligned position, track index) written
+    track_epoch: int = 0  # bumped by every donated tracking snapshot (invalidates page_track)
     inflight: int = 0  # batches containing this request not yet processed
     finish_reason: FinishReason | None = None
     finish_matched: str | int | None = None  # stop string or stop token

@@ -36,6 +36,7 @@ class Entry:
     sample_row: int | None = None
     resumed: bool = False
     track: tuple[int, int] | None = None  # extra_buffer: (position, track index)
+    page_track: tuple[int, int, int] | None = None  # (position, track index, track epoch)
 
 
 @dataclass(slots=True)
@@ -88,7 +89,12 @@ class Scheduler:
         self.on_finish = on_finish
         self.align = snapshot_alignment(cache.page_size)
         self.overlap = not cfg.disable_overlap_schedule
-        self.exact_repeat = cache.page_size == 1 and cache.strategy != NO_BUFFER
+        # extra_buffer snapshots inside a forward at no extra cost: the repeat point is exact
+        # up to the page, and with pages > 1 decodes keep the state at the last page boundary
+        # in a tracking slot, so a finish between pages still leaves a state close behind.
+        tracked = cache.strategy != NO_BUFFER
+        self.repeat_align = cache.page_size if tracked else self.align
+        self.page_tracking = tracked and cache.page_size > 1
         chunk = cfg.chunked_prefill_size
         self.chunk = chunk if chunk > 0 else 1 << 62
         self.waiting: list[Req] = []
@@ -213,6 +219,13 @@ class Scheduler:
                 req.track_next ^= 1
                 snapshots.append((snap - start, req.rc.track_slots[idx]))
                 entry.track = (snap, idx)
+                req.page_track = None  # that slot may be donated: nothing to fall back on
+                req.track_epoch += 1
+        elif self.page_tracking and end - start == 1 and end % self.cache.page_size == 0:
+            # overwrite the next tracking slot with the state at this page boundary; it is
+            # donated only if the request finishes before its next page (see _release_finished)
+            snapshots.append((1, req.rc.track_slots[req.track_next]))
+            entry.page_track = (end, req.track_next, req.track_epoch)
         if end == req.seq_len:
             entry.sample_row = len(plan.run.sample_rows)
             plan.run.sample_rows.append(len(plan.run.forward.reqs))
@@ -259,7 +272,7 @@ class Scheduler:
                 kv_len=m.kv_len,
                 queue_branch=queue_branch,
                 align=self.align,
-                exact_repeat=self.exact_repeat,
+                repeat_align=self.repeat_align,
             )
             first_end = min(len(tokens), m.prefix_len + min(self.chunk, budget))
             if self.cache.enabled:
@@ -318,7 +331,7 @@ class Scheduler:
         if not self.running:
             return
         victim = self.running.pop()
-        self.cache.finish(victim.rc, victim.tokens(), victim.fed_len)
+        self.cache.finish(victim.rc, victim.tokens(), victim.fed_len, victim.page_track)
         self._reset(victim)
         victim.status = ReqStatus.WAITING
         self.waiting.insert(0, victim)
@@ -330,6 +343,7 @@ class Scheduler:
         req.fed_len = 0
         req.share_targets = []
         req.track_next = 0
+        req.page_track = None
         self._need_copy.pop(req, None)
         self._wanted.pop(req, None)
 
@@ -356,6 +370,8 @@ class Scheduler:
                 self.cache.resume_done(req.rc)
             if e.track is not None:
                 self.cache.donate_track(req.rc, e.track[1], req.tokens(), e.track[0])
+            if e.page_track is not None and e.page_track[2] == req.track_epoch:
+                req.page_track = e.page_track[:2]  # still what that slot holds
             if req.share_targets:  # no_buffer: a target at the cut waits for its copy
                 last = e.end - 1 if self.cache.strategy == NO_BUFFER else e.end
                 req.share_targets = [t for t in req.share_targets if t > last]
@@ -408,7 +424,7 @@ class Scheduler:
                 # Report the end only once the request's cache entries are in the tree, so a
                 # follow-up request (the next chat turn) finds them.
                 if req.rc is not None:
-                    self.cache.finish(req.rc, req.tokens(), req.fed_len)
+                    self.cache.finish(req.rc, req.tokens(), req.fed_len, req.page_track)
                 self.on_finish(req)
             req.rc = None
         self.finishing = keep
