@@ -199,3 +199,41 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(rng):
                 eng.submit(bad["input_ids"], SamplingParams(**bad["p"]))
         ok = eng.generate(input_ids=rand_tokens(rng, 10), sampling_params=GREEDY)
     assert len(ok["output_ids"]) >= 1
+
+
+def test_lpm_under_memory_pressure_leaks_nothing():
+    """Longest-prefix-first ordering while admissions evict the tree: same outputs as the
+    unpressured reference, and the integrity check holds after every step."""
+    rng = random.Random(3)
+    systems = [rand_tokens(rng, 100) for _ in range(5)]
+    prompts = [systems[i % 5] + rand_tokens(rng, rng.randrange(10, 80)) for i in range(60)]
+    params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+    with fake_engine(disable_overlap_schedule=True) as ref:
+        want = [r["output_ids"] for r in ref.generate(input_ids=prompts, sampling_params=params)]
+    with fake_engine(schedule_policy="lpm", max_mamba_cache_size=12, max_total_tokens=768) as eng:
+        got = [r["output_ids"] for r in eng.generate(input_ids=prompts, sampling_params=params)]
+        stats = eng.stats()
+        eng.check_integrity()
+    assert got == want
+    assert stats.evicted_kv_tokens > 0 and stats.evicted_states > 0
+
+
+def test_lpm_admission_rematches_after_an_eviction():
+    """Under lpm the queue is ordered by lookups taken before any admission. Admitting W1 evicts
+    the node W2 had matched: W2 must be matched again (a stale lookup would lock a deleted node)."""
+    sched = make_scheduler(
+        schedule_policy="lpm", max_total_tokens=200, disable_overlap_schedule=True
+    )
+    a, b = [1] * 60, [2] * 100
+    for rid, ids in (("a", a), ("b", b)):
+        sched.add(new_req(rid, ids, n=1))
+        run_to_end(sched)
+    assert sched.cache.tree.total_kv() == 160
+    w1 = new_req("w1", b + [3] * 50, n=1)
+    w2 = new_req("w2", a + [4] * 5, n=1)
+    sched.add(w2)
+    sched.add(w1)
+    run_to_end(sched)
+    assert w1.cached_tokens == 100  # ordered first: the longer prefix
+    assert w2.cached_tokens == 0  # its prefix was evicted to make room for w1
+    assert_all_free(sched)

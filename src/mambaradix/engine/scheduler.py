@@ -249,15 +249,15 @@ class Scheduler:
         if not self.waiting:
             return budget
         order = self.waiting
-        matches = {}
         if self.cfg.schedule_policy == "lpm" and self.cache.enabled:
-            matches = {id(r): self.cache.match(r.tokens()) for r in self.waiting}
-            order = sorted(self.waiting, key=lambda r: -matches[id(r)].prefix_len)
+            hits = {id(r): self.cache.match(r.tokens()).prefix_len for r in self.waiting}
+            order = sorted(self.waiting, key=lambda r: -hits[id(r)])
         for req in list(order):
             if len(self.running) >= self.max_running or budget <= 0:
                 break
             tokens = req.tokens()
-            m = matches.get(id(req)) or self.cache.match(tokens)
+            # matched again right before admission: an earlier admission may have evicted nodes
+            m = self.cache.match(tokens)
             if held_for_sharing(req, m.prefix_len, self.running, self._wanted, self.align):
                 self.stats.held_for_sharing += 1
                 continue
