@@ -33,7 +33,7 @@ from mambaradix.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-ARRIVAL_WINDOW_S = 0.003
+ARRIVAL_WINDOW_S = 0.01  # waking from idle: how long a burst may take to arrive
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
