@@ -223,10 +223,6 @@ class ForwardContext:
     def num_reqs(self) -> int:
         return len(self.reqs)
 
-    @property
-    def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.extend_lens)
-
     def last_token_rows(self) -> torch.Tensor:
         """Row of each request's last new token (where its next-token logits come from)."""
         return torch.tensor(

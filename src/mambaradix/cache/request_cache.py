@@ -161,9 +161,6 @@ class RequestCache:
 
     # ------------------------------------------------------------------ snapshots
 
-    def track_slot(self, rc: ReqCache, index: int) -> int:
-        return rc.track_slots[index]
-
     def alloc_snapshot_slot(self, rc: ReqCache) -> int | None:
         """no_buffer: a new slot for a recorded working -> snapshot copy (held until inserted)."""
         got = self._alloc_state(1)

@@ -70,3 +70,14 @@ class HybridCausalLM(torch.nn.Module):
         return StateSpec(
             tuple(m.state_layer_spec(self.dtype, self.ssm_dtype) for m in self._mixers)
         )
+
+
+def pool_layer_indices(is_attention: list[bool], is_state: list[bool]) -> list[tuple[int, int]]:
+    """For each decoder layer, ``(attention index, state index)``: its layer in the KV pool and
+    in the state pool (each counts only the earlier layers of its kind; a layer may be neither,
+    as NemotronH's MLP blocks)."""
+    out, attn, state = [], 0, 0
+    for a, s in zip(is_attention, is_state):
+        out.append((attn, state))
+        attn, state = attn + a, state + s
+    return out

@@ -24,7 +24,7 @@ from mambaradix.layers.mlp import activation
 from mambaradix.layers.moe import experts_forward
 from mambaradix.layers.norm import RMSNorm
 from mambaradix.layers.rotary import RotaryEmbedding
-from mambaradix.models.base import HybridCausalLM
+from mambaradix.models.base import HybridCausalLM, pool_layer_indices
 from mambaradix.models.loader import assign_weights
 from mambaradix.models.registry import register_model
 from mambaradix.models.tiny import register_tiny
@@ -198,11 +198,10 @@ class _GraniteBody(nn.Module):
         super().__init__()
         kinds = layer_kinds(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        layers, a, s = [], 0, 0
-        for kind in kinds:
-            layers.append(GraniteHybridLayer(config, kind, a, s))
-            a, s = a + (kind == ATTENTION), s + (kind == MAMBA)
-        self.layers = nn.ModuleList(layers)
+        idx = pool_layer_indices([k == ATTENTION for k in kinds], [k == MAMBA for k in kinds])
+        self.layers = nn.ModuleList(
+            GraniteHybridLayer(config, kind, a, s) for kind, (a, s) in zip(kinds, idx)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -20,7 +20,7 @@ from mambaradix.layers.attention import BatchLayout, pooled_attention
 from mambaradix.layers.norm import RMSNorm
 from mambaradix.layers.rotary import RotaryEmbedding
 from mambaradix.layers.short_conv import ShortConv
-from mambaradix.models.base import HybridCausalLM
+from mambaradix.models.base import HybridCausalLM, pool_layer_indices
 from mambaradix.models.loader import assign_weights
 from mambaradix.models.registry import register_model
 from mambaradix.models.tiny import register_tiny
@@ -111,12 +111,11 @@ class _Lfm2Body(nn.Module):
     def __init__(self, config: Any, kinds: list[str]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        layers, a, s = [], 0, 0
-        for kind in kinds:
-            is_attn = kind != "conv"
-            layers.append(Lfm2Layer(config, is_attn, a, s))
-            a, s = a + is_attn, s + (not is_attn)
-        self.layers = nn.ModuleList(layers)
+        is_attn = [k != "conv" for k in kinds]
+        self.layers = nn.ModuleList(
+            Lfm2Layer(config, att, a, s)
+            for att, (a, s) in zip(is_attn, pool_layer_indices(is_attn, [not x for x in is_attn]))
+        )
         self.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps)
 
 

@@ -21,7 +21,7 @@ from mambaradix.layers.attention import BatchLayout
 from mambaradix.layers.mamba2 import Mamba2Mixer
 from mambaradix.layers.mlp import activation
 from mambaradix.layers.norm import RMSNorm
-from mambaradix.models.base import HybridCausalLM
+from mambaradix.models.base import HybridCausalLM, pool_layer_indices
 from mambaradix.models.granite_hybrid import ATTENTION, MAMBA, ProjAttention, layer_kinds
 from mambaradix.models.loader import assign_weights
 from mambaradix.models.registry import register_model
@@ -185,11 +185,10 @@ class _Backbone(nn.Module):
     def __init__(self, config: Any, kinds: list[str]) -> None:
         super().__init__()
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        layers, a, s = [], 0, 0
-        for kind in kinds:
-            layers.append(NemotronBlock(config, kind, a, s))
-            a, s = a + (kind == ATTENTION), s + (kind == MAMBA)
-        self.layers = nn.ModuleList(layers)
+        idx = pool_layer_indices([k == ATTENTION for k in kinds], [k == MAMBA for k in kinds])
+        self.layers = nn.ModuleList(
+            NemotronBlock(config, kind, a, s) for kind, (a, s) in zip(kinds, idx)
+        )
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
 
