@@ -106,3 +106,33 @@ def test_decode_cascade_over_shared_prefixes_matches_per_request_softmax():
             v = v_pool[slots].repeat_interleave(hq // hkv, 1)
             p = torch.einsum("hd,lhd->hl", qq[b], k).mul(0.3).softmax(-1)
             torch.testing.assert_close(out[b], torch.einsum("hl,lhd->hd", p, v), atol=1e-5, rtol=0)
+
+
+def test_decode_cascade_batches_groups_of_equal_prefix_length():
+    """Groups with the same shared length run as one batched piece (the smaller group padded
+    with copies of a member); each request still gets its own exact softmax."""
+    from mambaradix.kernels.attention import shared_prefixes
+
+    torch.manual_seed(1)
+    hq, hkv, d, pool = 8, 2, 16, 6000
+    k_pool, v_pool = torch.randn(pool, hkv, d), torch.randn(pool, hkv, d)
+    perm = torch.randperm(pool)
+    own = iter(perm[300:].split(11))
+    prefixes = [perm[:64], perm[64:128], perm[128:192], perm[192:232]]
+    sizes = [5, 2, 3, 4]  # three groups share 64 slots, one 40
+    rows = [torch.cat([p, next(own)[: 3 + i]]) for p, n in zip(prefixes, sizes) for i in range(n)]
+    order = torch.randperm(len(rows)).tolist()  # members of a group are not adjacent
+    rows = [rows[i] for i in order]
+    lens = torch.tensor([len(r) for r in rows])
+    table = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
+    groups = shared_prefixes(table, lens)
+    assert sorted(len(m) for m, _ in groups) == [2, 3, 4, 5]
+    assert sorted(p for _, p in groups) == [40, 64, 64, 64]
+    q = torch.randn(len(rows), hq, d)
+    out = attention_decode(q, k_pool, v_pool, table, lens, 0.25, groups)
+    for b in range(len(rows)):
+        slots = table[b, : lens[b]]
+        k = k_pool[slots].repeat_interleave(hq // hkv, 1)
+        v = v_pool[slots].repeat_interleave(hq // hkv, 1)
+        p = torch.einsum("hd,lhd->hl", q[b], k).mul(0.25).softmax(-1)
+        torch.testing.assert_close(out[b], torch.einsum("hl,lhd->hd", p, v), atol=1e-5, rtol=0)

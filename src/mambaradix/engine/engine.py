@@ -26,6 +26,7 @@ from mambaradix.cache.state_pool import StatePool
 from mambaradix.config import EngineConfig
 from mambaradix.core import FinishReason, SamplingParams, StateSpec
 from mambaradix.engine.detokenizer import DetokState, IncrementalDetokenizer, find_stop, holdback
+from mambaradix.engine.omp import release_thread_pool
 from mambaradix.engine.outputs import EngineStats, RequestHandle, RequestOutput
 from mambaradix.engine.request import Req
 from mambaradix.engine.runner import ModelRunner
@@ -133,6 +134,8 @@ class Engine:
         self._error: BaseException | None = None
         self._stop = False
         self._ids = itertools.count()
+        # Loading ran torch on this thread; its OpenMP pool would slow the runner's (engine.omp).
+        release_thread_pool()
         self._thread = threading.Thread(target=self._loop, name="mambaradix-engine", daemon=True)
         self._thread.start()
         logger.info(

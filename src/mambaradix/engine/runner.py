@@ -56,6 +56,7 @@ class ModelRunner:
         self.device = device
         self._sampled: dict[int, list[int]] = {}
         self._executor: ThreadPoolExecutor | None = None
+        self._num_threads = torch.get_num_threads()
 
     def _resolve(self, ids: list[int]) -> list[int]:
         out = []
@@ -86,10 +87,16 @@ class ModelRunner:
         return RunResult(batch.batch_id, tokens, logprobs)
 
     def submit(self, batch: RunBatch) -> Future:
-        """Run asynchronously on the runner's single worker thread (overlap scheduling)."""
+        """Run on the runner's single worker thread. Every forward runs there, with overlap or
+        without, so that one thread owns the OpenMP pool (see ``engine.omp``)."""
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="mambaradix-runner")
+            self._executor = ThreadPoolExecutor(
+                1, thread_name_prefix="mambaradix-runner", initializer=self._init_thread
+            )
         return self._executor.submit(self.run, batch)
+
+    def _init_thread(self) -> None:
+        torch.set_num_threads(self._num_threads)  # the caller's setting (--num-threads)
 
     def shutdown(self) -> None:
         if self._executor is not None:

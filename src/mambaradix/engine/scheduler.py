@@ -135,7 +135,7 @@ class Scheduler:
             if plan:
                 self.inflight = (plan, fut)
         elif plan:
-            self._process(plan, self.runner.run(plan.run))
+            self._process(plan, self.runner.submit(plan.run).result())
         self._release_finished()
 
     def drain(self) -> None:

@@ -64,37 +64,51 @@ def attention_decode(
     B, Hq, D = q.shape
     hkv = k_pool.shape[1]
     qg = q.to(k_pool.dtype).view(B, hkv, Hq // hkv, D)
-    shared = torch.zeros(B, dtype=torch.long)
-    pieces = []
     if groups is None:
         groups = shared_prefixes(slot_table, seq_lens)
+    shared = torch.zeros(B, dtype=torch.long)
     for members, plen in groups:
         shared[members] = plen
-        pieces.append(
-            (
-                members,
-                _partial(
-                    qg[members], k_pool, v_pool, slot_table[members[:1], :plen], None, scale, True
-                ),
-            )
-        )
     own_lens = seq_lens - shared
     lo = int(own_lens.max())
     idx = (shared[:, None] + torch.arange(lo)[None, :]).clamp_(max=slot_table.shape[1] - 1)
     own = slot_table.gather(1, idx)
     valid = torch.arange(lo)[None, :] < own_lens[:, None]
-    m, s, o = _partial(qg, k_pool, v_pool, own, valid, scale, False)
-    for members, (ms, ss, os_) in pieces:
-        mo, so, oo = m[members], s[members], o[members]
+    m, s, o = _partial(qg, k_pool, v_pool, own, valid, scale)
+    for rows, (ms, ss, os_) in _shared_pieces(qg, k_pool, v_pool, slot_table, groups, scale):
+        mo, so, oo = m[rows], s[rows], o[rows]
         top = torch.maximum(mo, ms)
         a, b = torch.exp(mo - top), torch.exp(ms - top)
-        m[members], s[members], o[members] = (
-            top,
-            so * a + ss * b,
-            oo * a[..., None] + os_ * b[..., None],
-        )
+        m[rows], s[rows], o[rows] = top, so * a + ss * b, oo * a[..., None] + os_ * b[..., None]
     out = o / s[..., None]
     return out.reshape(B, Hq, -1).to(q.dtype)
+
+
+def _gather_kv(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V at ``slots`` [n, L], gathered straight into [n, Hkv, L, D] (contiguous for the
+    matmuls)."""
+    n, length = slots.shape
+    g = k_pool.shape[1]
+    flat = (slots[:, None, :] * g + torch.arange(g)[None, :, None]).reshape(-1)
+    k = k_pool.reshape(-1, k_pool.shape[-1]).index_select(0, flat).view(n, g, length, -1)
+    v = v_pool.reshape(-1, v_pool.shape[-1]).index_select(0, flat).view(n, g, length, -1)
+    return k, v
+
+
+def _softmax_pieces(
+    qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unnormalized softmax of ``qg`` [n, G, M, D] over ``k``/``v`` [n, G, L, D] (``valid``
+    [n, L] masks keys): running max [n, G, M], sum of exponentials [n, G, M] and weighted
+    values [n, G, M, Dv]."""
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
+    if valid is not None:
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    top = scores.amax(-1)
+    e = torch.exp(scores - top[..., None])
+    return top, e.sum(-1), torch.matmul(e.to(v.dtype), v).float()
 
 
 def _partial(
@@ -102,34 +116,48 @@ def _partial(
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     slots: torch.Tensor,
-    valid: torch.Tensor | None,
+    valid: torch.Tensor,
     scale: float,
-    broadcast: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unnormalized softmax pieces of ``qg`` [B, G, R, D] over the keys at ``slots`` [B', L]
-    (B' = 1 with ``broadcast``: every query reads the same keys): running max ``[B, G, R]``,
-    sum of exponentials ``[B, G, R]`` and weighted values ``[B, G, R, Dv]``."""
-    n, length = slots.shape
-    g = k_pool.shape[1]
-    # Gather straight into [n, G, L, D] (contiguous for the matmuls).
-    flat = (slots[:, None, :] * g + torch.arange(g)[None, :, None]).reshape(-1)
-    k = k_pool.reshape(-1, k_pool.shape[-1]).index_select(0, flat).view(n, g, length, -1)
-    v = v_pool.reshape(-1, v_pool.shape[-1]).index_select(0, flat).view(n, g, length, -1)
-    b, _, r, d = qg.shape
-    if broadcast:  # [B, G, R, D] -> [G, B*R, D] against one [G, L, D]
-        qb = qg.permute(1, 0, 2, 3).reshape(g, b * r, d)
-        scores = torch.matmul(qb, k[0].transpose(-1, -2)).float() * scale  # [G, B*R, L]
-        top = scores.amax(-1, keepdim=True)
-        e = torch.exp(scores - top)
-        o = torch.matmul(e.to(v.dtype), v[0]).float()  # [G, B*R, Dv]
-        unfold = lambda t: t.view(g, b, r, -1).permute(1, 0, 2, 3)  # noqa: E731
-        return unfold(top)[..., 0], unfold(e.sum(-1, keepdim=True))[..., 0], unfold(o)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, G, R, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    top = scores.amax(-1)
-    e = torch.exp(scores - top[..., None])
-    o = torch.matmul(e.to(v.dtype), v).float()
-    return top, e.sum(-1), o
+    """Softmax pieces of each request ``qg`` [B, G, R, D] over its own keys ``slots`` [B, L]."""
+    k, v = _gather_kv(k_pool, v_pool, slots)
+    return _softmax_pieces(qg, k, v, valid, scale)
+
+
+def _shared_pieces(
+    qg: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slot_table: torch.Tensor,
+    groups: list[tuple[torch.Tensor, int]],
+    scale: float,
+) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """Softmax pieces of every grouped request over its group's shared prefix, as
+    ``[(rows, (max, sum, values))]``. Groups with the same prefix length share one batched
+    matmul: each group's prefix is read once, and its members' queries are stacked against it
+    (groups with fewer members are padded with copies of a member, dropped afterwards)."""
+    by_len: dict[int, list[torch.Tensor]] = {}
+    for members, plen in groups:
+        by_len.setdefault(plen, []).append(members)
+    _, g, r, d = qg.shape
+    pieces = []
+    for plen, mems in by_len.items():
+        n, width = len(mems), max(len(mb) for mb in mems)
+        padded = torch.stack([F.pad(mb, (0, width - len(mb)), value=int(mb[0])) for mb in mems])
+        k, v = _gather_kv(k_pool, v_pool, slot_table[padded[:, 0], :plen])
+        # [n*width, G, R, D] -> [n, G, width*R, D]: a group's queries against its one prefix
+        qb = qg[padded.reshape(-1)].view(n, width, g, r, d).transpose(1, 2).reshape(n, g, -1, d)
+        top, tot, val = _softmax_pieces(qb, k, v, None, scale)
+
+        def unfold(t: torch.Tensor, n: int = n, width: int = width) -> torch.Tensor:
+            return t.reshape(n, g, width, r, -1).transpose(1, 2).reshape(n * width, g, r, -1)
+
+        keep = torch.cat([torch.arange(len(mb)) + i * width for i, mb in enumerate(mems)])
+        rows = torch.cat(mems)
+        pieces.append(
+            (rows, (unfold(top)[keep, ..., 0], unfold(tot)[keep, ..., 0], unfold(val)[keep]))
+        )
+    return pieces
 
 
 def shared_prefixes(
