@@ -25,8 +25,8 @@ from mambaradix.cache.request_cache import EXTRA_BUFFER, RequestCache
 from mambaradix.cache.state_pool import StatePool
 from mambaradix.config import EngineConfig
 from mambaradix.core import FinishReason, SamplingParams, StateSpec
+from mambaradix.engine.cpu_runtime import keep_freed_memory, release_thread_pool
 from mambaradix.engine.detokenizer import DetokState, IncrementalDetokenizer, find_stop, holdback
-from mambaradix.engine.omp import release_thread_pool
 from mambaradix.engine.outputs import EngineStats, RequestHandle, RequestOutput
 from mambaradix.engine.request import Req
 from mambaradix.engine.runner import ModelRunner
@@ -134,8 +134,11 @@ class Engine:
         self._error: BaseException | None = None
         self._stop = False
         self._ids = itertools.count()
-        # Loading ran torch on this thread; its OpenMP pool would slow the runner's (engine.omp).
+        # Loading ran torch on this thread; its OpenMP pool would slow the runner's, and glibc
+        # would hand the forwards' temporaries back to the OS (engine.cpu_runtime).
         release_thread_pool()
+        if cfg.device == "cpu":
+            keep_freed_memory()
         self._thread = threading.Thread(target=self._loop, name="mambaradix-engine", daemon=True)
         self._thread.start()
         logger.info(

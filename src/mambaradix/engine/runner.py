@@ -88,7 +88,7 @@ class ModelRunner:
 
     def submit(self, batch: RunBatch) -> Future:
         """Run on the runner's single worker thread. Every forward runs there, with overlap or
-        without, so that one thread owns the OpenMP pool (see ``engine.omp``)."""
+        without, so that one thread owns the OpenMP pool (see ``engine.cpu_runtime``)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
                 1, thread_name_prefix="mambaradix-runner", initializer=self._init_thread

@@ -1,4 +1,5 @@
-"""The engine keeps one OpenMP worker pool: the thread that built it releases its own."""
+"""CPU runtime settings: one OpenMP worker pool (the thread that built the engine releases its
+own), and glibc malloc told to keep freed memory."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 SCRIPT = textwrap.dedent(
     """
     import os, torch
-    from mambaradix.engine.omp import release_thread_pool
+    from mambaradix.engine.cpu_runtime import release_thread_pool
 
     def threads():
         return len(os.listdir("/proc/self/task"))
@@ -37,3 +38,10 @@ def test_release_thread_pool_frees_the_callers_workers():
     assert with_pool > before  # the parallel op started workers
     assert ok == "True"
     assert after == before  # and releasing the pool stopped them
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+def test_keep_freed_memory_is_accepted_by_glibc():
+    from mambaradix.engine.cpu_runtime import keep_freed_memory
+
+    assert keep_freed_memory() is True
