@@ -233,6 +233,14 @@ def check_snapshots(o: Oracle, n: int = 100, points=(1, 2, 3, 64, 65, 99, 100)) 
     for p, s in snaps:
         assert_states_close(o.slot_state(s), o.hf_states_after(toks[:p]), f"snapshot at {p}")
     assert_states_close(o.slot_state(slot), o.hf_states_after(toks), "final working state")
+    # Chunk-boundary snapshots come out of the kernel without a cut: 64 and 128 inside the
+    # first piece, 129 cuts, 193 is a boundary of the piece that starts at 129.
+    toks3 = o.tokens(200, seed=5)
+    kv3, slot3 = o.new_request(200)
+    snaps3 = list(zip((64, 128, 129, 193), o.states.alloc(4)))
+    o.run(toks3, kv3, slot3, snapshots=snaps3)
+    for p, s in snaps3:
+        assert_states_close(o.slot_state(s), o.hf_states_after(toks3[:p]), f"snapshot at {p}")
     # Resumed: prefix 2 (< conv kernel - 1), snapshot after 1 more token and after 70.
     kv2, slot2 = o.new_request(n)
     o.run(toks[:2], kv2, slot2)

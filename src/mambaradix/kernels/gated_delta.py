@@ -58,13 +58,16 @@ def chunk_gated_delta_rule(
     initial_state: torch.Tensor,
     chunk_size: int = 64,
     use_qk_l2norm: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    chunk_states: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Chunked gated delta rule over B equal-length (right-padded) sequences.
 
     Shapes: q, k ``[B, T, Hk, Dk]``; v ``[B, T, Hv, Dv]``; g, beta ``[B, T, Hv]``;
     initial_state ``[B, Hv, Dk, Dv]``. Returns ``(out [B, T, Hv, Dv] in v's dtype,
-    final_state [B, Hv, Dk, Dv] fp32)``. Exact (up to rounding) for any T; splitting a sequence
-    and chaining final -> initial state gives the same result.
+    final_state [B, Hv, Dk, Dv] fp32)``, and with ``chunk_states`` also the state after every
+    chunk ``[B, N, Hv, Dk, Dv]`` (entry n: after the first (n+1) * chunk_size tokens). Exact (up
+    to rounding) for any T; splitting a sequence and chaining final -> initial state gives the
+    same result.
     """
     B, T, Hv, Dv = v.shape
     out_dtype = v.dtype
@@ -106,11 +109,16 @@ def chunk_gated_delta_rule(
 
     state = initial_state.float().clone()
     out = torch.empty(B, Hv, N, C, Dv, dtype=torch.float32, device=v.device)
+    kept = [] if chunk_states else None
     for n in range(N):
         u = w[:, :, n] - kc[:, :, n] @ state
         out[:, :, n] = q_dec[:, :, n] @ state + qk[:, :, n] @ u
         state = state * chunk_decay[:, :, n] + k_dec[:, :, n].transpose(-1, -2) @ u
+        if kept is not None:
+            kept.append(state)
     out = out.reshape(B, Hv, N * C, Dv)[:, :, :T].transpose(1, 2)
+    if kept is not None:
+        return out.to(out_dtype), state, torch.stack(kept, dim=1)
     return out.to(out_dtype), state
 
 

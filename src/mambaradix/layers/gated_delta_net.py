@@ -165,16 +165,21 @@ class GatedDeltaNet(nn.Module):
             seg, weight, self.conv1d.bias, init_conv, lens, self.activation
         )
         q_all, k_all, v_all = self._split_qkv(conv_out)
-        # Each request's new tokens are cut at its snapshot offsets into pieces; round r runs
-        # the r-th piece of every request, batched by chunk count and right-padded with no-op
-        # tokens (beta = 0, g = 0 leave the state unchanged), so one kernel call serves many.
+        # Each request's new tokens are cut into pieces at the snapshot offsets that do not fall
+        # on a chunk boundary of their piece (the state at a boundary is a by-product of the
+        # kernel); round r runs the r-th piece of every request, batched by chunk count and
+        # right-padded with no-op tokens (beta = 0, g = 0 leave the state unchanged), so one
+        # kernel call serves many.
         offs = [0]
         for n in lens[:-1]:
             offs.append(offs[-1] + n)
         bounds = []
         for j, i in enumerate(idx):
-            cuts = sorted({m for m, _ in ctx.reqs[i].snapshots if 0 < m < lens[j]})
-            bounds.append([0, *cuts, lens[j]])
+            cuts = [0]
+            for m in sorted({m for m, _ in ctx.reqs[i].snapshots if 0 < m < lens[j]}):
+                if (m - cuts[-1]) % self.chunk_size:
+                    cuts.append(m)
+            bounds.append([*cuts, lens[j]])
         state = [ssm_pool[sl].float() for sl in slots]
         states_at: list[dict[int, torch.Tensor]] = [{} for _ in idx]
         chunk = get_kernel("chunk_gated_delta_rule")
@@ -203,7 +208,8 @@ class GatedDeltaNet(nn.Module):
         self, chunk, members, rnd, bounds, offs, starts, q_all, k_all, v_all, g, beta,
         state, states_at, core,
     ) -> None:  # fmt: skip
-        """One batched kernel call over piece ``rnd`` of the ``members`` requests."""
+        """One batched kernel call over piece ``rnd`` of the ``members`` requests; records the
+        state at the piece's end and at every chunk boundary inside it."""
         spans = [(bounds[j][rnd], bounds[j][rnd + 1]) for j in members]
         width = max(p1 - p0 for p0, p1 in spans)
 
@@ -215,7 +221,7 @@ class GatedDeltaNet(nn.Module):
                 rows.append(F.pad(piece, pad))
             return torch.stack(rows)
 
-        o, new_state = chunk(
+        o, new_state, inner = chunk(
             stack(q_all, offs),
             stack(k_all, offs),
             stack(v_all, offs),
@@ -223,8 +229,12 @@ class GatedDeltaNet(nn.Module):
             stack(beta, starts),
             torch.stack([state[j] for j in members]),
             self.chunk_size,
+            chunk_states=True,
         )
+        C = self.chunk_size
         for row, (j, (p0, p1)) in enumerate(zip(members, spans)):
             core[starts[j] + p0 : starts[j] + p1] = o[row, : p1 - p0]
             state[j] = new_state[row]
             states_at[j][p1] = new_state[row]
+            for n in range(1, (p1 - p0 - 1) // C + 1):  # boundaries strictly inside the piece
+                states_at[j][p0 + n * C] = inner[row, n - 1]
