@@ -174,14 +174,17 @@ class GatedDeltaNet(nn.Module):
         for n in lens[:-1]:
             offs.append(offs[-1] + n)
         bounds = []
+        # states_at[j]: the wanted snapshot offsets of request j, filled in as pieces run
+        states_at: list[dict[int, torch.Tensor | None]] = []
         for j, i in enumerate(idx):
+            wanted = sorted({m for m, _ in ctx.reqs[i].snapshots if 0 < m < lens[j]})
             cuts = [0]
-            for m in sorted({m for m, _ in ctx.reqs[i].snapshots if 0 < m < lens[j]}):
+            for m in wanted:
                 if (m - cuts[-1]) % self.chunk_size:
                     cuts.append(m)
             bounds.append([*cuts, lens[j]])
+            states_at.append(dict.fromkeys(wanted))
         state = [ssm_pool[sl].float() for sl in slots]
-        states_at: list[dict[int, torch.Tensor]] = [{} for _ in idx]
         chunk = get_kernel("chunk_gated_delta_rule")
         rounds = max(len(bd) - 1 for bd in bounds)
         for rnd in range(rounds):
@@ -209,8 +212,13 @@ class GatedDeltaNet(nn.Module):
         state, states_at, core,
     ) -> None:  # fmt: skip
         """One batched kernel call over piece ``rnd`` of the ``members`` requests; records the
-        state at the piece's end and at every chunk boundary inside it."""
+        state at the piece's end and at the wanted chunk boundaries inside it."""
         spans = [(bounds[j][rnd], bounds[j][rnd + 1]) for j in members]
+        C = self.chunk_size
+        inside = [
+            [m for m in states_at[j] if p0 < m < p1 and (m - p0) % C == 0]
+            for j, (p0, p1) in zip(members, spans)
+        ]
         width = max(p1 - p0 for p0, p1 in spans)
 
         def stack(x: torch.Tensor, base: list[int]) -> torch.Tensor:
@@ -221,7 +229,7 @@ class GatedDeltaNet(nn.Module):
                 rows.append(F.pad(piece, pad))
             return torch.stack(rows)
 
-        o, new_state, inner = chunk(
+        o, new_state, *inner = chunk(
             stack(q_all, offs),
             stack(k_all, offs),
             stack(v_all, offs),
@@ -229,12 +237,11 @@ class GatedDeltaNet(nn.Module):
             stack(beta, starts),
             torch.stack([state[j] for j in members]),
             self.chunk_size,
-            chunk_states=True,
+            chunk_states=any(inside),
         )
-        C = self.chunk_size
         for row, (j, (p0, p1)) in enumerate(zip(members, spans)):
             core[starts[j] + p0 : starts[j] + p1] = o[row, : p1 - p0]
             state[j] = new_state[row]
             states_at[j][p1] = new_state[row]
-            for n in range(1, (p1 - p0 - 1) // C + 1):  # boundaries strictly inside the piece
-                states_at[j][p0 + n * C] = inner[row, n - 1]
+            for m in inside[row]:
+                states_at[j][m] = inner[0][row, (m - p0) // C - 1]
