@@ -4,11 +4,24 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qn
 
+from mambaradix.kernels import attention as attn_kernels
 from mambaradix.kernels.attention import attention_decode, attention_prefill
 from mambaradix.layers.rotary import RotaryEmbedding, rope_config
+
+
+@pytest.fixture(params=["cpu_flash", "matmul"])
+def softmax_path(request, monkeypatch):
+    """Run a decode test through both ways of computing a softmax piece: ATen's fused CPU flash
+    kernel (the default on CPU) and the plain matmul + logsumexp fallback."""
+    if request.param == "matmul":
+        monkeypatch.setattr(attn_kernels, "_CPU_FLASH", None)
+    else:
+        assert attn_kernels._CPU_FLASH is not None, "this torch has no CPU flash attention op"
+    return request.param
 
 
 def _naive(q, k, v, qpos, scale):
@@ -33,7 +46,7 @@ def test_prefill_with_prefix_and_gqa():
         assert torch.allclose(out, ref, atol=1e-5)
 
 
-def test_decode_batch_with_padding():
+def test_decode_batch_with_padding(softmax_path):
     g = torch.Generator().manual_seed(1)
     pool_k, pool_v = torch.randn(64, 2, 8, generator=g), torch.randn(64, 2, 8, generator=g)
     lens = [5, 1, 12]
@@ -72,7 +85,7 @@ def test_partial_rotary_matches_transformers():
     assert torch.equal(ours_q[..., 8:], q[..., 8:])  # the pass-through part is untouched
 
 
-def test_decode_cascade_over_shared_prefixes_matches_per_request_softmax():
+def test_decode_cascade_over_shared_prefixes_matches_per_request_softmax(softmax_path):
     """Requests whose KV rows start with the same slots read that prefix once (cascade); the
     merged result equals plain attention per request, and the groups found are the real ones."""
     from mambaradix.kernels.attention import shared_prefixes
@@ -108,7 +121,7 @@ def test_decode_cascade_over_shared_prefixes_matches_per_request_softmax():
             torch.testing.assert_close(out[b], torch.einsum("hl,lhd->hd", p, v), atol=1e-5, rtol=0)
 
 
-def test_decode_cascade_batches_groups_of_equal_prefix_length():
+def test_decode_cascade_batches_groups_of_equal_prefix_length(softmax_path):
     """Groups with the same shared length run as one batched piece (the smaller group padded
     with copies of a member); each request still gets its own exact softmax."""
     from mambaradix.kernels.attention import shared_prefixes

@@ -27,7 +27,7 @@ from mambaradix.config import EngineConfig
 from mambaradix.core import FinishReason, SamplingParams, StateSpec
 from mambaradix.engine.cpu_runtime import keep_freed_memory, release_thread_pool
 from mambaradix.engine.detokenizer import DetokState, IncrementalDetokenizer, find_stop, holdback
-from mambaradix.engine.outputs import EngineStats, RequestHandle, RequestOutput
+from mambaradix.engine.outputs import EngineStats, OutputBatcher, RequestHandle, RequestOutput
 from mambaradix.engine.request import Req
 from mambaradix.engine.runner import ModelRunner
 from mambaradix.engine.scheduler import Scheduler
@@ -131,6 +131,7 @@ class Engine:
         self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self._reqs: dict[str, Req] = {}
         self._inbox: queue.Queue = queue.Queue()
+        self._outbox = OutputBatcher()  # flushed after every turn of the engine loop
         self._error: BaseException | None = None
         self._stop = False
         self._ids = itertools.count()
@@ -286,11 +287,13 @@ class Engine:
             try:
                 self._pull(block=self.scheduler.is_idle())
                 if self._stop:
+                    self._outbox.flush()
                     break
                 if not self.scheduler.is_idle():
                     self.scheduler.step()
                     if self.debug_integrity:
                         self.cache.check_integrity()
+                self._outbox.flush()
             except BaseException as exc:  # keep serving callers: fail their requests
                 logger.exception("engine step failed")
                 self._error = exc
@@ -322,7 +325,9 @@ class Engine:
                 try:
                     if not self.scheduler.is_idle():
                         self.scheduler.drain()
-                    fut.set_result(fn())
+                    result = fn()
+                    self._outbox.flush()
+                    fut.set_result(result)
                 except BaseException as exc:
                     fut.set_exception(exc)
             elif kind == "stop":
@@ -333,6 +338,7 @@ class Engine:
             req.finish_reason = FinishReason.ABORT
             self._emit(req, [], [], "", finished=True)
         self._reqs.clear()
+        self._outbox.flush()
 
     def _on_tokens(self, req: Req, ids: list[int], logprobs: list[float]) -> bool:
         stop_hit = False
@@ -371,7 +377,8 @@ class Engine:
     ) -> None:
         handle: RequestHandle = req.stream
         reason = req.finish_reason.value if (finished and req.finish_reason) else None
-        handle._put(
+        self._outbox.put(
+            handle,
             RequestOutput(
                 rid=req.rid,
                 new_token_ids=list(ids),
@@ -382,5 +389,5 @@ class Engine:
                 completion_tokens=len(req.output_ids),
                 cached_tokens=req.cached_tokens,
                 new_logprobs=lps,
-            )
+            ),
         )

@@ -58,7 +58,7 @@ def attention_decode(
 
     Cascade: requests whose rows start with the same KV slots (a prefix shared through the
     radix cache) read that prefix once per group; each request then reads only its own part,
-    and the two softmax pieces are merged exactly (log-sum-exp). ``groups`` (from
+    and the two softmax pieces are merged exactly by their log-sum-exp. ``groups`` (from
     ``shared_prefixes``, computed once per forward) may be passed in; else it is computed.
     """
     B, Hq, D = q.shape
@@ -74,14 +74,13 @@ def attention_decode(
     idx = (shared[:, None] + torch.arange(lo)[None, :]).clamp_(max=slot_table.shape[1] - 1)
     own = slot_table.gather(1, idx)
     valid = torch.arange(lo)[None, :] < own_lens[:, None]
-    m, s, o = _partial(qg, k_pool, v_pool, own, valid, scale)
-    for rows, (ms, ss, os_) in _shared_pieces(qg, k_pool, v_pool, slot_table, groups, scale):
-        mo, so, oo = m[rows], s[rows], o[rows]
-        top = torch.maximum(mo, ms)
-        a, b = torch.exp(mo - top), torch.exp(ms - top)
-        m[rows], s[rows], o[rows] = top, so * a + ss * b, oo * a[..., None] + os_ * b[..., None]
-    out = o / s[..., None]
-    return out.reshape(B, Hq, -1).to(q.dtype)
+    k, v = _gather_kv(k_pool, v_pool, own)
+    o, lse = _attend(qg, k, v, None if bool(valid.all()) else valid, scale)
+    for rows, (os_, ls) in _shared_pieces(qg, k_pool, v_pool, slot_table, groups, scale):
+        lo_, top = lse[rows], torch.logaddexp(lse[rows], ls)
+        o[rows] = o[rows] * torch.exp(lo_ - top)[..., None] + os_ * torch.exp(ls - top)[..., None]
+        lse[rows] = top
+    return o.reshape(B, Hq, -1).to(q.dtype)
 
 
 def _gather_kv(
@@ -97,31 +96,33 @@ def _gather_kv(
     return k, v
 
 
-def _softmax_pieces(
+def _attend(
     qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, scale: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unnormalized softmax of ``qg`` [n, G, M, D] over ``k``/``v`` [n, G, L, D] (``valid``
-    [n, L] masks keys): running max [n, G, M], sum of exponentials [n, G, M] and weighted
-    values [n, G, M, Dv]."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``qg`` [n, G, M, D] over ``k``/``v`` [n, G, L, D] (``valid``
+    [n, L] masks keys; every row keeps at least one): ``(out [n, G, M, Dv] fp32,
+    log-sum-exp of the scaled scores [n, G, M] fp32)``, the two things an exact merge of
+    pieces needs.
+
+    On CPU this is ATen's fused flash kernel (blocked, scores never materialised; it returns
+    the log-sum-exp); elsewhere, or if that op is missing, plain matmul + softmax.
+    """
+    if qg.device.type == "cpu" and _CPU_FLASH is not None:
+        mask = None
+        if valid is not None:
+            mask = torch.zeros(valid.shape, dtype=qg.dtype, device=qg.device)
+            mask = mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
+        out, lse = _CPU_FLASH(qg, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
+        return out.float(), lse.float()
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
     if valid is not None:
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    top = scores.amax(-1)
-    e = torch.exp(scores - top[..., None])
-    return top, e.sum(-1), torch.matmul(e.to(v.dtype), v).float()
+    lse = torch.logsumexp(scores, -1)
+    probs = torch.exp(scores - lse[..., None])
+    return torch.matmul(probs.to(v.dtype), v).float(), lse
 
 
-def _partial(
-    qg: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    slots: torch.Tensor,
-    valid: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Softmax pieces of each request ``qg`` [B, G, R, D] over its own keys ``slots`` [B, L]."""
-    k, v = _gather_kv(k_pool, v_pool, slots)
-    return _softmax_pieces(qg, k, v, valid, scale)
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _shared_pieces(
@@ -131,11 +132,11 @@ def _shared_pieces(
     slot_table: torch.Tensor,
     groups: list[tuple[torch.Tensor, int]],
     scale: float,
-) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-    """Softmax pieces of every grouped request over its group's shared prefix, as
-    ``[(rows, (max, sum, values))]``. Groups with the same prefix length share one batched
-    matmul: each group's prefix is read once, and its members' queries are stacked against it
-    (groups with fewer members are padded with copies of a member, dropped afterwards)."""
+) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
+    """Attention of every grouped request over its group's shared prefix, as
+    ``[(rows, (out, lse))]``. Groups with the same prefix length share one batched call: each
+    group's prefix is read once, and its members' queries are stacked against it (groups with
+    fewer members are padded with copies of a member, dropped afterwards)."""
     by_len: dict[int, list[torch.Tensor]] = {}
     for members, plen in groups:
         by_len.setdefault(plen, []).append(members)
@@ -147,16 +148,14 @@ def _shared_pieces(
         k, v = _gather_kv(k_pool, v_pool, slot_table[padded[:, 0], :plen])
         # [n*width, G, R, D] -> [n, G, width*R, D]: a group's queries against its one prefix
         qb = qg[padded.reshape(-1)].view(n, width, g, r, d).transpose(1, 2).reshape(n, g, -1, d)
-        top, tot, val = _softmax_pieces(qb, k, v, None, scale)
+        out, lse = _attend(qb, k, v, None, scale)
 
         def unfold(t: torch.Tensor, n: int = n, width: int = width) -> torch.Tensor:
             return t.reshape(n, g, width, r, -1).transpose(1, 2).reshape(n * width, g, r, -1)
 
         keep = torch.cat([torch.arange(len(mb)) + i * width for i, mb in enumerate(mems)])
         rows = torch.cat(mems)
-        pieces.append(
-            (rows, (unfold(top)[keep, ..., 0], unfold(tot)[keep, ..., 0], unfold(val)[keep]))
-        )
+        pieces.append((rows, (unfold(out)[keep], unfold(lse)[keep, ..., 0])))
     return pieces
 
 
