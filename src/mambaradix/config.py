@@ -68,6 +68,13 @@ class EngineConfig:
         False, "Prepare the next batch only after the current one finished."
     )
     num_threads: int = opt(0, "torch intra-op threads; 0 keeps torch's default.")
+    kernel_backend: str = opt(
+        "auto",
+        "Kernels: 'cpu' adds native C kernels for the decode hot spots (built on first use "
+        "with the system C compiler), 'torch' uses the reference kernels only, 'auto' picks "
+        "'cpu' on a CPU device when they build.",
+        ["auto", "cpu", "torch"],
+    )
 
     def validate(self) -> None:
         if self.page_size < 1:

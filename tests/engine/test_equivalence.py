@@ -1,6 +1,6 @@
 """Equivalence matrix: outputs never depend on the cache, the strategy, the page size, the
-prefill chunk size or overlap (greedy, fp32), on a Gated DeltaNet and a Mamba2 hybrid, and on
-the fake model (which has no near-ties at all, so there it must be exact)."""
+prefill chunk size, overlap or the kernel backend (greedy, fp32), on a Gated DeltaNet and a
+Mamba2 hybrid, and on the fake model (which has no near-ties at all, so there it must be exact)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,14 @@ MATRIX = [
     )
     if cache or strategy == "no_buffer"  # the strategy means nothing with the cache off
 ]
-REFERENCE = dict(disable_radix_cache=True, disable_overlap_schedule=True, chunked_prefill_size=-1)
+# The reference also runs the torch reference kernels; the matrix runs the default backend
+# (native C kernels on CPU), so every comparison checks those too.
+REFERENCE = dict(
+    disable_radix_cache=True,
+    disable_overlap_schedule=True,
+    chunked_prefill_size=-1,
+    kernel_backend="torch",
+)
 # Real models: every cache-on configuration plus the cache-off one furthest from the reference
 # (the fake model below runs the whole matrix).
 REAL_MATRIX = [

@@ -39,8 +39,8 @@ _RUNTIMES = ("libgomp", "libiomp", "libomp")
 
 
 @functools.cache
-def _openmp_runtime() -> ctypes.CDLL | None:
-    """The OpenMP runtime this process has loaded (found in /proc/self/maps), or None."""
+def openmp_runtime_path() -> str | None:
+    """File of the OpenMP runtime this process has loaded (found in /proc/self/maps), or None."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:  # not Linux: nothing to do
@@ -53,8 +53,13 @@ def _openmp_runtime() -> ctypes.CDLL | None:
             except OSError:
                 continue
             if hasattr(lib, "omp_pause_resource_all"):
-                return lib
+                return path
     return None
+
+
+def _openmp_runtime() -> ctypes.CDLL | None:
+    path = openmp_runtime_path()
+    return ctypes.CDLL(path) if path is not None else None
 
 
 def release_thread_pool() -> bool:

@@ -31,11 +31,27 @@ from mambaradix.engine.outputs import EngineStats, OutputBatcher, RequestHandle,
 from mambaradix.engine.request import Req
 from mambaradix.engine.runner import ModelRunner
 from mambaradix.engine.scheduler import Scheduler
+from mambaradix.kernels import native, set_backend
 
 logger = logging.getLogger(__name__)
 
 ARRIVAL_WINDOW_S = 0.01  # waking from idle: how long a burst may take to arrive
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def select_kernel_backend(cfg: EngineConfig) -> str:
+    """Make ``cfg.kernel_backend`` the active kernel backend (``auto``: the native ``cpu``
+    kernels on a CPU device when they build here, else ``torch``); returns its name."""
+    backend = cfg.kernel_backend
+    if backend == "auto":
+        backend = "cpu" if cfg.device == "cpu" and native.available() else "torch"
+    elif backend == "cpu" and not native.available():
+        raise ValueError(
+            "--kernel-backend cpu: the native kernels did not build here (the log says why: "
+            "no C compiler, or a failed build); use --kernel-backend torch or auto"
+        )
+    set_backend(backend)
+    return backend
 
 
 def size_pools(
@@ -116,6 +132,7 @@ class Engine:
         self.cache = RequestCache(
             self.kv_pool, self.state_pool, req_slots, enabled=enabled, strategy=strategy
         )
+        self.kernel_backend = select_kernel_backend(cfg)
         self.runner = ModelRunner(model, self.kv_pool, self.state_pool, cfg.device)
         self.scheduler = Scheduler(
             cfg,
@@ -143,12 +160,14 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="mambaradix-engine", daemon=True)
         self._thread.start()
         logger.info(
-            "engine ready: %d KV tokens, %d state slots (%d B each), %d running max, strategy %s",
+            "engine ready: %d KV tokens, %d state slots (%d B each), %d running max, strategy %s, "
+            "%s kernels",
             kv_tokens,
             state_slots,
             self.state_pool.slot_bytes,
             max_running,
             strategy,
+            self.kernel_backend,
         )
 
     # ------------------------------------------------------------------ public API

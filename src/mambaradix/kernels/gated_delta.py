@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mambaradix.kernels.conv import causal_conv1d_update
 from mambaradix.kernels.registry import register_kernel
 
 
@@ -147,6 +148,50 @@ def recurrent_gated_delta_step(
     flat.baddbmm_(kf.transpose(1, 2), delta.view(B * Hv, 1, Dv))
     out = torch.bmm(q.reshape(B * Hv, 1, -1), flat).view(B, Hv, Dv)
     return out.to(v.dtype), s
+
+
+@register_kernel("gated_delta_decode")
+def gated_delta_decode(
+    x: torch.Tensor,
+    conv_pool: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    slots: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    num_k_heads: int,
+    activation: str | None = "silu",
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """One decode token of B requests through the short conv and the delta rule, in place on
+    the state pools.
+
+    ``x`` ``[B, conv_dim]``: the pre-conv ``q|k|v`` rows (``conv_dim = 2 Hk Dk + Hv Dv``);
+    ``conv_pool`` ``[S, conv_dim, K-1]`` and ``ssm_pool`` ``[S, Hv, Dk, Dv]``; ``slots`` ``[B]``
+    (distinct) the requests' slots, whose conv and delta states advance by one token;
+    ``weight`` ``[conv_dim, K]``; ``g``, ``beta`` ``[B, Hv]``. Returns ``[B, Hv, Dv]`` in x's
+    dtype.
+    """
+    B = x.shape[0]
+    hv, dk, dv = ssm_pool.shape[1:]
+    conv_out, new_conv = causal_conv1d_update(
+        x, conv_pool.index_select(0, slots), weight, bias, activation
+    )
+    q, k, v = torch.split(conv_out, [num_k_heads * dk, num_k_heads * dk, hv * dv], dim=-1)
+    o, new_ssm = recurrent_gated_delta_step(
+        q.reshape(B, num_k_heads, dk),
+        k.reshape(B, num_k_heads, dk),
+        v.reshape(B, hv, dv),
+        g,
+        beta,
+        ssm_pool.index_select(0, slots),
+        use_qk_l2norm,
+        inplace=True,
+    )
+    conv_pool.index_copy_(0, slots, new_conv.to(conv_pool.dtype))
+    ssm_pool.index_copy_(0, slots, new_ssm.to(ssm_pool.dtype))
+    return o
 
 
 def naive_gated_delta_rule(

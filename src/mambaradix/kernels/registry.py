@@ -74,8 +74,8 @@ def list_kernels() -> dict[str, list[str]]:
 
 
 def _ensure_reference_kernels() -> None:
-    # Importing the modules registers their torch kernels; done lazily to avoid import cycles.
-    from mambaradix.kernels import attention, conv, gated_delta  # noqa: F401
+    # Importing the modules registers their kernels; done lazily to avoid import cycles.
+    from mambaradix.kernels import attention, conv, cpu, gated_delta  # noqa: F401
 
     try:  # helper modules that may not exist yet in a partial checkout
         from mambaradix.kernels import mamba2  # noqa: F401

@@ -114,16 +114,11 @@ class GatedDeltaNet(nn.Module):
         if layout.decode_reqs:
             rows, slots = layout.decode_rows, layout.decode_slots
             xs = mixed if layout.all_decode else mixed.index_select(0, rows)
-            conv_out, new_conv = get_kernel("causal_conv1d_update")(
-                xs, conv_pool.index_select(0, slots), weight, self.conv1d.bias, self.activation
-            )
-            q, k, v = self._split_qkv(conv_out)
             gd, bd = (g, beta) if layout.all_decode else (g[rows], beta[rows])
-            o, new_ssm = get_kernel("recurrent_gated_delta_step")(
-                q, k, v, gd, bd, ssm_pool.index_select(0, slots), inplace=True
-            )
-            conv_pool.index_copy_(0, slots, new_conv.to(conv_pool.dtype))
-            ssm_pool.index_copy_(0, slots, new_ssm.to(ssm_pool.dtype))
+            o = get_kernel("gated_delta_decode")(
+                xs, conv_pool, ssm_pool, slots, weight, self.conv1d.bias, gd, bd, self.hk,
+                self.activation,
+            )  # fmt: skip
             if layout.all_decode:
                 core = o
             else:

@@ -1,0 +1,77 @@
+"""The ``"cpu"`` kernel backend: native C kernels (``kernels.native``) for the decode hot spots.
+
+Each function has the signature of the torch reference it replaces and falls back to it for
+inputs the C code does not cover (another device or dtype, an unusual layout, or no compiler
+here), so the backend can always be active on CPU. Operations this backend lacks use the torch
+reference through the registry.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mambaradix.kernels import gated_delta, native
+from mambaradix.kernels.registry import register_kernel
+
+_SILU = {"silu": 1, "swish": 1, None: 0, "identity": 0}
+
+
+def _rows(t: torch.Tensor) -> bool:
+    """fp32 CPU tensor whose last dim is dense (rows may be strided)."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+
+
+@register_kernel("gated_delta_decode", backend="cpu")
+def gated_delta_decode(
+    x: torch.Tensor,
+    conv_pool: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    slots: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    num_k_heads: int,
+    activation: str | None = "silu",
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """``kernels.gated_delta.gated_delta_decode`` in one pass per request (C, in place)."""
+    lib = native.load("gated_delta_decode")
+    fits = (
+        lib is not None
+        and activation in _SILU
+        and all(_rows(t) for t in (x, g, beta))
+        and all(_dense(t) for t in (conv_pool, ssm_pool, weight))
+        and (bias is None or _dense(bias))
+        and slots.device.type == "cpu"
+    )
+    if not fits:
+        return gated_delta.gated_delta_decode(
+            x, conv_pool, ssm_pool, slots, weight, bias, g, beta, num_k_heads, activation,
+            use_qk_l2norm,
+        )  # fmt: skip
+    B = x.shape[0]
+    hv, dk, dv = ssm_pool.shape[1:]
+    conv_dim, width = 2 * num_k_heads * dk + hv * dv, weight.shape[1]
+    if x.shape[1] != conv_dim or tuple(conv_pool.shape[1:]) != (conv_dim, width - 1):
+        raise ValueError(
+            f"gated_delta_decode: x {tuple(x.shape)} / conv pool {tuple(conv_pool.shape)} do not "
+            f"match {num_k_heads} key heads and a state of {(hv, dk, dv)} (conv dim {conv_dim})"
+        )
+    slots = slots.to(torch.int64).contiguous()
+    out = torch.empty(B, hv, dv, dtype=torch.float32)
+    lib.gated_delta_decode(
+        B, slots.data_ptr(),
+        x.data_ptr(), x.stride(0),
+        conv_pool.data_ptr(), ssm_pool.data_ptr(),
+        weight.data_ptr(), None if bias is None else bias.data_ptr(),
+        g.data_ptr(), g.stride(0), beta.data_ptr(), beta.stride(0),
+        out.data_ptr(),
+        num_k_heads, hv, dk, dv, width,
+        _SILU[activation], int(use_qk_l2norm),
+    )  # fmt: skip
+    return out

@@ -1,0 +1,120 @@
+"""Native CPU kernels: C sources in ``kernels/csrc`` built on first use and loaded with ctypes.
+
+A decode step of a hybrid model is many small operations. Where the torch reference needs
+several passes over a tensor (gather the states of the batch, update them in five elementwise
+and matmul ops, scatter them back), a C kernel reads and writes each state once, in place in
+the pool. These kernels are registered under the ``"cpu"`` backend (see ``kernels.registry``);
+the engine makes that backend active on CPU when they build (``--kernel-backend auto``).
+
+Build: the system C compiler (``$CC``, else ``cc``) with ``-O3 -march=native``, into a cache
+folder (``$MAMBARADIX_KERNEL_CACHE``, else ``~/.cache/mambaradix/kernels``) under a name that
+hashes the source, the flags and the compiler, so a change rebuilds and concurrent processes
+never load a half-written file. OpenMP: only when the process's OpenMP runtime is libgomp (the
+CPU torch builds), whose already-loaded copy the kernel then shares: one worker pool, see
+``engine.cpu_runtime``. Otherwise the kernels run single-threaded. No compiler, or a failed
+build, leaves the torch kernels in place with one warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+# exported C functions and their argument types
+SIGNATURES: dict[str, dict[str, list]] = {
+    "gated_delta_decode": {
+        "gated_delta_decode": [
+            _I64, _PTR,            # B, slots
+            _PTR, _I64,            # x, x row stride
+            _PTR, _PTR,            # conv pool, ssm pool
+            _PTR, _PTR,            # conv weight, conv bias (nullable)
+            _PTR, _I64, _PTR, _I64,  # g, its row stride, beta, its row stride
+            _PTR,                  # out
+            _I64, _I64, _I64, _I64, _I64,  # Hk, Hv, Dk, Dv, conv kernel width
+            _INT, _INT,            # silu, l2norm
+        ],
+    },
+}  # fmt: skip
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("MAMBARADIX_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "mambaradix" / "kernels"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC", "cc")
+    return shutil.which(cc)
+
+
+def _uses_libgomp() -> bool:
+    from mambaradix.engine.cpu_runtime import openmp_runtime_path
+
+    path = openmp_runtime_path()
+    return path is not None and "libgomp" in Path(path).name
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The built library ``csrc/<name>.c`` with its functions' argtypes set, or None when it
+    cannot be built here (reason logged once)."""
+    src = CSRC / f"{name}.c"
+    cc = _compiler()
+    if cc is None:
+        logger.warning("no C compiler found ($CC or cc): native kernel %s not built", name)
+        return None
+    flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
+    if _uses_libgomp():
+        flags.append("-fopenmp")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    except OSError as e:
+        logger.warning("C compiler %s unusable (%s): native kernel %s not built", cc, e, name)
+        return None
+    key = hashlib.sha256(
+        src.read_bytes() + " ".join(flags).encode() + version.encode()
+    ).hexdigest()[:16]
+    out = cache_dir() / f"{name}-{key}.so"
+    if not out.exists():
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+            os.close(fd)
+            res = subprocess.run(
+                [cc, *flags, "-o", tmp, str(src), "-lm"], capture_output=True, text=True
+            )
+            if res.returncode != 0:
+                os.unlink(tmp)
+                logger.warning("building native kernel %s failed:\n%s", name, res.stderr[-2000:])
+                return None
+            os.replace(tmp, out)  # atomic: another process sees the whole file or none
+        except OSError as e:
+            logger.warning("building native kernel %s failed: %s", name, e)
+            return None
+    try:
+        lib = ctypes.CDLL(str(out))
+    except OSError as e:
+        logger.warning("loading native kernel %s failed: %s", name, e)
+        return None
+    for fn, argtypes in SIGNATURES.get(name, {}).items():
+        getattr(lib, fn).argtypes = argtypes
+        getattr(lib, fn).restype = None
+    logger.info("native kernel %s: %s", name, out)
+    return lib
+
+
+def available() -> bool:
+    """Whether every native kernel builds and loads here."""
+    return all(load(name) is not None for name in SIGNATURES)

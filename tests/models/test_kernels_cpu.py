@@ -1,0 +1,86 @@
+"""The native ``cpu`` kernel backend against the torch reference kernels."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from mambaradix.kernels import get_kernel, native
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None, reason="no C compiler: the native kernels cannot be built here"
+)
+
+
+def test_native_kernels_build_here():
+    assert native.available(), "the native kernels failed to build (see the log)"
+
+
+def _pools(slots_total, hk, hv, dk, dv, width, seed):
+    g = torch.Generator().manual_seed(seed)
+    conv_dim = 2 * hk * dk + hv * dv
+    conv = torch.randn(slots_total, conv_dim, width - 1, generator=g)
+    ssm = torch.randn(slots_total, hv, dk, dv, generator=g) * 0.3
+    weight = torch.randn(conv_dim, width, generator=g) * 0.5
+    return g, conv, ssm, weight
+
+
+@pytest.mark.parametrize(
+    "hk,hv,dk,dv,width,activation,bias",
+    [(2, 4, 8, 16, 4, "silu", False), (2, 2, 16, 8, 4, None, True), (1, 3, 8, 8, 2, "silu", True)],
+)
+def test_gated_delta_decode_matches_reference_in_place(hk, hv, dk, dv, width, activation, bias):
+    """Same outputs, same new conv and delta states in the requests' slots, every other slot
+    untouched; x given as a strided view (the qwen3_5 layout splits it out of a wider
+    projection)."""
+    B, S = 5, 12
+    g, conv, ssm, weight = _pools(S, hk, hv, dk, dv, width, seed=hk + hv + width)
+    conv_dim = conv.shape[1]
+    x = torch.randn(B, conv_dim + 7, generator=g)[:, 3 : 3 + conv_dim]
+    gate = -torch.rand(B, hv, generator=g)
+    beta = torch.rand(B, hv, generator=g)
+    b = torch.randn(conv_dim, generator=g) if bias else None
+    slots = torch.tensor([7, 0, 11, 3, 5])
+    ref_conv, ref_ssm = conv.clone(), ssm.clone()
+    ref = get_kernel("gated_delta_decode", "torch")(
+        x, ref_conv, ref_ssm, slots, weight, b, gate, beta, hk, activation
+    )
+    out = get_kernel("gated_delta_decode", "cpu")(
+        x, conv, ssm, slots, weight, b, gate, beta, hk, activation
+    )
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(conv, ref_conv, atol=0, rtol=0)
+    torch.testing.assert_close(ssm, ref_ssm, atol=1e-5, rtol=1e-5)
+    # the slots really moved (a kernel that wrote nothing would match an untouched reference
+    # only if the reference wrote nothing either)
+    _, conv0, ssm0, _ = _pools(S, hk, hv, dk, dv, width, seed=hk + hv + width)
+    assert not torch.allclose(ssm[slots], ssm0[slots])
+    other = torch.tensor([i for i in range(S) if i not in slots.tolist()])
+    assert torch.equal(ssm[other], ssm0[other]) and torch.equal(conv[other], conv0[other])
+
+
+def test_gated_delta_decode_falls_back_for_other_dtypes():
+    """bf16 pools are outside the C kernel: the cpu backend hands them to the reference."""
+    hk, hv, dk, dv, width, B, S = 1, 2, 8, 8, 4, 3, 6
+    g, conv, ssm, weight = _pools(S, hk, hv, dk, dv, width, seed=9)
+    x = torch.randn(B, conv.shape[1], generator=g).bfloat16()
+    gate, beta = -torch.rand(B, hv, generator=g), torch.rand(B, hv, generator=g)
+    slots = torch.tensor([4, 1, 2])
+    args = (slots, weight.bfloat16(), None, gate, beta, hk, "silu")
+    ref = get_kernel("gated_delta_decode", "torch")(x, conv.clone(), ssm.clone(), *args)
+    out = get_kernel("gated_delta_decode", "cpu")(x, conv, ssm, *args)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref)
+
+
+def test_gated_delta_decode_rejects_mismatched_shapes():
+    hk, hv, dk, dv, width = 2, 4, 8, 8, 4
+    g, conv, ssm, weight = _pools(4, hk, hv, dk, dv, width, seed=1)
+    x = torch.randn(2, conv.shape[1] + 8, generator=g)
+    with pytest.raises(ValueError, match="key heads"):
+        get_kernel("gated_delta_decode", "cpu")(
+            x, conv, ssm, torch.tensor([0, 1]), weight, None, torch.zeros(2, hv),
+            torch.zeros(2, hv), hk,
+        )  # fmt: skip
