@@ -27,7 +27,7 @@ def test_cli_bench_compare_cache(tmp_path, capsys) -> None:
     argv = ["bench", "--model-path", "tiny:qwen3_next", *SMALL_POOLS,
             "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3",
             "--gsp-system-prompt-len", "130", "--gsp-question-len", "8",
-            "--gsp-output-len", "3", "--compare-cache", "--disable-tqdm",
+            "--gsp-output-len", "3", "--compare-cache", "--repeats", "2", "--disable-tqdm",
             "--output-json", str(out)]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -44,6 +44,13 @@ def test_cli_bench_compare_cache(tmp_path, capsys) -> None:
     assert off["cache_hit_rate"] == 0.0  # negative control: the cache really was off
     assert report["ratios"]["output_throughput"] > 0
     assert report["config"]["engine"]["model_path"] == "tiny:qwen3_next"
+    # --repeats 2: two alternating pairs; each side reports its median (lower of two) run
+    pairs = report["repeats"]
+    assert len(pairs) == 2 and "pair ratios: min" in printed
+    assert on["output_throughput"] == min(p["on_output_throughput"] for p in pairs)
+    assert off["output_throughput"] == min(p["off_output_throughput"] for p in pairs)
+    for p in pairs:
+        assert p["ratio"] == pytest.approx(p["on_output_throughput"] / p["off_output_throughput"])
 
 
 @pytest.fixture(scope="module")

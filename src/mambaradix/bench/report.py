@@ -141,6 +141,22 @@ def format_comparison(on: dict[str, Any], off: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_repeats(pairs: list[dict[str, float]], ideal: float) -> str:
+    """One line per cache-on / cache-off pair, then the spread of the pairs' ratios."""
+    lines = [f"{' Repeats (output tok/s) ':=^68}"]
+    for i, p in enumerate(pairs, 1):
+        lines.append(
+            f"pair {i}: on {p['on_output_throughput']:8.1f}  off {p['off_output_throughput']:8.1f}"
+            f"  on/off {p['ratio']:6.3f}  (/ ideal {p['ratio'] / ideal:.3f})"
+        )
+    ratios = sorted(p["ratio"] for p in pairs)
+    lines.append(
+        f"pair ratios: min {ratios[0]:.3f}, median {ratios[(len(ratios) - 1) // 2]:.3f}, "
+        f"max {ratios[-1]:.3f}; the table above compares the median run of each side"
+    )
+    return "\n".join(lines)
+
+
 def ideal_speedup(s: dict[str, Any]) -> float:
     """Throughput ratio if time were proportional to tokens computed: (prompt + output) with
     the cache off over (prompt not ideally cached + output) with it on."""

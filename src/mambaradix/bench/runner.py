@@ -23,7 +23,14 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from mambaradix.bench.client import EngineBackend, HTTPBackend, run_workload
-from mambaradix.bench.report import comparison, format_comparison, format_summary, summarize
+from mambaradix.bench.report import (
+    comparison,
+    format_comparison,
+    format_repeats,
+    format_summary,
+    ideal_speedup,
+    summarize,
+)
 from mambaradix.bench.workloads import (
     TokenSampler,
     Workload,
@@ -75,6 +82,12 @@ class BenchConfig:
     warmup_requests: int = opt(1, "Short unrelated requests sent (untimed) before the run.")
     compare_cache: bool = opt(
         False, "In-process: run again with the radix cache off and print the ratios."
+    )
+    repeats: int = opt(
+        1,
+        "With --compare-cache: run the cache-on / cache-off pair this many times, alternating, "
+        "and compare the median run of each side (a shared machine's speed drifts by 10% "
+        "and more between runs).",
     )
     compare_base_url: str = opt(
         "", "HTTP: a second server (cache off) to run the same workload against."
@@ -193,6 +206,31 @@ def _fresh_process_run(cfg: BenchConfig, ecfg: EngineConfig, label: str) -> dict
         return pool.submit(_engine_run, cfg, ecfg, label).result()
 
 
+def _compare_runs(
+    cfg: BenchConfig, ecfg: EngineConfig
+) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, float]]]:
+    """``--repeats`` cache-on / cache-off pairs, alternating, each run in a fresh process.
+    Returns the median-throughput run of each side and every pair's figures."""
+    if cfg.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
+    off_cfg = dataclasses.replace(ecfg, disable_radix_cache=True)
+    ons, offs, pairs = [], [], []
+    for i in range(cfg.repeats):
+        tag = f" {i + 1}/{cfg.repeats}" if cfg.repeats > 1 else ""
+        ons.append(_fresh_process_run(cfg, ecfg, "cache on" + tag))
+        offs.append(_fresh_process_run(cfg, off_cfg, "cache off" + tag))
+        on_t, off_t = ons[-1]["output_throughput"], offs[-1]["output_throughput"]
+        pairs.append(
+            {"on_output_throughput": on_t, "off_output_throughput": off_t,
+             "ratio": on_t / off_t if off_t else 0.0}
+        )  # fmt: skip
+
+    def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+        return sorted(runs, key=lambda r: r["output_throughput"])[(len(runs) - 1) // 2]
+
+    return median_run(ons), median_run(offs), pairs
+
+
 async def _http_run(cfg: BenchConfig, base_url: str, ecfg: EngineConfig, label: str) -> dict:
     backend = HTTPBackend(base_url, cfg.model, cfg.api_key)
     try:
@@ -227,9 +265,8 @@ def run_benchmark(
             ecfg = dataclasses.replace(ecfg, model_path=DEFAULT_MODEL)
         report["config"]["engine"] = dataclasses.asdict(ecfg)
         if cfg.compare_cache:
-            results = _fresh_process_run(cfg, ecfg, "bench")
-            off_cfg = dataclasses.replace(ecfg, disable_radix_cache=True)
-            off = _fresh_process_run(cfg, off_cfg, "cache off")
+            results, off, pairs = _compare_runs(cfg, ecfg)
+            report["repeats"] = pairs
         else:
             results = _engine_run(cfg, ecfg, "bench")
     report["results"] = results
@@ -239,6 +276,8 @@ def run_benchmark(
         report["cache_off"] = off
         report["ratios"] = comparison(results, off)
         text += [format_summary(off, title + " (cache off)"), format_comparison(results, off)]
+        if len(report.get("repeats", [])) > 1:
+            text.append(format_repeats(report["repeats"], ideal_speedup(results)))
     out = out or sys.stdout
     out.write("\n".join(text) + "\n")
     out.flush()
