@@ -29,6 +29,20 @@ def route_topk(
     return w.to(logits.dtype), idx
 
 
+def expert_weights(num_experts: int, out_features: int, in_features: int) -> nn.Parameter:
+    """A ``[E, out, in]`` stack of expert weights (the checkpoint's shape) laid out in memory as
+    ``[E, in, out]``: ``w[e]`` is then the transposed view GEMMs read fastest (``x @ w[e].T``
+    with ``w[e].T`` row-major; the per-expert loop got ~25% faster on CPU), and
+    ``w.transpose(1, 2)`` is a contiguous operand for ``bmm``. Loading copies into it as into
+    any parameter."""
+    return nn.Parameter(torch.empty(num_experts, in_features, out_features).transpose(1, 2))
+
+
+# at most this many (token, expert) pairs per expert on average: run all experts as one padded
+# bmm instead of a loop of small GEMMs (decode batches; prefill keeps the exact-size loop)
+PADDED_MAX_PER_EXPERT = 64
+
+
 def experts_forward(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -37,33 +51,63 @@ def experts_forward(
     down: torch.Tensor,
     act,
 ) -> torch.Tensor:
-    """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``, grouping tokens by expert."""
+    """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``, grouping tokens by expert.
+
+    ``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]``. Few tokens per expert (decode): one
+    batched GEMM over all experts, each padded to the busiest one's count; otherwise one GEMM
+    per expert with tokens."""
     T, K = ids.shape
+    E = gate_up.shape[0]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=E)
     token_of = order // K
-    xs = x.index_select(0, token_of)
-    out = torch.empty(T * K, x.shape[-1], dtype=x.dtype, device=x.device)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        h = F.linear(xs[start : start + n], gate_up[e])
-        g, u = h.chunk(2, dim=-1)
-        out[start : start + n] = F.linear(act(g) * u, down[e])
-        start += n
+    if T * K <= PADDED_MAX_PER_EXPERT * E:
+        out = _padded_experts(x, flat[order], token_of, counts, gate_up, down, act)
+    else:
+        xs = x.index_select(0, token_of)
+        out = torch.empty(T * K, x.shape[-1], dtype=x.dtype, device=x.device)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            h = F.linear(xs[start : start + n], gate_up[e])
+            g, u = h.chunk(2, dim=-1)
+            out[start : start + n] = F.linear(act(g) * u, down[e])
+            start += n
     out = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-    unsorted = torch.empty_like(out)
-    unsorted[order] = out  # back to (token, k) order, then sum the k experts of each token
-    return unsorted.view(T, K, -1).sum(1)
+    result = torch.zeros_like(x)
+    result.index_add_(0, token_of, out)  # sum the k experts of each token
+    return result
+
+
+def _padded_experts(
+    x: torch.Tensor,
+    expert_of: torch.Tensor,
+    token_of: torch.Tensor,
+    counts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act,
+) -> torch.Tensor:
+    """Expert outputs for the (token, expert) pairs sorted by expert (``expert_of``,
+    ``token_of``), computed as ``[E, cap, *]`` bmm's with ``cap`` the largest count; padding rows
+    are zeros and are never read back."""
+    E = gate_up.shape[0]
+    cap = int(counts.max())
+    pos = torch.arange(expert_of.numel(), device=x.device) - (counts.cumsum(0) - counts)[expert_of]
+    buf = x.new_zeros(E, cap, x.shape[-1])
+    buf[expert_of, pos] = x.index_select(0, token_of)
+    g, u = torch.bmm(buf, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+    y = torch.bmm(act(g) * u, down.transpose(1, 2))
+    return y[expert_of, pos]
 
 
 class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu"):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.gate_up_proj = expert_weights(num_experts, 2 * intermediate, hidden)
+        self.down_proj = expert_weights(num_experts, hidden, intermediate)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

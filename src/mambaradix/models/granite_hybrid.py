@@ -21,7 +21,7 @@ from mambaradix.core import ForwardContext
 from mambaradix.layers.attention import BatchLayout, pooled_attention
 from mambaradix.layers.mamba2 import Mamba2Mixer
 from mambaradix.layers.mlp import activation
-from mambaradix.layers.moe import experts_forward
+from mambaradix.layers.moe import expert_weights, experts_forward
 from mambaradix.layers.norm import RMSNorm
 from mambaradix.layers.rotary import RotaryEmbedding
 from mambaradix.models.base import HybridCausalLM, pool_layer_indices
@@ -85,11 +85,14 @@ class ProjAttention(nn.Module):
 
 
 class _Weight(nn.Module):
-    """A bare ``weight`` parameter (checkpoint names like ``input_linear.weight`` on 3-D)."""
+    """A bare ``weight`` parameter: a stack of expert weights (checkpoint names like
+    ``input_linear.weight`` on 3-D), in the layout of ``moe.expert_weights``."""
 
-    def __init__(self, *shape: int) -> None:
+    def __init__(self, num_experts: int, out_features: int, in_features: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(*shape).normal_(std=0.02))
+        self.weight = expert_weights(num_experts, out_features, in_features)
+        with torch.no_grad():
+            self.weight.normal_(std=0.02)
 
 
 class GraniteSharedMLP(nn.Module):
