@@ -42,6 +42,84 @@ def attention_prefill(
 MIN_SHARED = 32  # shorter common prefixes are not worth a separate pass
 
 
+@register_kernel("attention_prefill_shared")
+def attention_prefill_shared(
+    qs: list[torch.Tensor],
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    kv_slots: list[torch.Tensor],
+    prefix_lens: list[int],
+    shared_len: int,
+    scale: float,
+) -> list[torch.Tensor]:
+    """``attention_prefill`` for a group of requests whose keys start with the same
+    ``shared_len`` slots (a prefix they share through the radix cache, ``shared_len <=`` every
+    member's ``prefix_len``). Request i has queries ``qs[i]`` ``[n_i, Hq, D]`` at positions
+    ``prefix_lens[i] ..`` and keys ``kv_slots[i]`` (``prefix_lens[i] + n_i`` slots).
+
+    Cascade: the shared prefix is read once and every member's queries attend it in one call
+    (no mask: all of it precedes every query); each member then attends its own remaining keys
+    (causal), and the two softmax pieces merge by their log-sum-exp. Returns the outputs in
+    the order of ``qs``.
+    """
+    hkv, d = k_pool.shape[1], k_pool.shape[2]
+    hq = qs[0].shape[1]
+    r = hq // hkv
+    k, v = _gather_kv(k_pool, v_pool, kv_slots[0][None, :shared_len])
+    # every member's queries, grouped by KV head: [1, Hkv, sum(n_i) * R, D]
+    stacked = torch.cat([q.to(k.dtype).view(-1, hkv, r, d).transpose(0, 1) for q in qs], dim=1)
+    shared_out, shared_lse = _attend(stacked.reshape(1, hkv, -1, d), k, v, None, scale)
+    outs, row = [], 0
+    for q, slots, plen in zip(qs, kv_slots, prefix_lens):
+        n = q.shape[0]
+
+        def member(t: torch.Tensor, row: int = row, n: int = n) -> torch.Tensor:
+            # [1, Hkv, rows, *] -> this member's [n, Hq, *]
+            t = t[0, :, row * r : (row + n) * r].reshape(hkv, n, r, -1)
+            return t.transpose(0, 1).reshape(n, hq, -1)
+
+        so, sl = member(shared_out), member(shared_lse.unsqueeze(-1))[..., 0]
+        oo, ol = _attend_own(
+            q, k_pool, v_pool, slots[shared_len : plen + n], plen - shared_len, scale
+        )
+        top = torch.logaddexp(sl, ol)
+        out = so * torch.exp(sl - top)[..., None] + oo * torch.exp(ol - top)[..., None]
+        outs.append(out.to(q.dtype))
+        row += n
+    return outs
+
+
+def _attend_own(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    seen: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries ``q`` ``[n, Hq, D]`` over the keys at ``slots``: the first ``seen`` precede every
+    query, the last ``n`` are the queries' own tokens (causal). Returns ``(out [n, Hq, Dv],
+    lse [n, Hq])`` in fp32."""
+    n, hq, _ = q.shape
+    r = hq // k_pool.shape[1]
+    k, v = _gather_kv(k_pool, v_pool, slots[None])  # [1, Hkv, L, D]
+    if r > 1:
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+    qh = q.to(k.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    visible = torch.arange(slots.numel())[None, :] <= (seen + torch.arange(n))[:, None]
+    if qh.device.type == "cpu" and _CPU_FLASH is not None:
+        mask = None
+        if seen:  # with no earlier keys the mask is plain causal, which the kernel knows
+            mask = torch.zeros(visible.shape, dtype=qh.dtype).masked_fill_(~visible, float("-inf"))
+        out, lse = _CPU_FLASH(qh, k, v, 0.0, seen == 0, attn_mask=mask, scale=scale)[:2]
+    else:
+        scores = torch.matmul(qh, k.transpose(-1, -2)).float() * scale
+        scores = scores.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        out = torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v)
+    return out[0].transpose(0, 1).float(), lse[0].transpose(0, 1).float()
+
+
 @register_kernel("attention_decode")
 def attention_decode(
     q: torch.Tensor,

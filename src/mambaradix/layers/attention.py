@@ -1,7 +1,8 @@
 """Attention over the pooled KV, and ``BatchLayout``: the per-forward split of a mixed batch.
 
 A forward mixes prefills (``extend_len > 1``) and decodes (``extend_len == 1``). Layers handle
-decodes in one batched op and prefills per request (attention) or per round (recurrent).
+decodes in one batched op and prefills per request (attention; prefills sharing a cached
+prefix as one cascade group) or per round (recurrent).
 ``BatchLayout`` is built once per forward by the model and passed to every layer.
 """
 
@@ -13,7 +14,7 @@ import torch
 
 from mambaradix.core import ForwardContext
 from mambaradix.kernels import get_kernel
-from mambaradix.kernels.attention import shared_prefixes
+from mambaradix.kernels.attention import MIN_SHARED, shared_prefixes
 
 
 @dataclass(slots=True)
@@ -32,6 +33,7 @@ class BatchLayout:
     decode_slots: torch.Tensor
     _slot_table: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _groups: list | None = field(default=None, repr=False)
+    _prefill_groups: list | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, ctx: ForwardContext) -> BatchLayout:
@@ -67,6 +69,23 @@ class BatchLayout:
             self._groups = shared_prefixes(*self.decode_slot_table())
         return self._groups
 
+    def prefill_groups(self) -> list[tuple[list[int], int]]:
+        """Prefills whose cached prefixes start with the same KV slots, as ``(request indices,
+        shared length)`` (``kernels.attention.shared_prefixes`` over the cached parts), once
+        per forward."""
+        if self._prefill_groups is None:
+            ctx = self.ctx
+            cand = [i for i in self.prefill_reqs if ctx.reqs[i].prefix_len >= MIN_SHARED]
+            self._prefill_groups = []
+            if len(cand) > 1:
+                rows = [ctx.reqs[i].kv_slots[: ctx.reqs[i].prefix_len] for i in cand]
+                table = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
+                # length prefix_len + 1: a shared part never goes past a member's cached prefix
+                lens = torch.tensor([len(x) + 1 for x in rows])
+                for members, plen in shared_prefixes(table.to(torch.long), lens):
+                    self._prefill_groups.append(([cand[j] for j in members.tolist()], plen))
+        return self._prefill_groups
+
 
 def pooled_attention(
     layout: BatchLayout,
@@ -91,8 +110,27 @@ def pooled_attention(
         groups = layout.decode_groups()
         return get_kernel("attention_decode")(q, k_pool, v_pool, table, lens, scale, groups)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    grouped = set()
+    shared = get_kernel("attention_prefill_shared")
+    for members, plen in layout.prefill_groups():
+        reqs = [ctx.reqs[i] for i in members]
+        spans = [(ctx.starts[i], ctx.extend_lens[i]) for i in members]
+        outs = shared(
+            [q[s : s + n] for s, n in spans],
+            k_pool,
+            v_pool,
+            [r.kv_slots[: r.seq_len].to(device=q.device, dtype=torch.long) for r in reqs],
+            [r.prefix_len for r in reqs],
+            plen,
+            scale,
+        )
+        for (s, n), o in zip(spans, outs):
+            out[s : s + n] = o
+        grouped.update(members)
     prefill = get_kernel("attention_prefill")
     for i in layout.prefill_reqs:
+        if i in grouped:
+            continue
         r = ctx.reqs[i]
         s, n = ctx.starts[i], ctx.extend_lens[i]
         slots = r.kv_slots[: r.seq_len].to(device=q.device, dtype=torch.long)
