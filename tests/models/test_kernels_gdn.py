@@ -141,3 +141,25 @@ def test_registry_backends_and_fallback():
         set_backend("no_such_backend")
     with pytest.raises(KeyError, match="unknown kernel"):
         get_kernel("no_such_op")
+
+
+def test_states_at_any_position_equal_the_token_loop():
+    """``states_at`` returns the state after m tokens for any m (inside a chunk, on a boundary,
+    the end), per row, without splitting the sequence."""
+    T, C = 150, 64
+    q, k, v, g, b, s0 = _gdn_inputs(3, T, 2, 4, 8, 12, seed=5)
+    wanted = [(0, 1), (1, 5), (2, 63), (0, 64), (1, 65), (2, 130), (0, T), (1, 129)]
+    *_, states = chunk_gated_delta_rule(q, k, v, g, b, s0, C, states_at=wanted)
+    assert states.shape == (len(wanted), 4, 8, 12)
+    for (row, m), st in zip(wanted, states):
+        _, ref = naive_gated_delta_rule(
+            q[row : row + 1, :m], k[row : row + 1, :m], v[row : row + 1, :m],
+            g[row : row + 1, :m], b[row : row + 1, :m], s0[row : row + 1],
+        )  # fmt: skip
+        torch.testing.assert_close(st, ref[0], atol=ATOL, rtol=0)
+    # negative control: the state one token earlier differs
+    _, early = naive_gated_delta_rule(q[1:2, :64], k[1:2, :64], v[1:2, :64], g[1:2, :64],
+                                      b[1:2, :64], s0[1:2])  # fmt: skip
+    assert (early[0] - states[4]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="outside"):
+        chunk_gated_delta_rule(q, k, v, g, b, s0, C, states_at=[(0, T + 1)])

@@ -59,16 +59,21 @@ def chunk_gated_delta_rule(
     initial_state: torch.Tensor,
     chunk_size: int = 64,
     use_qk_l2norm: bool = True,
-    chunk_states: bool = False,
+    states_at: list[tuple[int, int]] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Chunked gated delta rule over B equal-length (right-padded) sequences.
 
     Shapes: q, k ``[B, T, Hk, Dk]``; v ``[B, T, Hv, Dv]``; g, beta ``[B, T, Hv]``;
     initial_state ``[B, Hv, Dk, Dv]``. Returns ``(out [B, T, Hv, Dv] in v's dtype,
-    final_state [B, Hv, Dk, Dv] fp32)``, and with ``chunk_states`` also the state after every
-    chunk ``[B, N, Hv, Dk, Dv]`` (entry n: after the first (n+1) * chunk_size tokens). Exact (up
-    to rounding) for any T; splitting a sequence and chaining final -> initial state gives the
-    same result.
+    final_state [B, Hv, Dk, Dv] fp32)``, and with ``states_at`` (pairs ``(row, m)``,
+    ``1 <= m <= T``) also the state of row ``row`` after its first ``m`` tokens, one
+    ``[Hv, Dk, Dv]`` per pair, stacked in order. Exact (up to rounding) for any T; splitting a
+    sequence and chaining final -> initial state gives the same result.
+
+    A state inside a chunk costs one small matmul: with ``i`` tokens of chunk ``n`` done,
+    ``S_i = e^(c_(i-1)) S0 + (K[:i] * e^(c_(i-1) - c[:i]))^T U[:i]`` (the chunk-end formula
+    over the first ``i`` rows: ``U`` is lower-triangular in the tokens, so its first ``i`` rows
+    do not depend on later ones). A snapshot anywhere therefore needs no extra pass.
     """
     B, T, Hv, Dv = v.shape
     out_dtype = v.dtype
@@ -109,17 +114,26 @@ def chunk_gated_delta_rule(
     chunk_decay = last.exp().unsqueeze(-1)  # [B, H, N, 1, 1]
 
     state = initial_state.float().clone()
-    out = torch.empty(B, Hv, N, C, Dv, dtype=torch.float32, device=v.device)
-    kept = [] if chunk_states else None
+    out = torch.empty(B, Hv, N * C, Dv, dtype=torch.float32, device=v.device).view(B, Hv, N, C, Dv)
+    wanted: dict[int, list[tuple[int, int, int]]] = {}  # chunk -> (pair index, row, i)
+    for j, (row, m) in enumerate(states_at or ()):
+        if not 1 <= m <= T:
+            raise ValueError(f"states_at: position {m} outside 1..{T}")
+        wanted.setdefault((m - 1) // C, []).append((j, row, m - (m - 1) // C * C))
+    picked: list[torch.Tensor | None] = [None] * len(states_at or ())
     for n in range(N):
         u = w[:, :, n] - kc[:, :, n] @ state
         out[:, :, n] = q_dec[:, :, n] @ state + qk[:, :, n] @ u
+        for j, row, i in wanted.get(n, ()):
+            cn = c[row, :, n]  # [H, C]
+            k_i = k[row, :, n, :i] * (cn[:, i - 1 : i] - cn[:, :i]).exp().unsqueeze(-1)
+            s0 = state[row] * cn[:, i - 1].exp()[:, None, None]
+            picked[j] = s0 + k_i.transpose(-1, -2) @ u[row, :, :i]
         state = state * chunk_decay[:, :, n] + k_dec[:, :, n].transpose(-1, -2) @ u
-        if kept is not None:
-            kept.append(state)
     out = out.reshape(B, Hv, N * C, Dv)[:, :, :T].transpose(1, 2)
-    if kept is not None:
-        return out.to(out_dtype), state, torch.stack(kept, dim=1)
+    if states_at is not None:
+        empty = initial_state.new_empty(0, Hv, Dk, Dv, dtype=torch.float32)
+        return out.to(out_dtype), state, torch.stack(picked) if picked else empty
     return out.to(out_dtype), state
 
 

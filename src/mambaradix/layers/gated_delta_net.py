@@ -4,8 +4,8 @@ Recurrent layer ``j`` reads each request's conv state ``state_pool.conv[j][slot]
 (``[conv_dim, K-1]``, pre-conv q|k|v inputs) and delta-rule state
 ``state_pool.temporal[j][slot]`` (``[Hv, Dk, Dv]``), and writes back the state after its new
 tokens; ``(n, slot)`` snapshots get the state after the first n new tokens. Prefills run the
-chunked kernel piecewise, split at the snapshot offsets (exact), with the pieces of different
-requests batched into one call; decodes run one batched step.
+chunked kernel once per group of requests with the same chunk count; the same call returns the
+states at the snapshot offsets (exact, anywhere in a chunk). Decodes run one batched step.
 
 Projection layouts: ``"qwen3_next"`` packs ``in_proj_qkvz`` / ``in_proj_ba`` per key-head group;
 ``"qwen3_5"`` has separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
@@ -160,71 +160,54 @@ class GatedDeltaNet(nn.Module):
             seg, weight, self.conv1d.bias, init_conv, lens, self.activation
         )
         q_all, k_all, v_all = self._split_qkv(conv_out)
-        # Each request's new tokens are cut into pieces at the snapshot offsets that do not fall
-        # on a chunk boundary of their piece (the state at a boundary is a by-product of the
-        # kernel); round r runs the r-th piece of every request, batched by chunk count and
-        # right-padded with no-op tokens (beta = 0, g = 0 leave the state unchanged), so one
-        # kernel call serves many.
+        # One kernel call per group of requests with the same chunk count, right-padded with
+        # no-op tokens (beta = 0, g = 0 leave the state unchanged). The state at a snapshot
+        # offset comes out of the same call (``states_at``), wherever it falls.
         offs = [0]
         for n in lens[:-1]:
             offs.append(offs[-1] + n)
-        bounds = []
-        # states_at[j]: the wanted snapshot offsets of request j, filled in as pieces run
-        states_at: list[dict[int, torch.Tensor | None]] = []
-        for j, i in enumerate(idx):
-            wanted = sorted({m for m, _ in ctx.reqs[i].snapshots if 0 < m < lens[j]})
-            cuts = [0]
-            for m in wanted:
-                if (m - cuts[-1]) % self.chunk_size:
-                    cuts.append(m)
-            bounds.append([*cuts, lens[j]])
-            states_at.append(dict.fromkeys(wanted))
+        # states_at[j]: request j's snapshot offsets (inside its new tokens) -> state
+        states_at = [
+            dict.fromkeys(sorted({m for m, _ in ctx.reqs[i].snapshots if 0 < m < lens[j]}))
+            for j, i in enumerate(idx)
+        ]
         state = [ssm_pool[sl].float() for sl in slots]
         chunk = get_kernel("chunk_gated_delta_rule")
-        rounds = max(len(bd) - 1 for bd in bounds)
-        for rnd in range(rounds):
-            buckets: dict[int, list[int]] = {}
-            for j, bd in enumerate(bounds):
-                if rnd < len(bd) - 1:
-                    n_chunks = -(-(bd[rnd + 1] - bd[rnd]) // self.chunk_size)
-                    buckets.setdefault(n_chunks, []).append(j)
-            for members in buckets.values():
-                self._run_pieces(
-                    chunk, members, rnd, bounds, offs, starts, q_all, k_all, v_all, g, beta,
-                    state, states_at, core,
-                )  # fmt: skip
+        buckets: dict[int, list[int]] = {}
+        for j, n in enumerate(lens):
+            buckets.setdefault(-(-n // self.chunk_size), []).append(j)
+        for members in buckets.values():
+            self._run_group(
+                chunk, members, lens, offs, starts, q_all, k_all, v_all, g, beta, state,
+                states_at, core,
+            )  # fmt: skip
         for j, i in enumerate(idx):
             r, n, off = ctx.reqs[i], lens[j], offs[j]
             x_in = seg[off : off + n]
             for m, slot in r.snapshots:
                 conv_pool[slot] = conv_state_after(x_in, init_conv[j], m).to(conv_pool.dtype)
-                ssm_pool[slot] = states_at[j][m].to(ssm_pool.dtype)
+                ssm_pool[slot] = (state[j] if m == n else states_at[j][m]).to(ssm_pool.dtype)
             conv_pool[slots[j]] = conv_state_after(x_in, init_conv[j], n).to(conv_pool.dtype)
             ssm_pool[slots[j]] = state[j].to(ssm_pool.dtype)
 
-    def _run_pieces(
-        self, chunk, members, rnd, bounds, offs, starts, q_all, k_all, v_all, g, beta,
-        state, states_at, core,
+    def _run_group(
+        self, chunk, members, lens, offs, starts, q_all, k_all, v_all, g, beta, state,
+        states_at, core,
     ) -> None:  # fmt: skip
-        """One batched kernel call over piece ``rnd`` of the ``members`` requests; records the
-        state at the piece's end and at the wanted chunk boundaries inside it."""
-        spans = [(bounds[j][rnd], bounds[j][rnd + 1]) for j in members]
-        C = self.chunk_size
-        inside = [
-            [m for m in states_at[j] if p0 < m < p1 and (m - p0) % C == 0]
-            for j, (p0, p1) in zip(members, spans)
-        ]
-        width = max(p1 - p0 for p0, p1 in spans)
+        """One batched kernel call over all new tokens of the ``members`` requests; records
+        their final states and the states at their snapshot offsets."""
+        width = max(lens[j] for j in members)
 
         def stack(x: torch.Tensor, base: list[int]) -> torch.Tensor:
             rows = []
-            for j, (p0, p1) in zip(members, spans):
-                piece = x[base[j] + p0 : base[j] + p1]
-                pad = [0, 0] * (piece.dim() - 1) + [0, width - (p1 - p0)]
+            for j in members:
+                piece = x[base[j] : base[j] + lens[j]]
+                pad = [0, 0] * (piece.dim() - 1) + [0, width - lens[j]]
                 rows.append(F.pad(piece, pad))
             return torch.stack(rows)
 
-        o, new_state, *inner = chunk(
+        wanted = [(row, m) for row, j in enumerate(members) for m in states_at[j]]
+        o, new_state, *picked = chunk(
             stack(q_all, offs),
             stack(k_all, offs),
             stack(v_all, offs),
@@ -232,11 +215,10 @@ class GatedDeltaNet(nn.Module):
             stack(beta, starts),
             torch.stack([state[j] for j in members]),
             self.chunk_size,
-            chunk_states=any(inside),
+            states_at=wanted or None,
         )
-        for row, (j, (p0, p1)) in enumerate(zip(members, spans)):
-            core[starts[j] + p0 : starts[j] + p1] = o[row, : p1 - p0]
+        for row, j in enumerate(members):
+            core[starts[j] : starts[j] + lens[j]] = o[row, : lens[j]]
             state[j] = new_state[row]
-            states_at[j][p1] = new_state[row]
-            for m in inside[row]:
-                states_at[j][m] = inner[0][row, (m - p0) // C - 1]
+        for (row, m), st in zip(wanted, picked[0] if picked else ()):
+            states_at[members[row]][m] = st
