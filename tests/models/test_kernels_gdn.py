@@ -163,3 +163,14 @@ def test_states_at_any_position_equal_the_token_loop():
     assert (early[0] - states[4]).abs().max() > 1e-3
     with pytest.raises(ValueError, match="outside"):
         chunk_gated_delta_rule(q, k, v, g, b, s0, C, states_at=[(0, T + 1)])
+
+
+def test_states_at_stays_finite_under_strong_decay():
+    """Positions past the wanted one are masked before exp: with strong decay e^(c_i - c_t)
+    for t > i would overflow, and inf * 0 is NaN."""
+    q, k, v, g, b, s0 = _gdn_inputs(1, 64, 1, 1, 4, 4, seed=2)
+    g = g * 200.0  # cumulative log decay reaches ~ -1e4 within the chunk
+    *_, states = chunk_gated_delta_rule(q, k, v, g, b, s0, 64, states_at=[(0, 3)])
+    _, ref = naive_gated_delta_rule(q[:, :3], k[:, :3], v[:, :3], g[:, :3], b[:, :3], s0)
+    assert torch.isfinite(states).all()
+    torch.testing.assert_close(states[0], ref[0], atol=ATOL, rtol=0)

@@ -120,20 +120,23 @@ def chunk_gated_delta_rule(
         if not 1 <= m <= T:
             raise ValueError(f"states_at: position {m} outside 1..{T}")
         wanted.setdefault((m - 1) // C, []).append((j, row, m - (m - 1) // C * C))
-    picked: list[torch.Tensor | None] = [None] * len(states_at or ())
+    picked = torch.empty(len(states_at or ()), Hv, Dk, Dv, dtype=torch.float32, device=v.device)
+    pos = torch.arange(C, device=v.device)
     for n in range(N):
         u = w[:, :, n] - kc[:, :, n] @ state
         out[:, :, n] = q_dec[:, :, n] @ state + qk[:, :, n] @ u
-        for j, row, i in wanted.get(n, ()):
-            cn = c[row, :, n]  # [H, C]
-            k_i = k[row, :, n, :i] * (cn[:, i - 1 : i] - cn[:, :i]).exp().unsqueeze(-1)
-            s0 = state[row] * cn[:, i - 1].exp()[:, None, None]
-            picked[j] = s0 + k_i.transpose(-1, -2) @ u[row, :, :i]
+        if n in wanted:  # states after i tokens of this chunk, all wanted ones at once
+            js, rows, ii = (torch.tensor(t, device=v.device) for t in zip(*wanted[n]))
+            cn = c[rows, :, n]  # [W, H, C]
+            c_last = cn.gather(-1, (ii - 1)[:, None, None].expand(-1, Hv, 1))  # c_(i-1)
+            after = (pos >= ii[:, None])[:, None, :]  # tokens past i: masked before exp
+            weight = (c_last - cn).masked_fill(after, float("-inf")).exp()  # [W, H, C]
+            k_i = k[rows, :, n] * weight.unsqueeze(-1)
+            picked[js] = state[rows] * c_last.exp().unsqueeze(-1) + k_i.transpose(-1, -2) @ u[rows]
         state = state * chunk_decay[:, :, n] + k_dec[:, :, n].transpose(-1, -2) @ u
     out = out.reshape(B, Hv, N * C, Dv)[:, :, :T].transpose(1, 2)
     if states_at is not None:
-        empty = initial_state.new_empty(0, Hv, Dk, Dv, dtype=torch.float32)
-        return out.to(out_dtype), state, torch.stack(picked) if picked else empty
+        return out.to(out_dtype), state, picked
     return out.to(out_dtype), state
 
 

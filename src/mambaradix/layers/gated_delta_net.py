@@ -19,7 +19,6 @@ from torch import nn
 
 from mambaradix.core import StateLayerSpec
 from mambaradix.kernels import get_kernel
-from mambaradix.kernels.conv import conv_state_after
 from mambaradix.layers.attention import BatchLayout
 from mambaradix.layers.norm import GatedRMSNorm
 
@@ -147,78 +146,110 @@ class GatedDeltaNet(nn.Module):
     def _prefill(self, layout, mixed, g, beta, core, conv_pool, ssm_pool, weight) -> None:
         ctx = layout.ctx
         idx = layout.prefill_reqs
+        dev = mixed.device
         lens = [ctx.extend_lens[i] for i in idx]
         starts = [ctx.starts[i] for i in idx]
-        slots = [ctx.reqs[i].state_slot for i in idx]
-        slot_t = torch.tensor(slots, dtype=torch.long, device=mixed.device)
+        slot_t = torch.tensor([ctx.reqs[i].state_slot for i in idx], dtype=torch.long, device=dev)
         init_conv = conv_pool.index_select(0, slot_t)
         if len(idx) == 1:
             seg = mixed[starts[0] : starts[0] + lens[0]]
         else:
-            seg = torch.cat([mixed[s : s + n] for s, n in zip(starts, lens)])
+            seg = mixed.index_select(0, _rows(starts, lens, dev))
         conv_out = get_kernel("causal_conv1d")(
             seg, weight, self.conv1d.bias, init_conv, lens, self.activation
         )
         q_all, k_all, v_all = self._split_qkv(conv_out)
-        # One kernel call per group of requests with the same chunk count, right-padded with
-        # no-op tokens (beta = 0, g = 0 leave the state unchanged). The state at a snapshot
-        # offset comes out of the same call (``states_at``), wherever it falls.
         offs = [0]
         for n in lens[:-1]:
             offs.append(offs[-1] + n)
-        # states_at[j]: request j's snapshot offsets (inside its new tokens) -> state
-        states_at = [
-            dict.fromkeys(sorted({m for m, _ in ctx.reqs[i].snapshots if 0 < m < lens[j]}))
-            for j, i in enumerate(idx)
-        ]
-        state = [ssm_pool[sl].float() for sl in slots]
-        chunk = get_kernel("chunk_gated_delta_rule")
+        # One kernel call per group of requests with the same chunk count, right-padded with
+        # no-op tokens (beta = 0, g = 0 leave the state unchanged). The state at a snapshot
+        # offset comes out of the same call (``states_at``), wherever it falls.
+        snaps = [(j, m, slot) for j, i in enumerate(idx) for m, slot in ctx.reqs[i].snapshots]
+        init_state = ssm_pool.index_select(0, slot_t).float()
+        final = torch.empty_like(init_state)
+        snap_states: list[torch.Tensor | None] = [None] * len(snaps)
         buckets: dict[int, list[int]] = {}
         for j, n in enumerate(lens):
             buckets.setdefault(-(-n // self.chunk_size), []).append(j)
+        chunk = get_kernel("chunk_gated_delta_rule")
         for members in buckets.values():
-            self._run_group(
-                chunk, members, lens, offs, starts, q_all, k_all, v_all, g, beta, state,
-                states_at, core,
-            )  # fmt: skip
-        for j, i in enumerate(idx):
-            r, n, off = ctx.reqs[i], lens[j], offs[j]
-            x_in = seg[off : off + n]
-            for m, slot in r.snapshots:
-                conv_pool[slot] = conv_state_after(x_in, init_conv[j], m).to(conv_pool.dtype)
-                ssm_pool[slot] = (state[j] if m == n else states_at[j][m]).to(ssm_pool.dtype)
-            conv_pool[slots[j]] = conv_state_after(x_in, init_conv[j], n).to(conv_pool.dtype)
-            ssm_pool[slots[j]] = state[j].to(ssm_pool.dtype)
-
-    def _run_group(
-        self, chunk, members, lens, offs, starts, q_all, k_all, v_all, g, beta, state,
-        states_at, core,
-    ) -> None:  # fmt: skip
-        """One batched kernel call over all new tokens of the ``members`` requests; records
-        their final states and the states at their snapshot offsets."""
-        width = max(lens[j] for j in members)
-
-        def stack(x: torch.Tensor, base: list[int]) -> torch.Tensor:
-            rows = []
-            for j in members:
-                piece = x[base[j] : base[j] + lens[j]]
-                pad = [0, 0] * (piece.dim() - 1) + [0, width - lens[j]]
-                rows.append(F.pad(piece, pad))
-            return torch.stack(rows)
-
-        wanted = [(row, m) for row, j in enumerate(members) for m in states_at[j]]
-        o, new_state, *picked = chunk(
-            stack(q_all, offs),
-            stack(k_all, offs),
-            stack(v_all, offs),
-            stack(g, starts),
-            stack(beta, starts),
-            torch.stack([state[j] for j in members]),
-            self.chunk_size,
-            states_at=wanted or None,
+            row_of = {j: row for row, j in enumerate(members)}
+            wanted = [(k, row_of[j], m) for k, (j, m, _) in enumerate(snaps) if j in row_of]
+            width = max(lens[j] for j in members)
+            mlens = [lens[j] for j in members]
+            by_seg = _padded_rows([offs[j] for j in members], mlens, width, seg.shape[0], dev)
+            by_batch = _padded_rows([starts[j] for j in members], mlens, width, g.shape[0], dev)
+            o, new_state, picked = chunk(
+                _take(q_all, by_seg),
+                _take(k_all, by_seg),
+                _take(v_all, by_seg),
+                _take(g, by_batch),
+                _take(beta, by_batch),
+                init_state[members],
+                self.chunk_size,
+                states_at=[(row, m) for _, row, m in wanted],
+            )
+            keep = by_seg.view(-1) < seg.shape[0]
+            dest = _rows([starts[j] for j in members], mlens, dev)
+            core.index_copy_(0, dest, o.reshape(-1, *o.shape[2:])[keep].to(core.dtype))
+            final[members] = new_state
+            for (k, _, _), st in zip(wanted, picked):
+                snap_states[k] = st
+        ssm_pool.index_copy_(0, slot_t, final.to(ssm_pool.dtype))
+        conv_pool.index_copy_(
+            0, slot_t, _conv_states(seg, init_conv, offs, lens).to(conv_pool.dtype)
         )
-        for row, j in enumerate(members):
-            core[starts[j] : starts[j] + lens[j]] = o[row, : lens[j]]
-            state[j] = new_state[row]
-        for (row, m), st in zip(wanted, picked[0] if picked else ()):
-            states_at[members[row]][m] = st
+        if snaps:
+            snap_slots = torch.tensor([slot for _, _, slot in snaps], dtype=torch.long, device=dev)
+            ssm_pool.index_copy_(0, snap_slots, torch.stack(snap_states).to(ssm_pool.dtype))
+            conv = _conv_states(
+                seg, init_conv, offs, [m for _, m, _ in snaps], [j for j, _, _ in snaps]
+            )
+            conv_pool.index_copy_(0, snap_slots, conv.to(conv_pool.dtype))
+
+
+def _rows(starts: list[int], lens: list[int], device) -> torch.Tensor:
+    """The row indices ``start .. start+len-1`` of every span, concatenated."""
+    return torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(device)
+
+
+def _padded_rows(starts: list[int], lens: list[int], width: int, pad_row: int, device):
+    """``[B, width]`` row indices of each span, right-padded with ``pad_row`` (a zero row)."""
+    t = torch.arange(width)
+    idx = torch.tensor(starts)[:, None] + t[None, :]
+    return torch.where(t[None, :] < torch.tensor(lens)[:, None], idx, pad_row).to(device)
+
+
+def _take(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x[rows]`` for ``rows`` ``[B, W]`` where the index ``len(x)`` reads zeros."""
+    padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+    return padded.index_select(0, rows.reshape(-1)).view(*rows.shape, *x.shape[1:])
+
+
+def _conv_states(
+    seg: torch.Tensor,
+    init_conv: torch.Tensor,
+    offs: list[int],
+    ns: list[int],
+    owners: list[int] | None = None,
+) -> torch.Tensor:
+    """Conv states ``[P, C, K-1]`` after the first ``ns[p]`` new tokens of request
+    ``owners[p]`` (default: request p), whose tokens start at row ``offs[owner]`` of ``seg``
+    and whose carried-in state is ``init_conv[owner]``: ``conv_state_after`` for many at once.
+    """
+    owners = list(range(len(ns))) if owners is None else owners
+    k1 = init_conv.shape[-1]
+    if k1 == 0:
+        return init_conv[owners]
+    # rows of [carried-in states (K-1 per request) | seg]: a state is K-1 consecutive inputs
+    carried = init_conv.to(seg.dtype).transpose(1, 2).reshape(-1, init_conv.shape[1])
+    src = torch.cat([carried, seg])
+    base = init_conv.shape[0] * k1
+    t = torch.arange(k1)
+    pos = torch.tensor(ns)[:, None] - k1 + t[None, :]  # position in the request's new tokens
+    own = torch.tensor(owners)
+    from_seg = base + torch.tensor(offs)[own][:, None] + pos
+    from_init = own[:, None] * k1 + k1 + pos
+    rows = torch.where(pos >= 0, from_seg, from_init).to(seg.device)
+    return src.index_select(0, rows.reshape(-1)).view(len(ns), k1, -1).transpose(1, 2)
