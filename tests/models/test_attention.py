@@ -152,8 +152,9 @@ def test_decode_cascade_batches_groups_of_equal_prefix_length(softmax_path):
 
 
 def test_prefill_cascade_over_a_shared_prefix_matches_per_request(softmax_path):
-    """Members of a group read the shared prefix once; one member has cached more than the
-    shared part (extra visible keys before its queries), extend lengths differ. Each output
+    """Members of a group read the shared prefix once; some have cached more than the shared
+    part (extra visible keys before their queries), extend lengths differ, and members of the
+    same shape attend their own keys in one batched call. Each output
     equals plain causal attention over the member's own keys."""
     from mambaradix.kernels.attention import attention_prefill_shared
 
@@ -163,8 +164,8 @@ def test_prefill_cascade_over_a_shared_prefix_matches_per_request(softmax_path):
     perm = torch.randperm(pool)
     shared = perm[:70]
     rest = iter(perm[70:].split(40))
-    # (extra cached keys beyond the shared prefix, new tokens)
-    shapes = [(0, 17), (0, 1 + 4), (23, 9), (0, 40)]
+    # (extra cached keys beyond the shared prefix, new tokens); equal shapes share one call
+    shapes = [(0, 17), (0, 1 + 4), (23, 9), (0, 17), (23, 9), (0, 40)]
     qs, slots, plens = [], [], []
     for extra, n in shapes:
         own = next(rest)[: extra + n] if extra + n <= 40 else None
@@ -178,5 +179,5 @@ def test_prefill_cascade_over_a_shared_prefix_matches_per_request(softmax_path):
     # negative control: dropping the shared piece (attending own keys only) is far off
     from mambaradix.kernels.attention import _attend_own
 
-    alone, _ = _attend_own(qs[0], k_pool, v_pool, slots[0][70:], 0, 0.3)
-    assert (alone - outs[0]).abs().max() > 1e-2
+    alone, _ = _attend_own(qs[0][None], k_pool, v_pool, slots[0][None, 70:], 0, 0.3)
+    assert (alone[0] - outs[0]).abs().max() > 1e-2

@@ -69,23 +69,31 @@ def attention_prefill_shared(
     # every member's queries, grouped by KV head: [1, Hkv, sum(n_i) * R, D]
     stacked = torch.cat([q.to(k.dtype).view(-1, hkv, r, d).transpose(0, 1) for q in qs], dim=1)
     shared_out, shared_lse = _attend(stacked.reshape(1, hkv, -1, d), k, v, None, scale)
-    outs, row = [], 0
-    for q, slots, plen in zip(qs, kv_slots, prefix_lens):
-        n = q.shape[0]
+    first = [0]
+    for q in qs:
+        first.append(first[-1] + q.shape[0])
 
-        def member(t: torch.Tensor, row: int = row, n: int = n) -> torch.Tensor:
-            # [1, Hkv, rows, *] -> this member's [n, Hq, *]
-            t = t[0, :, row * r : (row + n) * r].reshape(hkv, n, r, -1)
-            return t.transpose(0, 1).reshape(n, hq, -1)
+    def member(t: torch.Tensor, i: int) -> torch.Tensor:
+        # [1, Hkv, rows, *] -> member i's [n_i, Hq, *]
+        n = qs[i].shape[0]
+        t = t[0, :, first[i] * r : first[i + 1] * r].reshape(hkv, n, r, -1)
+        return t.transpose(0, 1).reshape(n, hq, -1)
 
-        so, sl = member(shared_out), member(shared_lse.unsqueeze(-1))[..., 0]
-        oo, ol = _attend_own(
-            q, k_pool, v_pool, slots[shared_len : plen + n], plen - shared_len, scale
-        )
+    # own keys: members with the same (new tokens, earlier own keys) share one call
+    buckets: dict[tuple[int, int], list[int]] = {}
+    for i, (q, plen) in enumerate(zip(qs, prefix_lens)):
+        buckets.setdefault((q.shape[0], plen - shared_len), []).append(i)
+    outs: list[torch.Tensor | None] = [None] * len(qs)
+    for (n, seen), members in buckets.items():
+        own = torch.stack([kv_slots[i][shared_len : shared_len + seen + n] for i in members])
+        q_b = torch.stack([qs[i] for i in members])  # [M, n, Hq, D]
+        oo, ol = _attend_own(q_b, k_pool, v_pool, own, seen, scale)  # [M, n, Hq, *]
+        so = torch.stack([member(shared_out, i) for i in members])
+        sl = torch.stack([member(shared_lse.unsqueeze(-1), i)[..., 0] for i in members])
         top = torch.logaddexp(sl, ol)
-        out = so * torch.exp(sl - top)[..., None] + oo * torch.exp(ol - top)[..., None]
-        outs.append(out.to(q.dtype))
-        row += n
+        merged = so * torch.exp(sl - top)[..., None] + oo * torch.exp(ol - top)[..., None]
+        for row, i in enumerate(members):
+            outs[i] = merged[row].to(qs[i].dtype)
     return outs
 
 
@@ -97,16 +105,16 @@ def _attend_own(
     seen: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries ``q`` ``[n, Hq, D]`` over the keys at ``slots``: the first ``seen`` precede every
-    query, the last ``n`` are the queries' own tokens (causal). Returns ``(out [n, Hq, Dv],
-    lse [n, Hq])`` in fp32."""
-    n, hq, _ = q.shape
+    """Queries ``q`` ``[M, n, Hq, D]`` of M requests over their keys at ``slots`` ``[M, L]``:
+    the first ``seen`` precede every query, the last ``n`` are the queries' own tokens
+    (causal). Returns ``(out [M, n, Hq, Dv], lse [M, n, Hq])`` in fp32."""
+    m, n, hq, _ = q.shape
     r = hq // k_pool.shape[1]
-    k, v = _gather_kv(k_pool, v_pool, slots[None])  # [1, Hkv, L, D]
+    k, v = _gather_kv(k_pool, v_pool, slots)  # [M, Hkv, L, D]
     if r > 1:
         k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-    qh = q.to(k.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-    visible = torch.arange(slots.numel())[None, :] <= (seen + torch.arange(n))[:, None]
+    qh = q.to(k.dtype).transpose(1, 2)  # [M, Hq, n, D]
+    visible = torch.arange(slots.shape[1])[None, :] <= (seen + torch.arange(n))[:, None]
     if qh.device.type == "cpu" and _CPU_FLASH is not None:
         mask = None
         if seen:  # with no earlier keys the mask is plain causal, which the kernel knows
@@ -117,7 +125,7 @@ def _attend_own(
         scores = scores.masked_fill(~visible, float("-inf"))
         lse = torch.logsumexp(scores, -1)
         out = torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v)
-    return out[0].transpose(0, 1).float(), lse[0].transpose(0, 1).float()
+    return out.transpose(1, 2).float(), lse.transpose(1, 2).float()
 
 
 @register_kernel("attention_decode")
