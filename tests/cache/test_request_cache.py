@@ -124,3 +124,34 @@ def test_disabled_mode_frees_everything_and_integrity_catches_a_leak():
     cache.state_pool.alloc(1)  # negative control: a slot nobody owns
     with pytest.raises(IntegrityError):
         cache.check_integrity()
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_ensure_kv_many_matches_one_by_one_and_falls_back_when_short(page):
+    """A decode step's KV growth in one allocation: every request gets the slots for its next
+    token (whole pages), rows and counts as ``ensure_kv`` would leave them; when the pool cannot
+    hold all of them, requests are served one by one and the rest get nothing (no leak)."""
+    cache = make(page=page, kv=32 * page, states=16)
+    rcs = []
+    for i in range(3):
+        tokens = [100 * (i + 1) + t for t in range(5 * page)]
+        rc, _ = cache.admit(cache.match(tokens), 5 * page)
+        cache.resume_done(rc)
+        rcs.append(rc)
+    before = [rc.kv_alloc for rc in rcs]
+    assert cache.ensure_kv_many(rcs, [5 * page + 1] * 3) == [True] * 3
+    assert [rc.kv_alloc for rc in rcs] == [b + page for b in before]
+    rows = cache.kv_slots_many(rcs, 5 * page + 1)
+    for rc, row in zip(rcs, rows):
+        torch.testing.assert_close(row, cache.kv_slots(rc, 5 * page + 1))
+    assert len(set(rows[:, -1].tolist())) == 3  # distinct new slots
+    cache.check_integrity()
+    # short: leave room for exactly one more page, ask for one each
+    free = cache.kv_pool.available()
+    hog = cache.kv_pool.alloc(free - page)
+    got = cache.ensure_kv_many(rcs, [6 * page + 1] * 3)
+    assert got == [True, False, False] and cache.kv_pool.available() == 0
+    cache.kv_pool.free(hog)
+    for rc in rcs:
+        cache.release(rc)
+    cache.check_integrity()

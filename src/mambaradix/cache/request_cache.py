@@ -155,9 +155,37 @@ class RequestCache:
         rc.kv_alloc += need
         return True
 
+    def ensure_kv_many(self, rcs: list[ReqCache], lengths: list[int]) -> list[bool]:
+        """``ensure_kv`` for many requests (a decode step) with one allocation when the pool
+        has room for all of them; otherwise one by one, which may leave some without."""
+        needs = [
+            -(-n // self.page_size) * self.page_size - rc.kv_alloc for rc, n in zip(rcs, lengths)
+        ]
+        total = sum(n for n in needs if n > 0)
+        if total == 0:
+            return [True] * len(rcs)
+        slots = self._alloc_kv(total)
+        if slots is None:
+            return [self.ensure_kv(rc, n) for rc, n in zip(rcs, lengths)]
+        rows: list[int] = []
+        cols: list[int] = []
+        for rc, need in zip(rcs, needs):
+            if need > 0:
+                rows += [rc.row] * need
+                cols += range(rc.kv_alloc, rc.kv_alloc + need)
+                rc.kv_alloc += need
+        self.req_slots.table[torch.tensor(rows), torch.tensor(cols)] = slots
+        return [True] * len(rcs)
+
     def kv_slots(self, rc: ReqCache, length: int) -> torch.Tensor:
         """A copy of the KV slots of tokens [0, length) (safe to hand to an in-flight forward)."""
         return self.req_slots.table[rc.row, :length].clone()
+
+    def kv_slots_many(self, rcs: list[ReqCache], length: int) -> torch.Tensor:
+        """A copy of the first ``length`` KV slots of many requests' rows, ``[len(rcs), length]``,
+        in one gather (row i's entries past that request's tokens are meaningless)."""
+        rows = torch.tensor([rc.row for rc in rcs], dtype=torch.long)
+        return self.req_slots.table[:, :length].index_select(0, rows)
 
     # ------------------------------------------------------------------ snapshots
 

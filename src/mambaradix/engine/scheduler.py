@@ -160,10 +160,18 @@ class Scheduler:
             else:  # skipped: nobody may wait for it
                 req.share_targets = [t for t in req.share_targets if t > pos]
         budget = self.cfg.max_prefill_tokens
-        decodes = [r for r in self.running if r.seq_len - r.fed_len == 1]
-        for req in decodes:
-            if self._schedulable(req) and self.cache.ensure_kv(req.rc, req.fed_len + 1):
-                self._add_entry(plan, req, req.fed_len + 1)
+        decodes = [r for r in self.running if r.seq_len - r.fed_len == 1 and self._schedulable(r)]
+        if decodes:  # one KV allocation and one slot-row gather for the whole decode step
+            got = self.cache.ensure_kv_many(
+                [r.rc for r in decodes], [r.fed_len + 1 for r in decodes]
+            )
+            decodes = [r for r, ok in zip(decodes, got) if ok]
+        if decodes:
+            rows = self.cache.kv_slots_many(
+                [r.rc for r in decodes], max(r.fed_len + 1 for r in decodes)
+            )
+            for b, req in enumerate(decodes):
+                self._add_entry(plan, req, req.fed_len + 1, kv_slots=rows[b, : req.fed_len + 1])
                 budget -= 1
         for req in self.running:
             if req.seq_len - req.fed_len > 1 and budget > 0:
@@ -202,7 +210,14 @@ class Scheduler:
         self._add_entry(plan, req, seg_end, snap)
         return seg_end - start
 
-    def _add_entry(self, plan: BatchPlan, req: Req, end: int, snap: int | None = None) -> None:
+    def _add_entry(
+        self,
+        plan: BatchPlan,
+        req: Req,
+        end: int,
+        snap: int | None = None,
+        kv_slots: torch.Tensor | None = None,
+    ) -> None:
         start = req.fed_len
         ids = req.token_slice(start, end)  # may hold placeholders of tokens still in flight
         entry = Entry(req, end)
@@ -237,7 +252,7 @@ class Scheduler:
             ForwardReq(
                 prefix_len=start,
                 input_ids=ids,
-                kv_slots=self.cache.kv_slots(req.rc, end),
+                kv_slots=self.cache.kv_slots(req.rc, end) if kv_slots is None else kv_slots,
                 state_slot=req.rc.state_slot,
                 snapshots=snapshots,
             )
