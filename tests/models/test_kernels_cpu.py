@@ -84,3 +84,30 @@ def test_gated_delta_decode_rejects_mismatched_shapes():
             x, conv, ssm, torch.tensor([0, 1]), weight, None, torch.zeros(2, hv),
             torch.zeros(2, hv), hk,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("zero_centered", [True, False])
+def test_rms_norm_matches_reference_on_dense_and_strided_rows(zero_centered):
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(32, generator=g) * 0.2
+    dense = torch.randn(7, 5, 32, generator=g) * 3
+    # the query half of a [T, heads, 2 * d] projection: rows of 32 with a row stride of 64
+    strided = torch.randn(9, 4, 64, generator=g)[..., :32]
+    for x in (dense, strided, dense[0, 0]):
+        ref = get_kernel("rms_norm", "torch")(x, weight, 1e-6, zero_centered)
+        out = get_kernel("rms_norm", "cpu")(x, weight, 1e-6, zero_centered)
+        assert out.shape == x.shape
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # negative control: a different eps moves the result
+    far = get_kernel("rms_norm", "cpu")(dense * 1e-3, weight, 1e-2, zero_centered)
+    near = get_kernel("rms_norm", "torch")(dense * 1e-3, weight, 1e-6, zero_centered)
+    assert (far - near).abs().max() > 1e-2
+
+
+def test_rms_norm_falls_back_for_bf16_and_unmergeable_views():
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(16, generator=g)
+    x = torch.randn(6, 16, generator=g)
+    for inp, w in ((x.bfloat16(), weight.bfloat16()), (x.t().contiguous().t(), weight)):
+        ref = get_kernel("rms_norm", "torch")(inp, w, 1e-6, False)
+        torch.testing.assert_close(get_kernel("rms_norm", "cpu")(inp, w, 1e-6, False), ref)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mambaradix.kernels import gated_delta, native
+from mambaradix.kernels import gated_delta, native, norm
 from mambaradix.kernels.registry import register_kernel
 
 _SILU = {"silu": 1, "swish": 1, None: 0, "identity": 0}
@@ -75,3 +75,25 @@ def gated_delta_decode(
         _SILU[activation], int(use_qk_l2norm),
     )  # fmt: skip
     return out
+
+
+@register_kernel("rms_norm", backend="cpu")
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
+) -> torch.Tensor:
+    """``kernels.norm.rms_norm`` in one C pass per row."""
+    lib = native.load("rms_norm")
+    rows = None
+    if lib is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel():
+        try:
+            rows = x.view(-1, x.shape[-1])  # a view: leading dims must merge
+        except RuntimeError:
+            rows = None
+    if rows is None or rows.stride(1) != 1 or not _dense(weight):
+        return norm.rms_norm(x, weight, eps, zero_centered)
+    out = torch.empty(rows.shape, dtype=torch.float32)
+    lib.rms_norm(
+        rows.shape[0], rows.shape[1], rows.data_ptr(), rows.stride(0),
+        weight.data_ptr(), eps, int(zero_centered), out.data_ptr(),
+    )  # fmt: skip
+    return out.view(x.shape)

@@ -46,6 +46,14 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _INT, _INT,            # silu, l2norm
         ],
     },
+    "rms_norm": {
+        "rms_norm": [
+            _I64, _I64,            # rows, dim
+            _PTR, _I64,            # x, its row stride
+            _PTR, ctypes.c_float, _INT,  # weight, eps, zero-centred
+            _PTR,                  # out
+        ],
+    },
 }  # fmt: skip
 
 
@@ -75,7 +83,7 @@ def load(name: str) -> ctypes.CDLL | None:
     if cc is None:
         logger.warning("no C compiler found ($CC or cc): native kernel %s not built", name)
         return None
-    flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
+    flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fopenmp-simd"]
     if _uses_libgomp():
         flags.append("-fopenmp")
     try:

@@ -7,10 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+from mambaradix.kernels import get_kernel
+from mambaradix.kernels.norm import rms_normalize
 
 
 class RMSNorm(nn.Module):
@@ -24,10 +22,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = rms_normalize(x, self.eps)
-        if self.zero_centered:
-            return (y * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * y.to(x.dtype)
+        return get_kernel("rms_norm")(x, self.weight, self.eps, self.zero_centered)
 
 
 class GatedRMSNorm(nn.Module):

@@ -1,0 +1,34 @@
+/* RMSNorm over the rows of a matrix: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, where
+ * w = 1 + weight (zero-centred, Qwen3-Next) or weight. fp32; x rows may be strided, the last
+ * dim is dense; out is dense. One pass to sum squares, one to scale, per row; rows in
+ * parallel.
+ */
+#include <math.h>
+#include <stdint.h>
+
+void rms_norm(
+    int64_t rows, int64_t dim,
+    const float *x, int64_t x_stride,
+    const float *weight, float eps, int zero_centered,
+    float *out)
+{
+#pragma omp parallel for schedule(static) if (rows * dim > 16384)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float *o = out + r * dim;
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < dim; i++)
+            ss += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        if (zero_centered) {
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++)
+                o[i] = xr[i] * inv * (1.0f + weight[i]);
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++)
+                o[i] = weight[i] * (xr[i] * inv);
+        }
+    }
+}

@@ -1,0 +1,24 @@
+"""RMSNorm (torch reference kernels)."""
+
+from __future__ import annotations
+
+import torch
+
+from mambaradix.kernels.registry import register_kernel
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+
+
+@register_kernel("rms_norm")
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
+) -> torch.Tensor:
+    """RMSNorm over the last dim: ``norm(x) * (1 + weight)`` in fp32 when ``zero_centered``
+    (Qwen3-Next), else ``weight * norm(x)`` in x's dtype (Llama convention)."""
+    y = rms_normalize(x, eps)
+    if zero_centered:
+        return (y * (1.0 + weight.float())).to(x.dtype)
+    return weight * y.to(x.dtype)
