@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mambaradix.kernels.registry import register_kernel
+from mambaradix.kernels.registry import get_kernel, register_kernel
 
 
 @register_kernel("attention_prefill")
@@ -155,18 +155,40 @@ def attention_decode(
     shared = torch.zeros(B, dtype=torch.long)
     for members, plen in groups:
         shared[members] = plen
-    own_lens = seq_lens - shared
-    lo = int(own_lens.max())
-    idx = (shared[:, None] + torch.arange(lo)[None, :]).clamp_(max=slot_table.shape[1] - 1)
-    own = slot_table.gather(1, idx)
-    valid = torch.arange(lo)[None, :] < own_lens[:, None]
-    k, v = _gather_kv(k_pool, v_pool, own)
-    o, lse = _attend(qg, k, v, None if bool(valid.all()) else valid, scale)
+    o, lse = get_kernel("attention_decode_span")(
+        q, k_pool, v_pool, slot_table, shared, seq_lens, scale
+    )
+    o, lse = o.view(B, hkv, Hq // hkv, -1), lse.view(B, hkv, Hq // hkv)
     for rows, (os_, ls) in _shared_pieces(qg, k_pool, v_pool, slot_table, groups, scale):
         lo_, top = lse[rows], torch.logaddexp(lse[rows], ls)
         o[rows] = o[rows] * torch.exp(lo_ - top)[..., None] + os_ * torch.exp(ls - top)[..., None]
         lse[rows] = top
     return o.reshape(B, Hq, -1).to(q.dtype)
+
+
+@register_kernel("attention_decode_span")
+def attention_decode_span(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slot_table: torch.Tensor,
+    begin: torch.Tensor,
+    end: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per request (``q`` ``[B, Hq, D]``) over the keys at
+    ``slot_table[b, begin[b]:end[b]]`` (each span non-empty). Returns ``(out [B, Hq, Dv],
+    lse [B, Hq])`` in fp32: the piece ``attention_decode`` merges with the shared prefixes'."""
+    B, Hq, D = q.shape
+    hkv = k_pool.shape[1]
+    qg = q.to(k_pool.dtype).view(B, hkv, Hq // hkv, D)
+    n = end - begin
+    lo = int(n.max())
+    idx = (begin[:, None] + torch.arange(lo)[None, :]).clamp_(max=slot_table.shape[1] - 1)
+    valid = torch.arange(lo)[None, :] < n[:, None]
+    k, v = _gather_kv(k_pool, v_pool, slot_table.gather(1, idx))
+    o, lse = _attend(qg, k, v, None if bool(valid.all()) else valid, scale)
+    return o.reshape(B, Hq, -1), lse.reshape(B, Hq)
 
 
 def _gather_kv(
