@@ -8,8 +8,9 @@ the engine makes that backend active on CPU when they build (``--kernel-backend 
 
 Build: the system C compiler (``$CC``, else ``cc``) with ``-O3 -march=native``, into a cache
 folder (``$MAMBARADIX_KERNEL_CACHE``, else ``~/.cache/mambaradix/kernels``) under a name that
-hashes the source, the flags and the compiler, so a change rebuilds and concurrent processes
-never load a half-written file. OpenMP: only when the process's OpenMP runtime is libgomp (the
+hashes the source, the flags, the compiler and the CPU's model and features, so a change
+rebuilds, a machine never loads code built for another CPU, and concurrent processes never load
+a half-written file. OpenMP: only when the process's OpenMP runtime is libgomp (the
 CPU torch builds), whose already-loaded copy the kernel then shares: one worker pool, see
 ``engine.cpu_runtime``. Otherwise the kernels run single-threaded. No compiler, or a failed
 build, leaves the torch kernels in place with one warning.
@@ -67,6 +68,19 @@ def _compiler() -> str | None:
     return shutil.which(cc)
 
 
+def _cpu_id() -> str:
+    """Model and feature flags of this CPU: ``-march=native`` code built on one machine may not
+    run on another that shares the cache folder."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return platform.machine() + platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({ln for ln in info.splitlines() if ln.startswith(wanted)}))
+
+
 def _uses_libgomp() -> bool:
     from mambaradix.engine.cpu_runtime import openmp_runtime_path
 
@@ -92,7 +106,7 @@ def load(name: str) -> ctypes.CDLL | None:
         logger.warning("C compiler %s unusable (%s): native kernel %s not built", cc, e, name)
         return None
     key = hashlib.sha256(
-        src.read_bytes() + " ".join(flags).encode() + version.encode()
+        src.read_bytes() + " ".join(flags).encode() + version.encode() + _cpu_id().encode()
     ).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     if not out.exists():
