@@ -44,9 +44,11 @@ def test_cli_bench_compare_cache(tmp_path, capsys) -> None:
     assert off["cache_hit_rate"] == 0.0  # negative control: the cache really was off
     assert report["ratios"]["output_throughput"] > 0
     assert report["config"]["engine"]["model_path"] == "tiny:qwen3_next"
-    # --repeats 2: two alternating pairs; each side reports its median (lower of two) run
+    # --repeats 2: two pairs, the second running cache off first; each side reports its
+    # median (lower of two) run
     pairs = report["repeats"]
     assert len(pairs) == 2 and "pair ratios: min" in printed
+    assert [p["on_first"] for p in pairs] == [True, False] and "off first" in printed
     assert on["output_throughput"] == min(p["on_output_throughput"] for p in pairs)
     assert off["output_throughput"] == min(p["off_output_throughput"] for p in pairs)
     for p in pairs:

@@ -148,6 +148,7 @@ def format_repeats(pairs: list[dict[str, float]], ideal: float) -> str:
         lines.append(
             f"pair {i}: on {p['on_output_throughput']:8.1f}  off {p['off_output_throughput']:8.1f}"
             f"  on/off {p['ratio']:6.3f}  (/ ideal {p['ratio'] / ideal:.3f})"
+            f"  {'on' if p.get('on_first', True) else 'off'} first"
         )
     ratios = sorted(p["ratio"] for p in pairs)
     lines.append(

@@ -85,9 +85,9 @@ class BenchConfig:
     )
     repeats: int = opt(
         1,
-        "With --compare-cache: run the cache-on / cache-off pair this many times, alternating, "
-        "and compare the median run of each side (a shared machine's speed drifts by 10% "
-        "and more between runs).",
+        "With --compare-cache: run the cache-on / cache-off pair this many times (which side "
+        "runs first alternates) and compare the median run of each side (a shared machine's "
+        "speed drifts by 10% and more between runs).",
     )
     compare_base_url: str = opt(
         "", "HTTP: a second server (cache off) to run the same workload against."
@@ -209,20 +209,23 @@ def _fresh_process_run(cfg: BenchConfig, ecfg: EngineConfig, label: str) -> dict
 def _compare_runs(
     cfg: BenchConfig, ecfg: EngineConfig
 ) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, float]]]:
-    """``--repeats`` cache-on / cache-off pairs, alternating, each run in a fresh process.
-    Returns the median-throughput run of each side and every pair's figures."""
+    """``--repeats`` cache-on / cache-off pairs, each run in a fresh process, the side that runs
+    first alternating from pair to pair. Returns the median-throughput run of each side and
+    every pair's figures."""
     if cfg.repeats < 1:
         raise ValueError("--repeats must be >= 1")
     off_cfg = dataclasses.replace(ecfg, disable_radix_cache=True)
     ons, offs, pairs = [], [], []
     for i in range(cfg.repeats):
         tag = f" {i + 1}/{cfg.repeats}" if cfg.repeats > 1 else ""
-        ons.append(_fresh_process_run(cfg, ecfg, "cache on" + tag))
-        offs.append(_fresh_process_run(cfg, off_cfg, "cache off" + tag))
+        # odd pairs run cache off first: whichever side runs first in a pair gets no edge
+        order = [(ecfg, "cache on", ons), (off_cfg, "cache off", offs)]
+        for ec, label, runs in order[:: -1 if i % 2 else 1]:
+            runs.append(_fresh_process_run(cfg, ec, label + tag))
         on_t, off_t = ons[-1]["output_throughput"], offs[-1]["output_throughput"]
         pairs.append(
             {"on_output_throughput": on_t, "off_output_throughput": off_t,
-             "ratio": on_t / off_t if off_t else 0.0}
+             "ratio": on_t / off_t if off_t else 0.0, "on_first": i % 2 == 0}
         )  # fmt: skip
 
     def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
