@@ -211,7 +211,9 @@ class GatedDeltaNet(nn.Module):
 
 def _rows(starts: list[int], lens: list[int], device) -> torch.Tensor:
     """The row indices ``start .. start+len-1`` of every span, concatenated."""
-    return torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(device)
+    s, n = torch.tensor(starts), torch.tensor(lens)
+    base = torch.repeat_interleave(s - (torch.cumsum(n, 0) - n), n)  # start minus span offset
+    return (base + torch.arange(int(n.sum()))).to(device)
 
 
 def _padded_rows(starts: list[int], lens: list[int], width: int, pad_row: int, device):
