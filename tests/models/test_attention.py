@@ -34,6 +34,15 @@ def _naive(q, k, v, qpos, scale):
     return torch.einsum("hns,shd->nhd", s.softmax(-1), v)
 
 
+def _one_query(q, k_pool, v_pool, slots, scale):
+    """Plain softmax of one query ``q`` [Hq, D] over the keys at ``slots`` (GQA by repeat)."""
+    rep = q.shape[0] // k_pool.shape[1]
+    k = k_pool[slots].repeat_interleave(rep, 1)
+    v = v_pool[slots].repeat_interleave(rep, 1)
+    p = torch.einsum("hd,lhd->hl", q, k).mul(scale).softmax(-1)
+    return torch.einsum("hl,lhd->hd", p, v)
+
+
 def test_prefill_with_prefix_and_gqa():
     g = torch.Generator().manual_seed(0)
     pool_k, pool_v = torch.randn(64, 2, 8, generator=g), torch.randn(64, 2, 8, generator=g)
@@ -114,11 +123,8 @@ def test_decode_cascade_over_shared_prefixes_matches_per_request_softmax(softmax
     for tab, ln, qq in ((table, lens, q), (table2, lens2, q[[0, 1, 2, 3, 4, 6]])):
         out = attention_decode(qq, k_pool, v_pool, tab, ln, 0.3)
         for b in range(tab.shape[0]):
-            slots = tab[b, : ln[b]]
-            k = k_pool[slots].repeat_interleave(hq // hkv, 1)
-            v = v_pool[slots].repeat_interleave(hq // hkv, 1)
-            p = torch.einsum("hd,lhd->hl", qq[b], k).mul(0.3).softmax(-1)
-            torch.testing.assert_close(out[b], torch.einsum("hl,lhd->hd", p, v), atol=1e-5, rtol=0)
+            ref = _one_query(qq[b], k_pool, v_pool, tab[b, : ln[b]], 0.3)
+            torch.testing.assert_close(out[b], ref, atol=1e-5, rtol=0)
 
 
 def test_decode_cascade_batches_groups_of_equal_prefix_length(softmax_path):
@@ -144,11 +150,8 @@ def test_decode_cascade_batches_groups_of_equal_prefix_length(softmax_path):
     q = torch.randn(len(rows), hq, d)
     out = attention_decode(q, k_pool, v_pool, table, lens, 0.25, groups)
     for b in range(len(rows)):
-        slots = table[b, : lens[b]]
-        k = k_pool[slots].repeat_interleave(hq // hkv, 1)
-        v = v_pool[slots].repeat_interleave(hq // hkv, 1)
-        p = torch.einsum("hd,lhd->hl", q[b], k).mul(0.25).softmax(-1)
-        torch.testing.assert_close(out[b], torch.einsum("hl,lhd->hd", p, v), atol=1e-5, rtol=0)
+        ref = _one_query(q[b], k_pool, v_pool, table[b, : lens[b]], 0.25)
+        torch.testing.assert_close(out[b], ref, atol=1e-5, rtol=0)
 
 
 def test_prefill_cascade_over_a_shared_prefix_matches_per_request(softmax_path):

@@ -90,8 +90,7 @@ def attention_prefill_shared(
         oo, ol = _attend_own(q_b, k_pool, v_pool, own, seen, scale)  # [M, n, Hq, *]
         so = torch.stack([member(shared_out, i) for i in members])
         sl = torch.stack([member(shared_lse.unsqueeze(-1), i)[..., 0] for i in members])
-        top = torch.logaddexp(sl, ol)
-        merged = so * torch.exp(sl - top)[..., None] + oo * torch.exp(ol - top)[..., None]
+        merged, _ = _merge(so, sl, oo, ol)
         for row, i in enumerate(members):
             outs[i] = merged[row].to(qs[i].dtype)
     return outs
@@ -114,18 +113,19 @@ def _attend_own(
     if r > 1:
         k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
     qh = q.to(k.dtype).transpose(1, 2)  # [M, Hq, n, D]
-    visible = torch.arange(slots.shape[1])[None, :] <= (seen + torch.arange(n))[:, None]
-    if qh.device.type == "cpu" and _CPU_FLASH is not None:
-        mask = None
-        if seen:  # with no earlier keys the mask is plain causal, which the kernel knows
-            mask = torch.zeros(visible.shape, dtype=qh.dtype).masked_fill_(~visible, float("-inf"))
-        out, lse = _CPU_FLASH(qh, k, v, 0.0, seen == 0, attn_mask=mask, scale=scale)[:2]
-    else:
-        scores = torch.matmul(qh, k.transpose(-1, -2)).float() * scale
-        scores = scores.masked_fill(~visible, float("-inf"))
-        lse = torch.logsumexp(scores, -1)
-        out = torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v)
-    return out.transpose(1, 2).float(), lse.transpose(1, 2).float()
+    visible = None
+    if seen:  # with no earlier keys the mask is plain causal
+        visible = torch.arange(slots.shape[1])[None, :] <= (seen + torch.arange(n))[:, None]
+    out, lse = _attend(qh, k, v, visible, scale, causal=seen == 0)
+    return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def _merge(
+    o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax over the union of two key sets from each one's (output, log-sum-exp)."""
+    top = torch.logaddexp(l1, l2)
+    return o1 * torch.exp(l1 - top)[..., None] + o2 * torch.exp(l2 - top)[..., None], top
 
 
 @register_kernel("attention_decode")
@@ -160,9 +160,7 @@ def attention_decode(
     )
     o, lse = o.view(B, hkv, Hq // hkv, -1), lse.view(B, hkv, Hq // hkv)
     for rows, (os_, ls) in _shared_pieces(qg, k_pool, v_pool, slot_table, groups, scale):
-        lo_, top = lse[rows], torch.logaddexp(lse[rows], ls)
-        o[rows] = o[rows] * torch.exp(lo_ - top)[..., None] + os_ * torch.exp(ls - top)[..., None]
-        lse[rows] = top
+        o[rows], lse[rows] = _merge(o[rows], lse[rows], os_, ls)
     return o.reshape(B, Hq, -1).to(q.dtype)
 
 
@@ -187,7 +185,7 @@ def attention_decode_span(
     idx = (begin[:, None] + torch.arange(lo)[None, :]).clamp_(max=slot_table.shape[1] - 1)
     valid = torch.arange(lo)[None, :] < n[:, None]
     k, v = _gather_kv(k_pool, v_pool, slot_table.gather(1, idx))
-    o, lse = _attend(qg, k, v, None if bool(valid.all()) else valid, scale)
+    o, lse = _attend(qg, k, v, None if bool(valid.all()) else valid[:, None, None, :], scale)
     return o.reshape(B, Hq, -1), lse.reshape(B, Hq)
 
 
@@ -205,26 +203,34 @@ def _gather_kv(
 
 
 def _attend(
-    qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None, scale: float
+    qg: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor | None,
+    scale: float,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of ``qg`` [n, G, M, D] over ``k``/``v`` [n, G, L, D] (``valid``
-    [n, L] masks keys; every row keeps at least one): ``(out [n, G, M, Dv] fp32,
-    log-sum-exp of the scaled scores [n, G, M] fp32)``, the two things an exact merge of
-    pieces needs.
+    """Softmax attention of ``qg`` [n, G, M, D] over ``k``/``v`` [n, G, L, D]: ``(out [n, G, M,
+    Dv] fp32, log-sum-exp of the scaled scores [n, G, M] fp32)``, the two things an exact merge
+    of pieces needs. ``visible``: a bool mask broadcastable to the scores [n, G, M, L] (every
+    query keeps at least one key), or ``causal`` (query i sees keys 0..i).
 
     On CPU this is ATen's fused flash kernel (blocked, scores never materialised; it returns
     the log-sum-exp); elsewhere, or if that op is missing, plain matmul + softmax.
     """
     if qg.device.type == "cpu" and _CPU_FLASH is not None:
         mask = None
-        if valid is not None:
-            mask = torch.zeros(valid.shape, dtype=qg.dtype, device=qg.device)
-            mask = mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
-        out, lse = _CPU_FLASH(qg, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
+        if visible is not None:
+            mask = torch.zeros(visible.shape, dtype=qg.dtype, device=qg.device)
+            mask = mask.masked_fill_(~visible, float("-inf"))
+        out, lse = _CPU_FLASH(qg, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
         return out.float(), lse.float()
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
-    if valid is not None:
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    if causal:
+        m, length = scores.shape[-2:]
+        visible = torch.ones(m, length, dtype=torch.bool, device=qg.device).tril()
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, -1)
     probs = torch.exp(scores - lse[..., None])
     return torch.matmul(probs.to(v.dtype), v).float(), lse
