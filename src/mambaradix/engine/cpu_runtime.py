@@ -14,6 +14,14 @@ thread's pool (OpenMP 5 ``omp_pause_resource_all``); the engine calls it on the 
 built it. If that thread later runs parallel torch ops again, it gets a new pool (correct, only
 slower).
 
+The engine thread (scheduler) runs small torch ops of its own, such as gathering the slot rows
+of a decode step from the request table. One of them above torch's grain size was enough to
+start a pool there: libgomp then counted more threads than CPUs and cut the runner's spinning
+to almost nothing, so its worker slept and was woken by futex at every parallel region (~300
+times per decode step). The 128-wide decode step of the benchmark went from ~31 to ~47 ms.
+``serial_torch_thread()`` makes torch run the calling thread's ops on that thread alone; the
+engine thread calls it first thing.
+
 **malloc.** A forward allocates and frees many temporaries of a few to tens of MB. glibc returns
 such memory to the OS (large blocks are mmap'ed, the heap top is trimmed) and the next forward
 faults it back in page by page: about 70k page faults and ~15% of a prefill forward on the
@@ -27,7 +35,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import threading
 from pathlib import Path
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +83,24 @@ def release_thread_pool() -> bool:
         return False
     ok = lib.omp_pause_resource_all(ctypes.c_int(OMP_PAUSE_SOFT)) == 0
     logger.debug("released this thread's OpenMP pool: %s", ok)
+    return ok
+
+
+def serial_torch_thread() -> bool:
+    """Run the calling thread's torch ops on this thread alone, so that it never starts an
+    OpenMP pool, nor MKL's (see the module docstring). Other threads keep their settings.
+    True if this thread now runs serially."""
+    n = torch.get_num_threads()  # torch sets a thread's count when it first asks: do it now
+    if n == 1:
+        return True
+    # Per thread for OpenMP and MKL, but it also stores 1 as the process-wide count that new
+    # threads start from: put that back from a short-lived thread, leaving this one at 1.
+    torch.set_num_threads(1)
+    restore = threading.Thread(target=torch.set_num_threads, args=(n,), name="torch-threads")
+    restore.start()
+    restore.join()
+    ok = torch.get_num_threads() == 1
+    logger.debug("torch ops on this thread run serially: %s", ok)
     return ok
 
 

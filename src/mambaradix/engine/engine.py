@@ -25,7 +25,11 @@ from mambaradix.cache.request_cache import EXTRA_BUFFER, RequestCache
 from mambaradix.cache.state_pool import StatePool
 from mambaradix.config import EngineConfig
 from mambaradix.core import FinishReason, SamplingParams, StateSpec
-from mambaradix.engine.cpu_runtime import keep_freed_memory, release_thread_pool
+from mambaradix.engine.cpu_runtime import (
+    keep_freed_memory,
+    release_thread_pool,
+    serial_torch_thread,
+)
 from mambaradix.engine.detokenizer import DetokState, IncrementalDetokenizer, find_stop, holdback
 from mambaradix.engine.outputs import EngineStats, OutputBatcher, RequestHandle, RequestOutput
 from mambaradix.engine.request import Req
@@ -302,6 +306,7 @@ class Engine:
             raise RuntimeError(f"engine loop failed: {self._error!r}") from self._error
 
     def _loop(self) -> None:
+        serial_torch_thread()  # no OpenMP pool beside the runner's (engine.cpu_runtime)
         while not self._stop:
             try:
                 self._pull(block=self.scheduler.is_idle())
