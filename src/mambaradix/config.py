@@ -64,6 +64,11 @@ class EngineConfig:
         False, "Run without prefix caching (same engine, everything freed at finish)."
     )
     schedule_policy: str = opt("fcfs", "Order of the waiting queue.", ["fcfs", "lpm"])
+    skip_warmup: bool = opt(
+        False,
+        "Skip the warm-up forward at start (one batch of --max-prefill-tokens on scratch slots, "
+        "so the first requests do not pay for growing the CPU allocator's heap).",
+    )
     disable_overlap_schedule: bool = opt(
         False, "Prepare the next batch only after the current one finished."
     )

@@ -25,13 +25,15 @@ MATRIX = [
     )
     if cache or strategy == "no_buffer"  # the strategy means nothing with the cache off
 ]
-# The reference also runs the torch reference kernels; the matrix runs the default backend
-# (native C kernels on CPU), so every comparison checks those too.
+# The reference also runs the torch reference kernels and skips the warm-up forward; the
+# matrix runs the default backend (native C kernels on CPU) after a warm-up, so every
+# comparison checks those too.
 REFERENCE = dict(
     disable_radix_cache=True,
     disable_overlap_schedule=True,
     chunked_prefill_size=-1,
     kernel_backend="torch",
+    skip_warmup=True,
 )
 # Real models: every cache-on configuration plus the cache-off one furthest from the reference
 # (the fake model below runs the whole matrix).

@@ -138,6 +138,12 @@ class Engine:
         )
         self.kernel_backend = select_kernel_backend(cfg)
         self.runner = ModelRunner(model, self.kv_pool, self.state_pool, cfg.device)
+        if not cfg.skip_warmup:
+            per_request = cfg.chunked_prefill_size
+            if per_request < 1:
+                per_request = cfg.max_prefill_tokens
+            per_request = min(per_request, self.context_length)
+            self.runner.warmup(cfg.max_prefill_tokens, per_request)
         self.scheduler = Scheduler(
             cfg,
             self.cache,

@@ -1,0 +1,43 @@
+"""The warm-up forward at engine start: one prefill batch on scratch slots, every slot back in
+its pool afterwards, and nothing of it visible to requests."""
+
+from __future__ import annotations
+
+from engine_helpers import GREEDY, fake_engine, rand_tokens
+
+
+def test_warmup_runs_one_full_batch_and_frees_its_slots():
+    with fake_engine(max_prefill_tokens=300, chunked_prefill_size=64) as engine:
+        assert engine.model.forwards == 1  # the warm-up ran, before any request
+        kv_free, state_free = engine.kv_pool.available(), engine.state_pool.available()
+        assert kv_free == engine.kv_pool.size and state_free == engine.state_pool.size
+        engine.check_integrity()
+        # run again on the engine thread (idle): the shape it builds, and the slots it returns
+        ran = engine.call(lambda: engine.runner.warmup(300, 64))
+        assert ran == 300  # 4 requests of 64 + one of 44
+        assert engine.model.forwards == 2
+        assert engine.kv_pool.available() == kv_free
+        assert engine.state_pool.available() == state_free
+        engine.check_integrity()
+
+
+def test_warmup_shrinks_to_the_pools():
+    with fake_engine(max_total_tokens=256, max_mamba_cache_size=8) as engine:
+        # 8 state slots: at most 8 requests of 16 tokens
+        assert engine.call(lambda: engine.runner.warmup(4096, 16)) == 128
+        # 256 KV slots: the batch is cut to them
+        assert engine.call(lambda: engine.runner.warmup(4096, 512)) == 256
+        engine.check_integrity()
+        assert engine.kv_pool.available() == 256 and engine.state_pool.available() == 8
+
+
+def test_skip_warmup_and_outputs_do_not_depend_on_it(rng):
+    prompts = [rand_tokens(rng, n) for n in (5, 70, 130, 200)]
+    outs = []
+    for skip in (True, False):
+        with fake_engine(skip_warmup=skip, page_size=16) as engine:
+            assert engine.model.forwards == (0 if skip else 1)
+            res = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+            outs.append([r["output_ids"] for r in res])
+            engine.check_integrity()
+    assert outs[0] == outs[1]
