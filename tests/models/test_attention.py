@@ -130,7 +130,7 @@ def test_decode_cascade_over_shared_prefixes_matches_per_request_softmax(softmax
 def test_decode_cascade_batches_groups_of_equal_prefix_length(softmax_path):
     """Groups with the same shared length run as one batched piece (the smaller group padded
     with copies of a member); each request still gets its own exact softmax."""
-    from mambaradix.kernels.attention import shared_prefixes
+    from mambaradix.kernels.attention import decode_plan, shared_prefixes
 
     torch.manual_seed(1)
     hq, hkv, d, pool = 8, 2, 16, 6000
@@ -148,7 +148,9 @@ def test_decode_cascade_batches_groups_of_equal_prefix_length(softmax_path):
     assert sorted(len(m) for m, _ in groups) == [2, 3, 4, 5]
     assert sorted(p for _, p in groups) == [40, 64, 64, 64]
     q = torch.randn(len(rows), hq, d)
-    out = attention_decode(q, k_pool, v_pool, table, lens, 0.25, groups)
+    plan = decode_plan(table, lens, hkv, groups)
+    assert sorted((p.plen, p.n, p.width) for p in plan.pieces) == [(40, 1, 4), (64, 3, 5)]
+    out = attention_decode(q, k_pool, v_pool, table, lens, 0.25, plan)
     for b in range(len(rows)):
         ref = _one_query(q[b], k_pool, v_pool, table[b, : lens[b]], 0.25)
         torch.testing.assert_close(out[b], ref, atol=1e-5, rtol=0)

@@ -6,10 +6,12 @@ need. Queries use grouped heads: query head ``h`` reads KV head ``h // (Hq // Hk
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from mambaradix.kernels.registry import get_kernel, register_kernel
+from mambaradix.kernels.registry import register_kernel
 
 
 @register_kernel("attention_prefill")
@@ -128,6 +130,75 @@ def _merge(
     return o1 * torch.exp(l1 - top)[..., None] + o2 * torch.exp(l2 - top)[..., None], top
 
 
+@dataclass(slots=True)
+class SharedPiece:
+    """Groups of decodes sharing a prefix of ``plen`` slots, attended in one call: group ``i``'s
+    members (padded to ``width`` with copies of a member) stack their queries against its one
+    prefix."""
+
+    plen: int
+    n: int  # groups
+    width: int  # members per group, padded
+    members: torch.Tensor  # [M] the requests, group by group
+    queries: torch.Tensor  # [n * width] request of each padded position
+    keep: torch.Tensor  # [M] padded position of each member
+    kv_rows: torch.Tensor  # [n * Hkv * plen] rows of a pool viewed as [size * Hkv, D]
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    """The index work of ``attention_decode``: it depends only on the slot table, so a forward
+    computes it once for all its attention layers (per layer it had been ~100 small ops)."""
+
+    num_reqs: int
+    span: int  # longest own span
+    own_rows: torch.Tensor  # [B * Hkv * span] rows of a pool viewed as [size * Hkv, D]
+    own_visible: torch.Tensor | None  # [B, 1, 1, span]; None when every span is full
+    pieces: list[SharedPiece]
+
+
+def decode_plan(
+    slot_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_kv_heads: int,
+    groups: list[tuple[torch.Tensor, int]] | None = None,
+) -> DecodePlan:
+    """Plan ``attention_decode`` over ``slot_table`` [B, L] / ``seq_lens`` [B] for pools with
+    ``num_kv_heads`` heads. ``groups`` (``shared_prefixes``) is computed when not given."""
+    B = slot_table.shape[0]
+    if groups is None:
+        groups = shared_prefixes(slot_table, seq_lens)
+    begin = torch.zeros(B, dtype=torch.long)
+    for members, plen in groups:
+        begin[members] = plen
+    n = seq_lens - begin  # every own span keeps >= 1 key
+    span = int(n.max())
+    pos = torch.arange(span)
+    idx = (begin[:, None] + pos[None, :]).clamp_(max=slot_table.shape[1] - 1)
+    visible = pos[None, :] < n[:, None]
+    own_rows = _pool_rows(slot_table.gather(1, idx), num_kv_heads)
+    pieces = []
+    by_len: dict[int, list[torch.Tensor]] = {}
+    for members, plen in groups:
+        by_len.setdefault(plen, []).append(members)
+    for plen, mems in by_len.items():
+        count, width = len(mems), max(len(mb) for mb in mems)
+        padded = torch.stack([F.pad(mb, (0, width - len(mb)), value=int(mb[0])) for mb in mems])
+        pieces.append(
+            SharedPiece(
+                plen=plen,
+                n=count,
+                width=width,
+                members=torch.cat(mems),
+                queries=padded.reshape(-1),
+                keep=torch.cat([torch.arange(len(mb)) + i * width for i, mb in enumerate(mems)]),
+                kv_rows=_pool_rows(slot_table[padded[:, 0], :plen], num_kv_heads),
+            )
+        )
+    own_visible = None if bool(visible.all()) else visible[:, None, None, :]
+    return DecodePlan(B, span, own_rows, own_visible, pieces)
+
+
 @register_kernel("attention_decode")
 def attention_decode(
     q: torch.Tensor,
@@ -136,7 +207,7 @@ def attention_decode(
     slot_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    groups: list[tuple[torch.Tensor, int]] | None = None,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """One query per request for B requests: ``q`` ``[B, Hq, D]``; request ``b`` attends the
     keys at ``slot_table[b, :seq_lens[b]]`` (``slot_table`` ``[B, L]``, padded with any valid
@@ -144,49 +215,44 @@ def attention_decode(
 
     Cascade: requests whose rows start with the same KV slots (a prefix shared through the
     radix cache) read that prefix once per group; each request then reads only its own part,
-    and the two softmax pieces are merged exactly by their log-sum-exp. ``groups`` (from
-    ``shared_prefixes``, computed once per forward) may be passed in; else it is computed.
+    and the two softmax pieces are merged exactly by their log-sum-exp. ``plan``
+    (``decode_plan``, once per forward) may be passed in; else it is computed.
     """
     B, Hq, D = q.shape
-    hkv = k_pool.shape[1]
-    qg = q.to(k_pool.dtype).view(B, hkv, Hq // hkv, D)
-    if groups is None:
-        groups = shared_prefixes(slot_table, seq_lens)
-    shared = torch.zeros(B, dtype=torch.long)
-    for members, plen in groups:
-        shared[members] = plen
-    o, lse = get_kernel("attention_decode_span")(
-        q, k_pool, v_pool, slot_table, shared, seq_lens, scale
-    )
-    o, lse = o.view(B, hkv, Hq // hkv, -1), lse.view(B, hkv, Hq // hkv)
-    for rows, (os_, ls) in _shared_pieces(qg, k_pool, v_pool, slot_table, groups, scale):
-        o[rows], lse[rows] = _merge(o[rows], lse[rows], os_, ls)
+    g = k_pool.shape[1]
+    r = Hq // g
+    if plan is None:
+        plan = decode_plan(slot_table, seq_lens, g)
+    qg = q.to(k_pool.dtype).view(B, g, r, D)
+    k_rows, v_rows = k_pool.view(-1, k_pool.shape[-1]), v_pool.view(-1, v_pool.shape[-1])
+    k = k_rows.index_select(0, plan.own_rows).view(B, g, plan.span, -1)
+    v = v_rows.index_select(0, plan.own_rows).view(B, g, plan.span, -1)
+    o, lse = _attend(qg, k, v, plan.own_visible, scale)  # [B, g, r, Dv], [B, g, r]
+    for p in plan.pieces:
+        k = k_rows.index_select(0, p.kv_rows).view(p.n, g, p.plen, -1)
+        v = v_rows.index_select(0, p.kv_rows).view(p.n, g, p.plen, -1)
+        # [n*width, g, r, D] -> [n, g, width*r, D]: a group's queries against its one prefix
+        qb = qg.index_select(0, p.queries).view(p.n, p.width, g, r, D)
+        qb = qb.transpose(1, 2).reshape(p.n, g, p.width * r, D)
+        os_, ls = _attend(qb, k, v, None, scale)
+        os_ = os_.view(p.n, g, p.width, r, -1).transpose(1, 2).reshape(p.n * p.width, g, r, -1)
+        ls = ls.view(p.n, g, p.width, r).transpose(1, 2).reshape(p.n * p.width, g, r)
+        merged_o, merged_l = _merge(
+            o.index_select(0, p.members),
+            lse.index_select(0, p.members),
+            os_.index_select(0, p.keep),
+            ls.index_select(0, p.keep),
+        )
+        o.index_copy_(0, p.members, merged_o)
+        lse.index_copy_(0, p.members, merged_l)
     return o.reshape(B, Hq, -1).to(q.dtype)
 
 
-@register_kernel("attention_decode_span")
-def attention_decode_span(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    slot_table: torch.Tensor,
-    begin: torch.Tensor,
-    end: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query per request (``q`` ``[B, Hq, D]``) over the keys at
-    ``slot_table[b, begin[b]:end[b]]`` (each span non-empty). Returns ``(out [B, Hq, Dv],
-    lse [B, Hq])`` in fp32: the piece ``attention_decode`` merges with the shared prefixes'."""
-    B, Hq, D = q.shape
-    hkv = k_pool.shape[1]
-    qg = q.to(k_pool.dtype).view(B, hkv, Hq // hkv, D)
-    n = end - begin
-    lo = int(n.max())
-    idx = (begin[:, None] + torch.arange(lo)[None, :]).clamp_(max=slot_table.shape[1] - 1)
-    valid = torch.arange(lo)[None, :] < n[:, None]
-    k, v = _gather_kv(k_pool, v_pool, slot_table.gather(1, idx))
-    o, lse = _attend(qg, k, v, None if bool(valid.all()) else valid[:, None, None, :], scale)
-    return o.reshape(B, Hq, -1), lse.reshape(B, Hq)
+def _pool_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Rows of a pool viewed as ``[size * Hkv, D]`` that hold the K (or V) of ``slots`` [n, L],
+    ordered so that gathering them gives ``[n, Hkv, L, D]`` (contiguous for the matmuls)."""
+    heads = torch.arange(num_kv_heads)[None, :, None]
+    return (slots[:, None, :] * num_kv_heads + heads).reshape(-1)
 
 
 def _gather_kv(
@@ -196,9 +262,9 @@ def _gather_kv(
     matmuls)."""
     n, length = slots.shape
     g = k_pool.shape[1]
-    flat = (slots[:, None, :] * g + torch.arange(g)[None, :, None]).reshape(-1)
-    k = k_pool.reshape(-1, k_pool.shape[-1]).index_select(0, flat).view(n, g, length, -1)
-    v = v_pool.reshape(-1, v_pool.shape[-1]).index_select(0, flat).view(n, g, length, -1)
+    rows = _pool_rows(slots, g)
+    k = k_pool.reshape(-1, k_pool.shape[-1]).index_select(0, rows).view(n, g, length, -1)
+    v = v_pool.reshape(-1, v_pool.shape[-1]).index_select(0, rows).view(n, g, length, -1)
     return k, v
 
 
@@ -237,40 +303,6 @@ def _attend(
 
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def _shared_pieces(
-    qg: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    slot_table: torch.Tensor,
-    groups: list[tuple[torch.Tensor, int]],
-    scale: float,
-) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
-    """Attention of every grouped request over its group's shared prefix, as
-    ``[(rows, (out, lse))]``. Groups with the same prefix length share one batched call: each
-    group's prefix is read once, and its members' queries are stacked against it (groups with
-    fewer members are padded with copies of a member, dropped afterwards)."""
-    by_len: dict[int, list[torch.Tensor]] = {}
-    for members, plen in groups:
-        by_len.setdefault(plen, []).append(members)
-    _, g, r, d = qg.shape
-    pieces = []
-    for plen, mems in by_len.items():
-        n, width = len(mems), max(len(mb) for mb in mems)
-        padded = torch.stack([F.pad(mb, (0, width - len(mb)), value=int(mb[0])) for mb in mems])
-        k, v = _gather_kv(k_pool, v_pool, slot_table[padded[:, 0], :plen])
-        # [n*width, G, R, D] -> [n, G, width*R, D]: a group's queries against its one prefix
-        qb = qg[padded.reshape(-1)].view(n, width, g, r, d).transpose(1, 2).reshape(n, g, -1, d)
-        out, lse = _attend(qb, k, v, None, scale)
-
-        def unfold(t: torch.Tensor, n: int = n, width: int = width) -> torch.Tensor:
-            return t.reshape(n, g, width, r, -1).transpose(1, 2).reshape(n * width, g, r, -1)
-
-        keep = torch.cat([torch.arange(len(mb)) + i * width for i, mb in enumerate(mems)])
-        rows = torch.cat(mems)
-        pieces.append((rows, (unfold(out)[keep], unfold(lse)[keep, ..., 0])))
-    return pieces
 
 
 def shared_prefixes(

@@ -14,7 +14,7 @@ import torch
 
 from mambaradix.core import ForwardContext
 from mambaradix.kernels import get_kernel
-from mambaradix.kernels.attention import MIN_SHARED, shared_prefixes
+from mambaradix.kernels.attention import MIN_SHARED, DecodePlan, decode_plan, shared_prefixes
 
 
 @dataclass(slots=True)
@@ -32,7 +32,7 @@ class BatchLayout:
     decode_rows: torch.Tensor
     decode_slots: torch.Tensor
     _slot_table: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
-    _groups: list | None = field(default=None, repr=False)
+    _decode_plan: tuple[int, DecodePlan] | None = field(default=None, repr=False)
     _prefill_groups: list | None = field(default=None, repr=False)
 
     @classmethod
@@ -63,11 +63,12 @@ class BatchLayout:
             self._slot_table = (table.to(device=dev, dtype=torch.long), lens)
         return self._slot_table
 
-    def decode_groups(self) -> list:
-        """Decodes sharing a KV prefix (``kernels.attention.shared_prefixes``), once per forward."""
-        if self._groups is None:
-            self._groups = shared_prefixes(*self.decode_slot_table())
-        return self._groups
+    def decode_plan(self, num_kv_heads: int) -> DecodePlan:
+        """The decodes' attention plan (``kernels.attention.decode_plan``: cascade groups and
+        gather rows), once per forward for all attention layers."""
+        if self._decode_plan is None or self._decode_plan[0] != num_kv_heads:
+            self._decode_plan = (num_kv_heads, decode_plan(*self.decode_slot_table(), num_kv_heads))
+        return self._decode_plan[1]
 
     def prefill_groups(self) -> list[tuple[list[int], int]]:
         """Prefills whose cached prefixes start with the same KV slots, as ``(request indices,
@@ -107,8 +108,8 @@ def pooled_attention(
     v_pool.index_copy_(0, ctx.out_kv_slots, v.to(v_pool.dtype))
     if layout.all_decode:
         table, lens = layout.decode_slot_table()
-        groups = layout.decode_groups()
-        return get_kernel("attention_decode")(q, k_pool, v_pool, table, lens, scale, groups)
+        plan = layout.decode_plan(k_pool.shape[1])
+        return get_kernel("attention_decode")(q, k_pool, v_pool, table, lens, scale, plan)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     grouped = set()
     shared = get_kernel("attention_prefill_shared")
@@ -138,7 +139,7 @@ def pooled_attention(
     if layout.decode_reqs:
         table, lens = layout.decode_slot_table()
         rows = layout.decode_rows
-        groups = layout.decode_groups()
+        plan = layout.decode_plan(k_pool.shape[1])
         decode = get_kernel("attention_decode")
-        out[rows] = decode(q[rows], k_pool, v_pool, table, lens, scale, groups)
+        out[rows] = decode(q[rows], k_pool, v_pool, table, lens, scale, plan)
     return out
