@@ -166,6 +166,10 @@ class ForwardBatch:
 
     reqs: list[ForwardReq]
     state_ops: StateOps = field(default_factory=StateOps)
+    # Optional [D, L]: the KV slot rows of the first D requests, all decodes, as the scheduler
+    # gathered them in one go (request i's slots are row i's first seq_len entries; entries past
+    # them are any valid slot). Saves rebuilding the decode slot table request by request.
+    decode_table: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -190,10 +194,16 @@ class ForwardContext:
     prefix_lens: list[int]
     extend_lens: list[int]
     starts: list[int]
+    decode_table: torch.Tensor | None = None  # ForwardBatch.decode_table
 
     @classmethod
     def build(
-        cls, reqs: list[ForwardReq], kv_pool: object, state_pool: object, device: str = "cpu"
+        cls,
+        reqs: list[ForwardReq],
+        kv_pool: object,
+        state_pool: object,
+        device: str = "cpu",
+        decode_table: torch.Tensor | None = None,
     ) -> ForwardContext:
         prefix_lens = [r.prefix_len for r in reqs]
         extend_lens = [r.extend_len for r in reqs]
@@ -203,7 +213,15 @@ class ForwardContext:
             pos += n
         ids = [t for r in reqs for t in r.input_ids]
         positions = [p for r in reqs for p in range(r.prefix_len, r.seq_len)]
-        out = [r.kv_slots[r.prefix_len : r.seq_len] for r in reqs]
+        out: list[torch.Tensor] = []
+        first = 0
+        if decode_table is not None:  # the decodes' one new slot each, in one gather
+            first = decode_table.shape[0]
+            col = torch.tensor(prefix_lens[:first], dtype=torch.long, device=decode_table.device)
+            out.append(decode_table.gather(1, col[:, None])[:, 0])
+        out += [r.kv_slots[r.prefix_len : r.seq_len] for r in reqs[first:]]
+        if decode_table is not None:
+            decode_table = decode_table.to(device=device, dtype=torch.long)
         return cls(
             kv_pool=kv_pool,
             state_pool=state_pool,
@@ -217,6 +235,7 @@ class ForwardContext:
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
             starts=starts,
+            decode_table=decode_table,
         )
 
     @property

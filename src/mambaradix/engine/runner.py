@@ -77,7 +77,9 @@ class ModelRunner:
         tokens: list[int] = []
         logprobs: list[float] = []
         if fb.reqs:
-            ctx = ForwardContext.build(fb.reqs, self.kv_pool, self.state_pool, self.device)
+            ctx = ForwardContext.build(
+                fb.reqs, self.kv_pool, self.state_pool, self.device, fb.decode_table
+            )
             logits = self.model.forward(ctx)
             if batch.sample_rows:
                 rows = logits[torch.tensor(batch.sample_rows, dtype=torch.long)]

@@ -173,6 +173,7 @@ class Scheduler:
             for b, req in enumerate(decodes):
                 self._add_entry(plan, req, req.fed_len + 1, kv_slots=rows[b, : req.fed_len + 1])
                 budget -= 1
+            plan.run.forward.decode_table = rows  # the decodes come first in the batch
         for req in self.running:
             if req.seq_len - req.fed_len > 1 and budget > 0:
                 budget -= self._add_prefill(plan, req, budget)

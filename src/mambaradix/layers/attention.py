@@ -53,14 +53,20 @@ class BatchLayout:
         return not self.prefill_reqs
 
     def decode_slot_table(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(slot_table [Bd, Lmax], seq_lens [Bd])`` for the decodes, padded with slot 0."""
+        """``(slot_table [Bd, L], seq_lens [Bd])`` for the decodes; entries past a request's
+        length are any valid slot."""
         if self._slot_table is None:
             ctx = self.ctx
             dev = ctx.input_ids.device
-            seqs = [ctx.reqs[i].kv_slots[: ctx.reqs[i].seq_len] for i in self.decode_reqs]
-            lens = torch.tensor([s.numel() for s in seqs], dtype=torch.long, device=dev)
-            table = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=0)
-            self._slot_table = (table.to(device=dev, dtype=torch.long), lens)
+            lens = [ctx.reqs[i].seq_len for i in self.decode_reqs]
+            given = ctx.decode_table
+            if given is not None and given.shape[0] == len(self.decode_reqs):
+                table = given  # the scheduler's gather (decodes come first in the batch)
+            else:
+                seqs = [ctx.reqs[i].kv_slots[:n] for i, n in zip(self.decode_reqs, lens)]
+                table = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=0)
+            lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+            self._slot_table = (table.to(device=dev, dtype=torch.long), lens_t)
         return self._slot_table
 
     def decode_plan(self, num_kv_heads: int) -> DecodePlan:
