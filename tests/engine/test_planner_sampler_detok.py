@@ -129,3 +129,36 @@ def test_token_slice_spans_prompt_outputs_and_placeholders():
     for a in range(9):
         for b in range(a, 9):
             assert r.token_slice(a, b) == full[a:b]
+
+
+def test_detokenizer_decodes_like_the_tokenizer_with_specials_and_cleanup():
+    """The Rust shortcut gives what ``tokenizer.decode`` gives (special tokens kept or skipped);
+    a tokenizer that cleans up spaces keeps going through ``decode``."""
+    import random
+
+    from mambaradix.models.loader import load_tokenizer, resolve_model_path
+
+    tok = load_tokenizer(resolve_model_path("tiny:qwen3_next"))
+    rng = random.Random(5)
+    specials = list(tok.all_special_ids)
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+        for _ in range(50):
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 30))]
+            ids.insert(rng.randrange(len(ids) + 1), rng.choice(specials))
+            assert detok._decode(ids) == tok.decode(ids, skip_special_tokens=skip)
+        st = DetokState()
+        ids = tok.encode("Hello, the quick brown fox <|im_end|> and more text here.")
+        for i in range(1, len(ids) + 1):
+            detok.step(st, ids[:i])
+        detok.flush(st, ids)
+        assert st.text == tok.decode(ids, skip_special_tokens=skip)
+
+    class Cleaning:
+        clean_up_tokenization_spaces = True
+        backend_tokenizer = tok.backend_tokenizer
+
+        def decode(self, ids, skip_special_tokens=True):
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens) + "|cleaned"
+
+    assert IncrementalDetokenizer(Cleaning())._decode([5, 6]).endswith("|cleaned")
