@@ -58,23 +58,22 @@ def experts_forward(
     per expert with tokens."""
     T, K = ids.shape
     E = gate_up.shape[0]
+    if T * K <= PADDED_MAX_PER_EXPERT * E:
+        return _padded_experts(x, weights, ids, gate_up, down, act)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=E)
     token_of = order // K
-    if T * K <= PADDED_MAX_PER_EXPERT * E:
-        out = _padded_experts(x, flat[order], token_of, counts, gate_up, down, act)
-    else:
-        xs = x.index_select(0, token_of)
-        out = torch.empty(T * K, x.shape[-1], dtype=x.dtype, device=x.device)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n == 0:
-                continue
-            h = F.linear(xs[start : start + n], gate_up[e])
-            g, u = h.chunk(2, dim=-1)
-            out[start : start + n] = F.linear(act(g) * u, down[e])
-            start += n
+    xs = x.index_select(0, token_of)
+    out = torch.empty(T * K, x.shape[-1], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        h = F.linear(xs[start : start + n], gate_up[e])
+        g, u = h.chunk(2, dim=-1)
+        out[start : start + n] = F.linear(act(g) * u, down[e])
+        start += n
     out = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
     result = torch.zeros_like(x)
     result.index_add_(0, token_of, out)  # sum the k experts of each token
@@ -83,24 +82,26 @@ def experts_forward(
 
 def _padded_experts(
     x: torch.Tensor,
-    expert_of: torch.Tensor,
-    token_of: torch.Tensor,
-    counts: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     act,
 ) -> torch.Tensor:
-    """Expert outputs for the (token, expert) pairs sorted by expert (``expert_of``,
-    ``token_of``), computed as ``[E, cap, *]`` bmm's with ``cap`` the largest count; padding rows
-    are zeros and are never read back."""
+    """``experts_forward`` as ``[E, cap, *]`` bmm's, ``cap`` the largest count: (token, k) pair
+    ``p`` goes to row ``pos[p]`` of its expert's block (its rank among that expert's pairs, no
+    sort needed); padding rows are zeros and are never read back."""
+    T, K = ids.shape
     E = gate_up.shape[0]
-    cap = int(counts.max())
-    pos = torch.arange(expert_of.numel(), device=x.device) - (counts.cumsum(0) - counts)[expert_of]
+    expert = ids.reshape(-1)  # expert of pair t*K + k
+    onehot = F.one_hot(expert, E)
+    pos = (onehot.cumsum(0) * onehot).sum(1) - 1
+    cap = int(onehot.sum(0).max())
     buf = x.new_zeros(E, cap, x.shape[-1])
-    buf[expert_of, pos] = x.index_select(0, token_of)
+    buf[expert, pos] = x.repeat_interleave(K, dim=0)
     g, u = torch.bmm(buf, gate_up.transpose(1, 2)).chunk(2, dim=-1)
-    y = torch.bmm(act(g) * u, down.transpose(1, 2))
-    return y[expert_of, pos]
+    y = torch.bmm(act(g) * u, down.transpose(1, 2))[expert, pos].view(T, K, -1)
+    return (y * weights.unsqueeze(-1)).sum(1)  # the k experts of each token
 
 
 class Experts(nn.Module):
