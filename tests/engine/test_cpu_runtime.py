@@ -45,19 +45,19 @@ SERIAL_SCRIPT = textwrap.dedent(
     import os, threading, torch
     from mambaradix.engine.cpu_runtime import serial_torch_thread
 
-    def threads():
-        return len(os.listdir("/proc/self/task"))
+    def tids():  # thread ids, not a count: a joined thread may still be listed while it exits
+        return set(os.listdir("/proc/self/task"))
 
     torch.set_num_threads(2)
     out = {}
 
     def work(name, serial):
         ok = serial_torch_thread() if serial else None
-        before = threads()
+        before = tids()
         x = torch.randn(4_000_000)
         x.exp_()  # MKL's vector math (its own threads)
         x.index_select(0, torch.arange(0, 4_000_000, 2))  # ATen's parallel loop
-        out[name] = (ok, torch.get_num_threads(), threads() - before)
+        out[name] = (ok, torch.get_num_threads(), len(tids() - before))
 
     # plain second: it must still start from the process-wide count, and its pool stays
     for name, serial in (("serial", True), ("plain", False)):

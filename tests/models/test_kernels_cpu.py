@@ -39,16 +39,20 @@ def test_gated_delta_decode_matches_reference_in_place(hk, hv, dk, dv, width, ac
     g, conv, ssm, weight = _pools(S, hk, hv, dk, dv, width, seed=hk + hv + width)
     conv_dim = conv.shape[1]
     x = torch.randn(B, conv_dim + 7, generator=g)[:, 3 : 3 + conv_dim]
-    gate = -torch.rand(B, hv, generator=g)
-    beta = torch.rand(B, hv, generator=g)
+    # the gate projections as strided columns of one [B, 2 Hv] tensor, as the layer has them;
+    # one a + dt_bias above softplus's linear threshold (20)
+    ab = torch.randn(B, 2 * hv, generator=g) * 3
+    ab[0, 0] = 25.0
+    a_log, dt_bias = torch.randn(hv, generator=g) * 0.5, torch.rand(hv, generator=g)
+    gates = (ab[:, :hv], ab[:, hv:], a_log, dt_bias)
     b = torch.randn(conv_dim, generator=g) if bias else None
     slots = torch.tensor([7, 0, 11, 3, 5])
     ref_conv, ref_ssm = conv.clone(), ssm.clone()
     ref = get_kernel("gated_delta_decode", "torch")(
-        x, ref_conv, ref_ssm, slots, weight, b, gate, beta, hk, activation
+        x, ref_conv, ref_ssm, slots, weight, b, *gates, hk, activation
     )
     out = get_kernel("gated_delta_decode", "cpu")(
-        x, conv, ssm, slots, weight, b, gate, beta, hk, activation
+        x, conv, ssm, slots, weight, b, *gates, hk, activation
     )
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(conv, ref_conv, atol=0, rtol=0)
@@ -66,9 +70,10 @@ def test_gated_delta_decode_falls_back_for_other_dtypes():
     hk, hv, dk, dv, width, B, S = 1, 2, 8, 8, 4, 3, 6
     g, conv, ssm, weight = _pools(S, hk, hv, dk, dv, width, seed=9)
     x = torch.randn(B, conv.shape[1], generator=g).bfloat16()
-    gate, beta = -torch.rand(B, hv, generator=g), torch.rand(B, hv, generator=g)
+    gates = (torch.randn(B, hv, generator=g), torch.randn(B, hv, generator=g))
+    gates += (torch.zeros(hv), torch.ones(hv))
     slots = torch.tensor([4, 1, 2])
-    args = (slots, weight.bfloat16(), None, gate, beta, hk, "silu")
+    args = (slots, weight.bfloat16(), None, *gates, hk, "silu")
     ref = get_kernel("gated_delta_decode", "torch")(x, conv.clone(), ssm.clone(), *args)
     out = get_kernel("gated_delta_decode", "cpu")(x, conv, ssm, *args)
     assert out.dtype == torch.bfloat16
@@ -82,7 +87,7 @@ def test_gated_delta_decode_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="key heads"):
         get_kernel("gated_delta_decode", "cpu")(
             x, conv, ssm, torch.tensor([0, 1]), weight, None, torch.zeros(2, hv),
-            torch.zeros(2, hv), hk,
+            torch.zeros(2, hv), torch.zeros(hv), torch.zeros(hv), hk,
         )  # fmt: skip
 
 
@@ -111,3 +116,24 @@ def test_rms_norm_falls_back_for_bf16_and_unmergeable_views():
     for inp, w in ((x.bfloat16(), weight.bfloat16()), (x.t().contiguous().t(), weight)):
         ref = get_kernel("rms_norm", "torch")(inp, w, 1e-6, False)
         torch.testing.assert_close(get_kernel("rms_norm", "cpu")(inp, w, 1e-6, False), ref)
+
+
+def test_rms_norm_gated_matches_reference_for_dense_and_strided_gates():
+    """The GDN output norm: x dense ``[T, H, D]``, the gate either dense or a strided slice of a
+    wider projection (the qwen3_next layout); other dtypes fall back to the reference."""
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(32, generator=g) * 0.5 + 1
+    x = torch.randn(9, 4, 32, generator=g) * 2
+    dense = torch.randn(9, 4, 32, generator=g) * 2
+    strided = torch.randn(9, 4, 80, generator=g)[..., 16:48]
+    assert not strided.is_contiguous()
+    for gate in (dense, strided):
+        ref = get_kernel("rms_norm_gated", "torch")(x, gate, weight, 1e-6)
+        out = get_kernel("rms_norm_gated", "cpu")(x, gate, weight, 1e-6)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # the gate is applied: a zero gate gives zeros (silu(0) = 0)
+    zero = get_kernel("rms_norm_gated", "cpu")(x, torch.zeros_like(x), weight, 1e-6)
+    assert torch.equal(zero, torch.zeros_like(x))
+    half = get_kernel("rms_norm_gated", "cpu")(x.bfloat16(), dense.bfloat16(), weight, 1e-6)
+    ref = get_kernel("rms_norm_gated", "torch")(x.bfloat16(), dense.bfloat16(), weight, 1e-6)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, ref)

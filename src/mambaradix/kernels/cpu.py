@@ -9,6 +9,7 @@ reference through the registry.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from mambaradix.kernels import gated_delta, native, norm
 from mambaradix.kernels.registry import register_kernel
@@ -33,26 +34,29 @@ def gated_delta_decode(
     slots: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
     num_k_heads: int,
     activation: str | None = "silu",
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
-    """``kernels.gated_delta.gated_delta_decode`` in one pass per request (C, in place)."""
+    """``kernels.gated_delta.gated_delta_decode`` in one pass per request (C, in place), the
+    gates included."""
     lib = native.load("gated_delta_decode")
     fits = (
         lib is not None
         and activation in _SILU
-        and all(_rows(t) for t in (x, g, beta))
-        and all(_dense(t) for t in (conv_pool, ssm_pool, weight))
+        and all(_rows(t) for t in (x, a, b))
+        and all(_dense(t) for t in (conv_pool, ssm_pool, weight, A_log, dt_bias))
         and (bias is None or _dense(bias))
         and slots.device.type == "cpu"
     )
     if not fits:
         return gated_delta.gated_delta_decode(
-            x, conv_pool, ssm_pool, slots, weight, bias, g, beta, num_k_heads, activation,
-            use_qk_l2norm,
+            x, conv_pool, ssm_pool, slots, weight, bias, a, b, A_log, dt_bias, num_k_heads,
+            activation, use_qk_l2norm,
         )  # fmt: skip
     B = x.shape[0]
     hv, dk, dv = ssm_pool.shape[1:]
@@ -69,7 +73,8 @@ def gated_delta_decode(
         x.data_ptr(), x.stride(0),
         conv_pool.data_ptr(), ssm_pool.data_ptr(),
         weight.data_ptr(), None if bias is None else bias.data_ptr(),
-        g.data_ptr(), g.stride(0), beta.data_ptr(), beta.stride(0),
+        a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0),
+        A_log.data_ptr(), dt_bias.data_ptr(),
         out.data_ptr(),
         num_k_heads, hv, dk, dv, width,
         _SILU[activation], int(use_qk_l2norm),
@@ -95,5 +100,30 @@ def rms_norm(
     lib.rms_norm(
         rows.shape[0], rows.shape[1], rows.data_ptr(), rows.stride(0),
         weight.data_ptr(), eps, int(zero_centered), out.data_ptr(),
+    )  # fmt: skip
+    return out.view(x.shape)
+
+
+@register_kernel("rms_norm_gated", backend="cpu")
+def rms_norm_gated(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``kernels.norm.rms_norm_gated``: silu in torch (vectorised), the rest in one C pass per
+    row."""
+    lib = native.load("rms_norm")
+    rows = gates = None
+    fits = lib is not None and x.dtype == gate.dtype == torch.float32 and x.numel()
+    if fits and x.device.type == "cpu" and x.shape == gate.shape and _dense(weight):
+        try:  # views: leading dims must merge
+            rows = x.view(-1, x.shape[-1])
+            gates = F.silu(gate.reshape(-1, x.shape[-1]))  # a copy if gate is strided
+        except RuntimeError:
+            rows = None
+    if rows is None or rows.stride(1) != 1 or gates.stride(1) != 1:
+        return norm.rms_norm_gated(x, gate, weight, eps)
+    out = torch.empty(rows.shape, dtype=torch.float32)
+    lib.rms_norm_gated(
+        rows.shape[0], rows.shape[1], rows.data_ptr(), rows.stride(0),
+        gates.data_ptr(), gates.stride(0), weight.data_ptr(), eps, out.data_ptr(),
     )  # fmt: skip
     return out.view(x.shape)

@@ -167,6 +167,15 @@ def recurrent_gated_delta_step(
     return out.to(v.dtype), s
 
 
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's log decay and write strength from the projected ``a``, ``b``
+    (``[..., Hv]``): ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32), ``beta = sigmoid(b)``."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b)
+
+
 @register_kernel("gated_delta_decode")
 def gated_delta_decode(
     x: torch.Tensor,
@@ -175,8 +184,10 @@ def gated_delta_decode(
     slots: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
     num_k_heads: int,
     activation: str | None = "silu",
     use_qk_l2norm: bool = True,
@@ -187,11 +198,12 @@ def gated_delta_decode(
     ``x`` ``[B, conv_dim]``: the pre-conv ``q|k|v`` rows (``conv_dim = 2 Hk Dk + Hv Dv``);
     ``conv_pool`` ``[S, conv_dim, K-1]`` and ``ssm_pool`` ``[S, Hv, Dk, Dv]``; ``slots`` ``[B]``
     (distinct) the requests' slots, whose conv and delta states advance by one token;
-    ``weight`` ``[conv_dim, K]``; ``g``, ``beta`` ``[B, Hv]``. Returns ``[B, Hv, Dv]`` in x's
-    dtype.
+    ``weight`` ``[conv_dim, K]``; ``a``, ``b`` ``[B, Hv]`` the gate projections and ``A_log``,
+    ``dt_bias`` ``[Hv]`` (``gdn_gates``). Returns ``[B, Hv, Dv]`` in x's dtype.
     """
     B = x.shape[0]
     hv, dk, dv = ssm_pool.shape[1:]
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
     conv_out, new_conv = causal_conv1d_update(
         x, conv_pool.index_select(0, slots), weight, bias, activation
     )

@@ -41,7 +41,8 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR, _I64,            # x, x row stride
             _PTR, _PTR,            # conv pool, ssm pool
             _PTR, _PTR,            # conv weight, conv bias (nullable)
-            _PTR, _I64, _PTR, _I64,  # g, its row stride, beta, its row stride
+            _PTR, _I64, _PTR, _I64,  # a, its row stride, b, its row stride
+            _PTR, _PTR,            # A_log, dt_bias
             _PTR,                  # out
             _I64, _I64, _I64, _I64, _I64,  # Hk, Hv, Dk, Dv, conv kernel width
             _INT, _INT,            # silu, l2norm
@@ -52,6 +53,13 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _I64, _I64,            # rows, dim
             _PTR, _I64,            # x, its row stride
             _PTR, ctypes.c_float, _INT,  # weight, eps, zero-centred
+            _PTR,                  # out
+        ],
+        "rms_norm_gated": [
+            _I64, _I64,            # rows, dim
+            _PTR, _I64,            # x, its row stride
+            _PTR, _I64,            # silu(gate), its row stride
+            _PTR, ctypes.c_float,  # weight, eps
             _PTR,                  # out
         ],
     },

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from mambaradix.kernels.registry import register_kernel
 
@@ -22,3 +23,13 @@ def rms_norm(
     if zero_centered:
         return (y * (1.0 + weight.float())).to(x.dtype)
     return weight * y.to(x.dtype)
+
+
+@register_kernel("rms_norm_gated")
+def rms_norm_gated(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``weight * norm(x) * silu(gate)`` over the last dim (Gated DeltaNet's output norm), in
+    x's dtype; ``gate`` has x's shape."""
+    y = weight * rms_normalize(x, eps).to(x.dtype)
+    return (y * F.silu(gate.float())).to(x.dtype)

@@ -14,11 +14,11 @@ Projection layouts: ``"qwen3_next"`` packs ``in_proj_qkvz`` / ``in_proj_ba`` per
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mambaradix.core import StateLayerSpec
 from mambaradix.kernels import get_kernel
+from mambaradix.kernels.gated_delta import gdn_gates
 from mambaradix.layers.attention import BatchLayout
 from mambaradix.layers.norm import GatedRMSNorm
 
@@ -105,18 +105,16 @@ class GatedDeltaNet(nn.Module):
         pool = ctx.state_pool
         conv_pool, ssm_pool = pool.conv[self.state_layer], pool.temporal[self.state_layer]
         mixed, z, b, a = self._project(x)
-        beta = torch.sigmoid(b)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         weight = self.conv1d.weight.squeeze(1)
         core = torch.empty(x.shape[0], self.hv, self.dv, dtype=x.dtype, device=x.device)
 
         if layout.decode_reqs:
             rows, slots = layout.decode_rows, layout.decode_slots
             xs = mixed if layout.all_decode else mixed.index_select(0, rows)
-            gd, bd = (g, beta) if layout.all_decode else (g[rows], beta[rows])
+            ad, bd = (a, b) if layout.all_decode else (a[rows], b[rows])
             o = get_kernel("gated_delta_decode")(
-                xs, conv_pool, ssm_pool, slots, weight, self.conv1d.bias, gd, bd, self.hk,
-                self.activation,
+                xs, conv_pool, ssm_pool, slots, weight, self.conv1d.bias, ad, bd, self.A_log,
+                self.dt_bias, self.hk, self.activation,
             )  # fmt: skip
             if layout.all_decode:
                 core = o
@@ -125,6 +123,7 @@ class GatedDeltaNet(nn.Module):
             self._decode_snapshots(layout, conv_pool, ssm_pool)
 
         if layout.prefill_reqs:
+            g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
             self._prefill(layout, mixed, g, beta, core, conv_pool, ssm_pool, weight)
 
         out = self.norm(core, z)

@@ -51,6 +51,9 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        whole = self.group_size is None or self.group_size == x.shape[-1]
+        if self.norm_before_gate and whole:
+            return get_kernel("rms_norm_gated")(x, gate, self.weight, self.eps)
         if self.norm_before_gate:
             y = self.weight * self._norm(x).to(dtype)
             return (y * F.silu(gate.float())).to(dtype)

@@ -4,9 +4,10 @@
  *   conv:  window = [conv_pool[s][c][0 .. K-2], x[b][c]];  y[c] = act(sum_k w[c][k] window[k] + bias[c])
  *          conv_pool[s][c] <- window[1 .. K-1]
  *   q, k:  the first 2 * Hk * Dk channels of y (Hk key heads), L2-normalised (optional), q * Dk^-1/2
+ *   gates: g = -exp(A_log[h]) softplus(a[b][h] + dt_bias[h]),  beta = sigmoid(b[b][h])
  *   step:  for value head h (key head h / (Hv / Hk)), S = ssm_pool[s][h]  ([Dk][Dv]):
  *          S *= exp(g);  u = beta (v - S^T k);  S += k u^T;  out[b][h] = S^T q
- * reading and writing each state once. All tensors fp32 and contiguous, except that x, g and beta
+ * reading and writing each state once. All tensors fp32 and contiguous, except that x, a and b
  * rows are addressed with their own row strides. Requests run in parallel (OpenMP); two requests
  * must not share a slot.
  */
@@ -19,8 +20,9 @@ void gated_delta_decode(
     const float *x, int64_t x_stride,
     float *conv_pool, float *ssm_pool,
     const float *weight, const float *bias,
-    const float *g, int64_t g_stride,
-    const float *beta, int64_t beta_stride,
+    const float *a, int64_t a_stride,
+    const float *bgate, int64_t b_stride,
+    const float *A_log, const float *dt_bias,
     float *out,
     int64_t hk, int64_t hv, int64_t dk, int64_t dv, int64_t kernel,
     int silu, int l2norm)
@@ -68,8 +70,11 @@ void gated_delta_decode(
                 const float *q = y + (h / rep) * dk;
                 const float *k = y + (hk + h / rep) * dk;
                 const float *v = y + 2 * hk * dk + h * dv;
-                const float decay = expf(g[b * g_stride + h]);
-                const float bt = beta[b * beta_stride + h];
+                /* softplus as torch computes it: linear above 20 */
+                const float av = a[b * a_stride + h] + dt_bias[h];
+                const float sp = av > 20.0f ? av : log1pf(expf(av));
+                const float decay = expf(-expf(A_log[h]) * sp);
+                const float bt = 1.0f / (1.0f + expf(-bgate[b * b_stride + h]));
                 float *S = ssm + h * dk * dv;
                 float *o = out + (b * hv + h) * dv;
                 for (int64_t j = 0; j < dv; j++)

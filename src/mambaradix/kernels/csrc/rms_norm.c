@@ -1,7 +1,8 @@
 /* RMSNorm over the rows of a matrix: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, where
  * w = 1 + weight (zero-centred, Qwen3-Next) or weight. fp32; x rows may be strided, the last
  * dim is dense; out is dense. One pass to sum squares, one to scale, per row; rows in
- * parallel.
+ * parallel. rms_norm_gated also multiplies by a gate row (silu already applied by the caller,
+ * where it vectorises): out[r] = weight * norm(x[r]) * gate[r].
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,5 +31,28 @@ void rms_norm(
             for (int64_t i = 0; i < dim; i++)
                 o[i] = weight[i] * (xr[i] * inv);
         }
+    }
+}
+
+void rms_norm_gated(
+    int64_t rows, int64_t dim,
+    const float *x, int64_t x_stride,
+    const float *gate, int64_t gate_stride,
+    const float *weight, float eps,
+    float *out)
+{
+#pragma omp parallel for schedule(static) if (rows * dim > 16384)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        const float *gr = gate + r * gate_stride;
+        float *o = out + r * dim;
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < dim; i++)
+            ss += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++)
+            o[i] = weight[i] * (xr[i] * inv) * gr[i];
     }
 }
