@@ -7,6 +7,15 @@
 #include <math.h>
 #include <stdint.h>
 
+static inline float inv_rms(const float *x, int64_t dim, float eps)
+{
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; i++)
+        ss += x[i] * x[i];
+    return 1.0f / sqrtf(ss / (float)dim + eps);
+}
+
 void rms_norm(
     int64_t rows, int64_t dim,
     const float *x, int64_t x_stride,
@@ -17,11 +26,7 @@ void rms_norm(
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * x_stride;
         float *o = out + r * dim;
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < dim; i++)
-            ss += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        const float inv = inv_rms(xr, dim, eps);
         if (zero_centered) {
 #pragma omp simd
             for (int64_t i = 0; i < dim; i++)
@@ -46,11 +51,7 @@ void rms_norm_gated(
         const float *xr = x + r * x_stride;
         const float *gr = gate + r * gate_stride;
         float *o = out + r * dim;
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < dim; i++)
-            ss += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        const float inv = inv_rms(xr, dim, eps);
 #pragma omp simd
         for (int64_t i = 0; i < dim; i++)
             o[i] = weight[i] * (xr[i] * inv) * gr[i];
