@@ -75,21 +75,28 @@ class GatedDeltaNet(nn.Module):
             temporal_dtype=ssm_dtype,
         )
 
-    def _project(self, x: torch.Tensor):
-        """-> mixed_qkv [T, conv_dim] (q|k|v flat), z [T, Hv, Dv], b [T, Hv], a [T, Hv]."""
-        T = x.shape[0]
-        proj = self.in_proj(x)
+    def regroup_in_proj(self, weight: torch.Tensor) -> torch.Tensor:
+        """A checkpoint's fused ``in_proj`` weight (``GDN_MERGES`` order) with its rows in the
+        order ``_project`` reads: ``q | k | v | z | b | a``, each head after head. ``qwen3_5``
+        checkpoints already are; ``qwen3_next`` ones group q, k, v, z (and b, a) per key head,
+        which cost a gather and a copy of every projection per forward."""
         if self.layout == "qwen3_5":
-            mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
-            return mixed, z.reshape(T, self.hv, self.dv), b, a
-        r = self.hv // self.hk
-        qkvz, ba = proj.split([self.conv_dim + self.value_dim, 2 * self.hv], dim=-1)
-        qkvz = qkvz.reshape(T, self.hk, 2 * self.dk + 2 * r * self.dv)
-        q, k, v, z = torch.split(qkvz, [self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
-        ba = ba.reshape(T, self.hk, 2 * r)
-        b, a = ba[..., :r].reshape(T, self.hv), ba[..., r:].reshape(T, self.hv)
-        mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
-        return mixed, z.reshape(T, self.hv, self.dv), b, a
+            return weight
+        r, dk, dv = self.hv // self.hk, self.dk, self.dv
+        group = 2 * dk + 2 * r * dv
+        idx = torch.arange(self.hk * group).view(self.hk, group)
+        q, k, v, z = idx.split([dk, dk, r * dv, r * dv], dim=1)
+        ba = (self.hk * group + torch.arange(2 * self.hv)).view(self.hk, 2 * r)
+        order = [t.reshape(-1) for t in (q, k, v, z, ba[:, :r], ba[:, r:])]
+        return weight.index_select(0, torch.cat(order))
+
+    def _project(self, x: torch.Tensor):
+        """-> mixed_qkv [T, conv_dim] (q|k|v flat), z [T, Hv, Dv], b [T, Hv], a [T, Hv]: views of
+        one GEMM (``in_proj`` rows are in this order, see ``regroup_in_proj``)."""
+        mixed, z, b, a = self.in_proj(x).split(
+            [self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1
+        )
+        return mixed, z.reshape(x.shape[0], self.hv, self.dv), b, a
 
     def _split_qkv(self, mixed: torch.Tensor):
         T = mixed.shape[0]

@@ -190,8 +190,14 @@ class Qwen3NextForCausalLM(HybridCausalLM):
                     continue
                 yield name, t
 
+        def regrouped(weights):  # GDN in_proj rows in the order the layer reads them
+            for name, t in weights:
+                if name.endswith(".linear_attn.in_proj.weight"):
+                    t = self.get_submodule(name[: -len(".in_proj.weight")]).regroup_in_proj(t)
+                yield name, t
+
         merges = {**GATE_UP_MERGE, **GDN_MERGES[self.gdn_layout], **ATTN_MERGE}
-        assign_weights(self, merge_weights(stack_expert_weights(renamed()), merges))
+        assign_weights(self, regrouped(merge_weights(stack_expert_weights(renamed()), merges)))
 
 
 @register_model("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
