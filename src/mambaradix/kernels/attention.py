@@ -150,7 +150,6 @@ class DecodePlan:
     """The index work of ``attention_decode``: it depends only on the slot table, so a forward
     computes it once for all its attention layers (per layer it had been ~100 small ops)."""
 
-    num_reqs: int
     span: int  # longest own span
     own_rows: torch.Tensor  # [B * Hkv * span] rows of a pool viewed as [size * Hkv, D]
     own_visible: torch.Tensor | None  # [B, 1, 1, span]; None when every span is full
@@ -196,7 +195,7 @@ def decode_plan(
             )
         )
     own_visible = None if bool(visible.all()) else visible[:, None, None, :]
-    return DecodePlan(B, span, own_rows, own_visible, pieces)
+    return DecodePlan(span, own_rows, own_visible, pieces)
 
 
 @register_kernel("attention_decode")
@@ -224,13 +223,10 @@ def attention_decode(
     if plan is None:
         plan = decode_plan(slot_table, seq_lens, g)
     qg = q.to(k_pool.dtype).view(B, g, r, D)
-    k_rows, v_rows = k_pool.view(-1, k_pool.shape[-1]), v_pool.view(-1, v_pool.shape[-1])
-    k = k_rows.index_select(0, plan.own_rows).view(B, g, plan.span, -1)
-    v = v_rows.index_select(0, plan.own_rows).view(B, g, plan.span, -1)
+    k, v = _kv_at(k_pool, v_pool, plan.own_rows, B, plan.span)
     o, lse = _attend(qg, k, v, plan.own_visible, scale)  # [B, g, r, Dv], [B, g, r]
     for p in plan.pieces:
-        k = k_rows.index_select(0, p.kv_rows).view(p.n, g, p.plen, -1)
-        v = v_rows.index_select(0, p.kv_rows).view(p.n, g, p.plen, -1)
+        k, v = _kv_at(k_pool, v_pool, p.kv_rows, p.n, p.plen)
         # [n*width, g, r, D] -> [n, g, width*r, D]: a group's queries against its one prefix
         qb = qg.index_select(0, p.queries).view(p.n, p.width, g, r, D)
         qb = qb.transpose(1, 2).reshape(p.n, g, p.width * r, D)
@@ -261,8 +257,15 @@ def _gather_kv(
     """K and V at ``slots`` [n, L], gathered straight into [n, Hkv, L, D] (contiguous for the
     matmuls)."""
     n, length = slots.shape
+    return _kv_at(k_pool, v_pool, _pool_rows(slots, k_pool.shape[1]), n, length)
+
+
+def _kv_at(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor, n: int, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V at pool ``rows`` (``_pool_rows`` of ``[n, length]`` slots) as ``[n, Hkv, length,
+    D]``."""
     g = k_pool.shape[1]
-    rows = _pool_rows(slots, g)
     k = k_pool.reshape(-1, k_pool.shape[-1]).index_select(0, rows).view(n, g, length, -1)
     v = v_pool.reshape(-1, v_pool.shape[-1]).index_select(0, rows).view(n, g, length, -1)
     return k, v

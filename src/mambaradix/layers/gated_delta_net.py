@@ -8,7 +8,9 @@ chunked kernel once per group of requests with the same chunk count; the same ca
 states at the snapshot offsets (exact, anywhere in a chunk). Decodes run one batched step.
 
 Projection layouts: ``"qwen3_next"`` packs ``in_proj_qkvz`` / ``in_proj_ba`` per key-head group;
-``"qwen3_5"`` has separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
+``"qwen3_5"`` has separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``. Both are
+fused into one ``in_proj`` whose rows are regrouped at load (``regroup_in_proj``), so the
+forward reads one layout.
 """
 
 from __future__ import annotations
