@@ -137,3 +137,76 @@ def test_rms_norm_gated_matches_reference_for_dense_and_strided_gates():
     half = get_kernel("rms_norm_gated", "cpu")(x.bfloat16(), dense.bfloat16(), weight, 1e-6)
     ref = get_kernel("rms_norm_gated", "torch")(x.bfloat16(), dense.bfloat16(), weight, 1e-6)
     assert half.dtype == torch.bfloat16 and torch.equal(half, ref)
+
+
+def _decode_case(seed, hq, hkv, d, dv, sizes, own_max, size=400):
+    """A slot table like a decode step's: groups of requests whose rows start with the same
+    shared prefix (``sizes`` = (members, prefix length) per group, a prefix length of 0 for
+    requests without one), then own keys of different lengths; rows padded with slot 0."""
+    g = torch.Generator().manual_seed(seed)
+    k_pool, v_pool = torch.randn(size, hkv, d, generator=g), torch.randn(size, hkv, dv, generator=g)
+    free = iter(torch.randperm(size, generator=g).tolist())
+    rows = []
+    for members, plen in sizes:
+        prefix = torch.tensor([next(free) for _ in range(plen)], dtype=torch.long)
+        for _ in range(members):
+            n = int(torch.randint(1, own_max + 1, (), generator=g))
+            rows.append(torch.cat([prefix, torch.tensor([next(free) for _ in range(n)])]))
+    lens = torch.tensor([len(r) for r in rows])
+    table = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
+    q = torch.randn(len(rows), hq, d, generator=g)
+    return q, k_pool, v_pool, table, lens
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d,dv,sizes,own_max",
+    [
+        (8, 2, 16, 16, [(5, 64), (3, 64), (4, 40), (1, 0), (2, 0)], 9),  # two pieces + loners
+        (4, 4, 8, 8, [(6, 48)], 30),  # every request in one group, no grouped heads
+        (6, 2, 32, 32, [(3, 0)], 70),  # no sharing at all: own keys only
+    ],
+)
+def test_attention_decode_matches_reference(hq, hkv, d, dv, sizes, own_max):
+    """Own keys read in place and merged in C with the shared pieces == the torch cascade and
+    a plain softmax over each request's keys."""
+    q, k_pool, v_pool, table, lens = _decode_case(len(sizes) + d, hq, hkv, d, dv, sizes, own_max)
+    ref = get_kernel("attention_decode", "torch")(q, k_pool, v_pool, table, lens, 0.3)
+    out = get_kernel("attention_decode", "cpu")(q, k_pool, v_pool, table, lens, 0.3)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    r = hq // hkv
+    for b in range(len(lens)):  # independent of the cascade: one softmax per request
+        keys = table[b, : lens[b]]
+        k = k_pool[keys].repeat_interleave(r, dim=1).transpose(0, 1)  # [Hq, n, D]
+        v = v_pool[keys].repeat_interleave(r, dim=1).transpose(0, 1)
+        p = torch.softmax((q[b][:, None, :] * k).sum(-1) * 0.3, dim=-1)
+        torch.testing.assert_close(out[b], (p[..., None] * v).sum(1), atol=2e-6, rtol=1e-5)
+
+
+def test_attention_decode_reads_only_each_requests_keys():
+    """Negative controls: changing a key past a request's length (the padding slot of a
+    shorter row) leaves its output alone, and changing one of its own keys moves it."""
+    q, k_pool, v_pool, table, lens = _decode_case(3, 4, 2, 8, 8, [(4, 40), (2, 0)], 20)
+    kernel = get_kernel("attention_decode", "cpu")
+    out = kernel(q, k_pool, v_pool, table, lens, 0.5)
+    short = int(torch.argmin(lens))
+    unused = sorted(set(range(k_pool.shape[0])) - set(table[short, : lens[short]].tolist()))
+    k2 = k_pool.clone()
+    k2[unused] += 5.0
+    torch.testing.assert_close(kernel(q, k2, v_pool, table, lens, 0.5)[short], out[short])
+    own_key = int(table[short, lens[short] - 1])
+    v2 = v_pool.clone()
+    v2[own_key] += 5.0
+    assert not torch.allclose(kernel(q, k_pool, v2, table, lens, 0.5)[short], out[short])
+
+
+def test_attention_decode_falls_back_and_checks_lengths():
+    """bf16 pools go to the reference; a seq_len beyond the table is refused, not read."""
+    q, k_pool, v_pool, table, lens = _decode_case(5, 4, 2, 8, 8, [(3, 40)], 10)
+    kernel = get_kernel("attention_decode", "cpu")
+    ref = get_kernel("attention_decode", "torch")
+    bf = (q.bfloat16(), k_pool.bfloat16(), v_pool.bfloat16(), table, lens, 0.5)
+    torch.testing.assert_close(kernel(*bf), ref(*bf))
+    bad = lens.clone()
+    bad[0] = table.shape[1] + 1
+    with pytest.raises(ValueError, match="exceeds the slot table"):
+        kernel(q, k_pool, v_pool, table, bad, 0.5)

@@ -139,21 +139,41 @@ class SharedPiece:
     plen: int
     n: int  # groups
     width: int  # members per group, padded
-    members: torch.Tensor  # [M] the requests, group by group
     queries: torch.Tensor  # [n * width] request of each padded position
-    keep: torch.Tensor  # [M] padded position of each member
     kv_rows: torch.Tensor  # [n * Hkv * plen] rows of a pool viewed as [size * Hkv, D]
 
 
 @dataclass(slots=True)
 class DecodePlan:
     """The index work of ``attention_decode``: it depends only on the slot table, so a forward
-    computes it once for all its attention layers (per layer it had been ~100 small ops)."""
+    computes it once for all its attention layers (per layer it had been ~100 small ops).
 
-    span: int  # longest own span
-    own_rows: torch.Tensor  # [B * Hkv * span] rows of a pool viewed as [size * Hkv, D]
-    own_visible: torch.Tensor | None  # [B, 1, 1, span]; None when every span is full
+    Request ``b``'s own keys are ``slot_table[b, begin[b]:seq_lens[b]]``; the keys before
+    ``begin[b]`` are a shared piece's, whose output for ``b`` is row ``shared_row[b]`` of the
+    pieces' stacked rows (-1: no shared piece)."""
+
+    slot_table: torch.Tensor  # [B, L]
+    seq_lens: torch.Tensor  # [B]
+    num_kv_heads: int
+    begin: torch.Tensor  # [B]
     pieces: list[SharedPiece]
+    shared_row: torch.Tensor  # [B]
+    shared_members: torch.Tensor  # [M] requests with a shared piece
+    _own: tuple[int, torch.Tensor, torch.Tensor | None] | None = None
+
+    def own_keys(self) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+        """``(span, rows, visible)`` for gathering every request's own keys at once: the
+        longest own span, the pool rows (``[B * Hkv * span]`` of a pool viewed as
+        ``[size * Hkv, D]``) and a ``[B, 1, 1, span]`` mask (None when every span is full)."""
+        if self._own is None:
+            n = self.seq_lens - self.begin  # every own span keeps >= 1 key
+            span = int(n.max())
+            pos = torch.arange(span)
+            idx = (self.begin[:, None] + pos[None, :]).clamp_(max=self.slot_table.shape[1] - 1)
+            visible = pos[None, :] < n[:, None]
+            rows = _pool_rows(self.slot_table.gather(1, idx), self.num_kv_heads)
+            self._own = (span, rows, None if bool(visible.all()) else visible[:, None, None, :])
+        return self._own
 
 
 def decode_plan(
@@ -168,34 +188,60 @@ def decode_plan(
     if groups is None:
         groups = shared_prefixes(slot_table, seq_lens)
     begin = torch.zeros(B, dtype=torch.long)
-    for members, plen in groups:
-        begin[members] = plen
-    n = seq_lens - begin  # every own span keeps >= 1 key
-    span = int(n.max())
-    pos = torch.arange(span)
-    idx = (begin[:, None] + pos[None, :]).clamp_(max=slot_table.shape[1] - 1)
-    visible = pos[None, :] < n[:, None]
-    own_rows = _pool_rows(slot_table.gather(1, idx), num_kv_heads)
+    shared_row = torch.full((B,), -1, dtype=torch.long)
     pieces = []
     by_len: dict[int, list[torch.Tensor]] = {}
     for members, plen in groups:
+        begin[members] = plen
         by_len.setdefault(plen, []).append(members)
+    first = 0  # a piece's first row among the stacked rows of all pieces
     for plen, mems in by_len.items():
         count, width = len(mems), max(len(mb) for mb in mems)
         padded = torch.stack([F.pad(mb, (0, width - len(mb)), value=int(mb[0])) for mb in mems])
+        for i, mb in enumerate(mems):
+            shared_row[mb] = torch.arange(len(mb)) + first + i * width
+        first += count * width
         pieces.append(
             SharedPiece(
                 plen=plen,
                 n=count,
                 width=width,
-                members=torch.cat(mems),
                 queries=padded.reshape(-1),
-                keep=torch.cat([torch.arange(len(mb)) + i * width for i, mb in enumerate(mems)]),
                 kv_rows=_pool_rows(slot_table[padded[:, 0], :plen], num_kv_heads),
             )
         )
-    own_visible = None if bool(visible.all()) else visible[:, None, None, :]
-    return DecodePlan(span, own_rows, own_visible, pieces)
+    members = torch.nonzero(shared_row >= 0).flatten()
+    return DecodePlan(slot_table, seq_lens, num_kv_heads, begin, pieces, shared_row, members)
+
+
+def attend_shared(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    plan: DecodePlan,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The shared pieces of ``plan``: each group's queries (``q`` ``[B, Hq, D]``) against its
+    one prefix, in one call per piece. Returns the stacked rows ``(out [R, Hq, Dv], lse [R, Hq])``
+    in fp32 (request ``b``'s row is ``plan.shared_row[b]``), or None without pieces."""
+    if not plan.pieces:
+        return None
+    B, Hq, D = q.shape
+    g = k_pool.shape[1]
+    r = Hq // g
+    qg = q.to(k_pool.dtype).view(B, g, r, D)
+    outs, lses = [], []
+    for p in plan.pieces:
+        k, v = _kv_at(k_pool, v_pool, p.kv_rows, p.n, p.plen)
+        # [n*width, g, r, D] -> [n, g, width*r, D]: a group's queries against its one prefix
+        qb = qg.index_select(0, p.queries).view(p.n, p.width, g, r, D)
+        qb = qb.transpose(1, 2).reshape(p.n, g, p.width * r, D)
+        o, lse = _attend(qb, k, v, None, scale)
+        outs.append(o.view(p.n, g, p.width, r, -1).transpose(1, 2).reshape(p.n * p.width, Hq, -1))
+        lses.append(lse.view(p.n, g, p.width, r).transpose(1, 2).reshape(p.n * p.width, Hq))
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs), torch.cat(lses)
 
 
 @register_kernel("attention_decode")
@@ -219,29 +265,24 @@ def attention_decode(
     """
     B, Hq, D = q.shape
     g = k_pool.shape[1]
-    r = Hq // g
     if plan is None:
         plan = decode_plan(slot_table, seq_lens, g)
-    qg = q.to(k_pool.dtype).view(B, g, r, D)
-    k, v = _kv_at(k_pool, v_pool, plan.own_rows, B, plan.span)
-    o, lse = _attend(qg, k, v, plan.own_visible, scale)  # [B, g, r, Dv], [B, g, r]
-    for p in plan.pieces:
-        k, v = _kv_at(k_pool, v_pool, p.kv_rows, p.n, p.plen)
-        # [n*width, g, r, D] -> [n, g, width*r, D]: a group's queries against its one prefix
-        qb = qg.index_select(0, p.queries).view(p.n, p.width, g, r, D)
-        qb = qb.transpose(1, 2).reshape(p.n, g, p.width * r, D)
-        os_, ls = _attend(qb, k, v, None, scale)
-        os_ = os_.view(p.n, g, p.width, r, -1).transpose(1, 2).reshape(p.n * p.width, g, r, -1)
-        ls = ls.view(p.n, g, p.width, r).transpose(1, 2).reshape(p.n * p.width, g, r)
-        merged_o, merged_l = _merge(
-            o.index_select(0, p.members),
-            lse.index_select(0, p.members),
-            os_.index_select(0, p.keep),
-            ls.index_select(0, p.keep),
+    span, rows, visible = plan.own_keys()
+    k, v = _kv_at(k_pool, v_pool, rows, B, span)
+    o, lse = _attend(q.to(k_pool.dtype).view(B, g, Hq // g, D), k, v, visible, scale)
+    o, lse = o.reshape(B, Hq, -1), lse.reshape(B, Hq)
+    shared = attend_shared(q, k_pool, v_pool, plan, scale)
+    if shared is not None:
+        m = plan.shared_members
+        rows_of = plan.shared_row.index_select(0, m)
+        merged, _ = _merge(
+            o.index_select(0, m),
+            lse.index_select(0, m),
+            shared[0].index_select(0, rows_of),
+            shared[1].index_select(0, rows_of),
         )
-        o.index_copy_(0, p.members, merged_o)
-        lse.index_copy_(0, p.members, merged_l)
-    return o.reshape(B, Hq, -1).to(q.dtype)
+        o.index_copy_(0, m, merged)
+    return o.to(q.dtype)
 
 
 def _pool_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

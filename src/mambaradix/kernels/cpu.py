@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mambaradix.kernels import gated_delta, native, norm
+from mambaradix.kernels import attention, gated_delta, native, norm
 from mambaradix.kernels.registry import register_kernel
 
 _SILU = {"silu": 1, "swish": 1, None: 0, "identity": 0}
@@ -127,3 +127,58 @@ def rms_norm_gated(
         gates.data_ptr(), gates.stride(0), weight.data_ptr(), eps, out.data_ptr(),
     )  # fmt: skip
     return out.view(x.shape)
+
+
+@register_kernel("attention_decode", backend="cpu")
+def attention_decode(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slot_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    plan: attention.DecodePlan | None = None,
+) -> torch.Tensor:
+    """``kernels.attention.attention_decode`` with each request's own keys read in place from
+    the pools (C, no gather) and merged there with its shared piece, which stays a flash call
+    per piece (``attention.attend_shared``)."""
+    lib = native.load("attention_decode")
+    fits = (
+        lib is not None
+        and q.dtype == torch.float32
+        and q.device.type == "cpu"
+        and _dense(k_pool)
+        and _dense(v_pool)
+        and slot_table.device.type == "cpu"
+        and slot_table.dtype == torch.int64
+        and slot_table.stride(1) == 1
+        and q.shape[-1] % 8 == 0
+        and v_pool.shape[-1] % 8 == 0
+    )
+    if not fits:
+        return attention.attention_decode(q, k_pool, v_pool, slot_table, seq_lens, scale, plan)
+    B, Hq, D = q.shape
+    Hkv, Dv = k_pool.shape[1], v_pool.shape[-1]
+    if plan is None:
+        plan = attention.decode_plan(slot_table, seq_lens, Hkv)
+    q = q.contiguous()
+    ends = seq_lens.to(torch.int64).contiguous()
+    if int(ends.max()) > slot_table.shape[1]:  # the C code would read past the table
+        raise ValueError(
+            f"attention_decode: a seq_len of {int(ends.max())} exceeds the slot table's "
+            f"{slot_table.shape[1]} columns"
+        )
+    shared = attention.attend_shared(q, k_pool, v_pool, plan, scale)
+    so, sl = (None, None) if shared is None else (shared[0].contiguous(), shared[1].contiguous())
+    out = torch.empty(B, Hq, Dv, dtype=torch.float32)
+    lib.attention_decode(
+        B, Hq, Hkv, D, Dv,
+        q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+        slot_table.data_ptr(), slot_table.stride(0),
+        plan.begin.data_ptr(), ends.data_ptr(),
+        None if so is None else so.data_ptr(),
+        None if sl is None else sl.data_ptr(),
+        None if so is None else plan.shared_row.data_ptr(),
+        scale, out.data_ptr(),
+    )  # fmt: skip
+    return out

@@ -48,6 +48,18 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _INT, _INT,            # silu, l2norm
         ],
     },
+    "attention_decode": {
+        "attention_decode": [
+            _I64, _I64, _I64, _I64, _I64,  # B, Hq, Hkv, D, Dv
+            _PTR,                  # q
+            _PTR, _PTR,            # k pool, v pool
+            _PTR, _I64,            # slot table, its row stride
+            _PTR, _PTR,            # begin, end of the own keys
+            _PTR, _PTR, _PTR,      # shared out, shared lse, shared row (nullable)
+            ctypes.c_float,        # scale
+            _PTR,                  # out
+        ],
+    },
     "rms_norm": {
         "rms_norm": [
             _I64, _I64,            # rows, dim

@@ -1,0 +1,206 @@
+/* Decode attention over pooled KV, read in place: request b's query heads attend the keys at
+ * table[b, begin[b] : end[b]] of the K/V pools ([size, Hkv, D] and [size, Hkv, Dv], fp32),
+ * without gathering them first. Grouped heads: query head h*r + i reads KV head h (r = Hq/Hkv).
+ *
+ * When a request also has a shared piece (the part of its keys that a group of requests shares,
+ * attended once per group by the caller), shared_row[b] >= 0 names its row of shared_o
+ * [R, Hq, Dv] (that piece's softmax output) and shared_lse [R, Hq] (the log-sum-exp of its
+ * scaled scores); the two pieces are merged exactly:
+ *   out = (sum_j e^(s_j - m) v_j + e^(lse - m) o) / (sum_j e^(s_j - m) + e^(lse - m)).
+ *
+ * One task per (request, KV head), in parallel: scores of the r query heads against the own
+ * keys, then one pass over the value rows, each read once for the r heads. exp is a polynomial
+ * that vectorises (Cephes expf coefficients; relative error ~1e-7).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#pragma omp declare simd notinbranch
+static inline float exp_poly(float x)
+{
+    /* e^x = 2^n * e^f, n = round(x / ln 2), |f| <= ln2 / 2 */
+    x = fminf(fmaxf(x, -87.0f), 88.0f);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float f = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    const float y = p * f * f + f + 1.0f;
+    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
+    return y * two_n.f;
+}
+
+/* 8-wide vectors (GCC vector extensions: one AVX register, two SSE ones elsewhere) */
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p)
+{
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* lane t of the result = the sum of the lanes of a[t] (three rounds of pairwise folding) */
+static inline v8 sum_lanes8(const v8 a[8])
+{
+    const v8i lo1 = {0, 8, 2, 10, 4, 12, 6, 14}, hi1 = {1, 9, 3, 11, 5, 13, 7, 15};
+    const v8i lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const v8i lo3 = {0, 1, 2, 3, 8, 9, 10, 11}, hi3 = {4, 5, 6, 7, 12, 13, 14, 15};
+    v8 b[4], c[2];
+    for (int t = 0; t < 4; t++)
+        b[t] = __builtin_shuffle(a[2 * t], a[2 * t + 1], lo1) +
+               __builtin_shuffle(a[2 * t], a[2 * t + 1], hi1);
+    for (int t = 0; t < 2; t++)
+        c[t] = __builtin_shuffle(b[2 * t], b[2 * t + 1], lo2) +
+               __builtin_shuffle(b[2 * t], b[2 * t + 1], hi2);
+    return __builtin_shuffle(c[0], c[1], lo3) + __builtin_shuffle(c[0], c[1], hi3);
+}
+
+/* One (request, KV head) task: r query heads (qb, rows of D) against the n own keys at slots.
+ * Keys go in blocks of 8: the 8 dot products of a query head are summed lane-wise and folded
+ * together (no per-key horizontal sum); values are accumulated 8 keys at a time. Scores and
+ * partial sums go to scratch (scores [r, n], acc [r, Dv], weight and inv_total [r]). Inlined with constant head sizes
+ * (see attention_decode), so the loops over D and Dv unroll. D and Dv are multiples of 8. */
+static inline __attribute__((always_inline)) void attend_own(
+    const int64_t r, const int64_t Hkv, const int64_t h, const int64_t D, const int64_t Dv,
+    const float *restrict qb, const float *restrict k_pool, const float *restrict v_pool,
+    const int64_t *restrict slots, const int64_t n, float scale,
+    const float *restrict so, const float *restrict sl,
+    float *restrict scores, float *restrict acc, float *restrict weight,
+    float *restrict inv_total, float *restrict out)
+{
+    const float *rows[8];
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        const int64_t nb = n - j0 < 8 ? n - j0 : 8;
+        for (int64_t t = 0; t < 8; t++)  /* a short block repeats its last key */
+            rows[t] = k_pool + (slots[j0 + (t < nb ? t : nb - 1)] * Hkv + h) * D;
+        for (int64_t t = 0; j0 + 8 + t < n && t < 8; t++)
+            __builtin_prefetch(k_pool + (slots[j0 + 8 + t] * Hkv + h) * D);
+        for (int64_t i = 0; i < r; i++) {
+            v8 a[8] = {0};
+            for (int64_t c = 0; c < D; c += 8) {
+                const v8 qv = load8(qb + i * D + c);
+                for (int t = 0; t < 8; t++)
+                    a[t] += qv * load8(rows[t] + c);
+            }
+            const v8 sv = sum_lanes8(a) * scale;
+            float *si = scores + i * n + j0;
+            for (int64_t t = 0; t < nb; t++)
+                si[t] = sv[t];
+        }
+    }
+    for (int64_t i = 0; i < r; i++) {
+        float *restrict si = scores + i * n;
+        float m = sl != NULL ? sl[i] : -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < n; j++)
+            m = si[j] > m ? si[j] : m;
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < n; j++) {
+            si[j] = exp_poly(si[j] - m);
+            total += si[j];
+        }
+        float w = 0.0f;
+        if (sl != NULL) {
+            w = exp_poly(sl[i] - m);
+            total += w;
+        }
+        weight[i] = w;
+        inv_total[i] = 1.0f / total;
+    }
+    for (int64_t x = 0; x < r * Dv; x++)
+        acc[x] = 0.0f;
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        const int64_t nb = n - j0 < 8 ? n - j0 : 8;
+        for (int64_t t = 0; t < 8; t++)
+            rows[t] = v_pool + (slots[j0 + (t < nb ? t : nb - 1)] * Hkv + h) * Dv;
+        for (int64_t t = 0; j0 + 8 + t < n && t < 8; t++)
+            __builtin_prefetch(v_pool + (slots[j0 + 8 + t] * Hkv + h) * Dv);
+        for (int64_t i = 0; i < r; i++) {
+            float p[8] = {0};  /* a short block's repeated keys weigh 0 */
+            for (int64_t t = 0; t < nb; t++)
+                p[t] = scores[i * n + j0 + t];
+            for (int64_t c = 0; c < Dv; c += 8) {
+                v8 s = load8(acc + i * Dv + c);
+                for (int t = 0; t < 8; t++)
+                    s += p[t] * load8(rows[t] + c);
+                memcpy(acc + i * Dv + c, &s, sizeof s);
+            }
+        }
+    }
+    for (int64_t i = 0; i < r; i++) {
+        const float w = weight[i], inv = inv_total[i];
+        const float *restrict a = acc + i * Dv;
+        float *restrict o = out + i * Dv;
+        if (sl != NULL) {
+            const float *restrict s_o = so + i * Dv;
+#pragma omp simd
+            for (int64_t d = 0; d < Dv; d++)
+                o[d] = (a[d] + w * s_o[d]) * inv;
+        } else {
+#pragma omp simd
+            for (int64_t d = 0; d < Dv; d++)
+                o[d] = a[d] * inv;
+        }
+    }
+}
+
+void attention_decode(
+    int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv,
+    const float *q,
+    const float *k_pool, const float *v_pool,
+    const int64_t *table, int64_t table_stride,
+    const int64_t *begin, const int64_t *end,
+    const float *shared_o, const float *shared_lse, const int64_t *shared_row,
+    float scale,
+    float *out)
+{
+    const int64_t r = Hq / Hkv;
+#pragma omp parallel
+    {
+        /* per-thread scratch; scores grow to the longest own span this thread meets */
+        float *scores = NULL, *acc = malloc(sizeof(float) * r * Dv);
+        float *weight = malloc(sizeof(float) * r), *inv_total = malloc(sizeof(float) * r);
+        int64_t cap = 0;
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t task = 0; task < B * Hkv; task++) {
+            const int64_t b = task / Hkv, h = task % Hkv;
+            const int64_t *slots = table + b * table_stride + begin[b];
+            const int64_t n = end[b] - begin[b];
+            if (n > cap) {
+                free(scores);
+                cap = n;
+                scores = malloc(sizeof(float) * r * cap);
+            }
+            const int64_t row = shared_row == NULL ? -1 : shared_row[b];
+            const float *so = row < 0 ? NULL : shared_o + (row * Hq + h * r) * Dv;
+            const float *sl = row < 0 ? NULL : shared_lse + row * Hq + h * r;
+            const float *qb = q + (b * Hq + h * r) * D;
+            float *o = out + (b * Hq + h * r) * Dv;
+#define ATTEND(d, dv) attend_own(r, Hkv, h, d, dv, qb, k_pool, v_pool, slots, n, scale, so, sl, \
+                                 scores, acc, weight, inv_total, o)
+            if (D == 32 && Dv == 32)
+                ATTEND(32, 32);
+            else if (D == 64 && Dv == 64)
+                ATTEND(64, 64);
+            else if (D == 128 && Dv == 128)
+                ATTEND(128, 128);
+            else if (D == 256 && Dv == 256)
+                ATTEND(256, 256);
+            else
+                ATTEND(D, Dv);
+#undef ATTEND
+        }
+        free(scores);
+        free(acc);
+        free(weight);
+        free(inv_total);
+    }
+}
