@@ -210,3 +210,41 @@ def test_attention_decode_falls_back_and_checks_lengths():
     bad[0] = table.shape[1] + 1
     with pytest.raises(ValueError, match="exceeds the slot table"):
         kernel(q, k_pool, v_pool, table, bad, 0.5)
+
+
+def test_moe_pad_and_unpad_match_reference():
+    """Pairs placed in the same rows (pair order within an expert), padding rows zeroed, x
+    given as strided rows; the weighted sums back match, and an expert without pairs is fine."""
+    g = torch.Generator().manual_seed(11)
+    T, K, E, H = 37, 3, 6, 24
+    x = torch.randn(T, H + 5, generator=g)[:, 2 : 2 + H]
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(T)])  # E-1 unused
+    ref_buf, ref_pos = get_kernel("moe_pad", "torch")(x, ids, E)
+    buf, pos = get_kernel("moe_pad", "cpu")(x, ids, E)
+    assert torch.equal(pos, ref_pos) and torch.equal(buf, ref_buf)
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    assert buf.shape[1] == int(counts.max()) and counts[E - 1] == 0
+    assert not buf[0, : counts[0]].eq(0).all()
+    y = torch.randn(E, buf.shape[1], H, generator=g)
+    w = torch.rand(T, K, generator=g)
+    ref = get_kernel("moe_unpad", "torch")(y, ids, pos, w)
+    out = get_kernel("moe_unpad", "cpu")(y, ids, pos, w)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    # the cpu pad's blocks are a strided view: unpad of a bmm over them still matches
+    wts = torch.randn(E, H, H, generator=g)
+    torch.testing.assert_close(
+        get_kernel("moe_unpad", "cpu")(torch.bmm(buf, wts), ids, pos, w),
+        get_kernel("moe_unpad", "torch")(torch.bmm(ref_buf, wts), ids, ref_pos, w),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+def test_moe_pad_rejects_bad_ids_and_falls_back_for_bf16():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="outside 0..3"):
+        get_kernel("moe_pad", "cpu")(x, torch.tensor([[0, 1], [2, 4], [1, 3], [0, 2]]), 4)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2]])
+    buf, pos = get_kernel("moe_pad", "cpu")(x.bfloat16(), ids, 4)
+    ref_buf, ref_pos = get_kernel("moe_pad", "torch")(x.bfloat16(), ids, 4)
+    assert buf.dtype == torch.bfloat16 and torch.equal(buf, ref_buf) and torch.equal(pos, ref_pos)

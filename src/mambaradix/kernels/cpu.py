@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mambaradix.kernels import attention, gated_delta, native, norm
+from mambaradix.kernels import attention, gated_delta, moe, native, norm
 from mambaradix.kernels.registry import register_kernel
 
 _SILU = {"silu": 1, "swish": 1, None: 0, "identity": 0}
@@ -180,5 +180,57 @@ def attention_decode(
         None if sl is None else sl.data_ptr(),
         None if so is None else plan.shared_row.data_ptr(),
         scale, out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+@register_kernel("moe_pad", backend="cpu")
+def moe_pad(
+    x: torch.Tensor, ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.moe.moe_pad`` in one C pass: count, place and copy each pair's row."""
+    lib = native.load("moe")
+    if lib is None or not _rows(x) or ids.device.type != "cpu":
+        return moe.moe_pad(x, ids, num_experts)
+    T, K = ids.shape
+    H = x.shape[1]
+    ids = ids.to(torch.int64).contiguous()
+    buf = torch.empty(num_experts, T, H, dtype=torch.float32)
+    pos = torch.empty(T * K, dtype=torch.int64)
+    cap = lib.moe_pad(
+        T, K, num_experts, H, x.data_ptr(), x.stride(0), ids.data_ptr(),
+        buf.data_ptr(), pos.data_ptr(),
+    )  # fmt: skip
+    if cap < 0:
+        raise ValueError(f"moe_pad: an expert id is outside 0..{num_experts - 1}")
+    return buf[:, :cap], pos
+
+
+@register_kernel("moe_unpad", backend="cpu")
+def moe_unpad(
+    y: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """``kernels.moe.moe_unpad`` in one C pass per token."""
+    lib = native.load("moe")
+    fits = (
+        lib is not None
+        and y.dtype == weights.dtype == torch.float32
+        and y.device.type == "cpu"
+        and y.dim() == 3
+        and y.stride(2) == 1
+        and y.stride(1) == y.shape[2]
+        and ids.device.type == "cpu"
+    )
+    if not fits:
+        return moe.moe_unpad(y, ids, pos, weights)
+    T, K = ids.shape
+    H = y.shape[2]
+    ids = ids.to(torch.int64).contiguous()
+    pos = pos.to(torch.int64).contiguous()
+    weights = weights.contiguous()
+    out = torch.empty(T, H, dtype=torch.float32)
+    lib.moe_unpad(
+        T, K, H, y.data_ptr(), y.stride(0), ids.data_ptr(), pos.data_ptr(),
+        weights.data_ptr(), out.data_ptr(),
     )  # fmt: skip
     return out

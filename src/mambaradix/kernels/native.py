@@ -60,6 +60,20 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR,                  # out
         ],
     },
+    "moe": {
+        "moe_pad": [
+            _I64, _I64, _I64, _I64,  # T, K, E, H
+            _PTR, _I64,            # x, its row stride
+            _PTR,                  # ids
+            _PTR, _PTR,            # buf [E, T, H], pos (out)
+        ],
+        "moe_unpad": [
+            _I64, _I64, _I64,      # T, K, H
+            _PTR, _I64,            # y, floats between expert blocks
+            _PTR, _PTR, _PTR,      # ids, pos, weights
+            _PTR,                  # out
+        ],
+    },
     "rms_norm": {
         "rms_norm": [
             _I64, _I64,            # rows, dim
@@ -76,6 +90,8 @@ SIGNATURES: dict[str, dict[str, list]] = {
         ],
     },
 }  # fmt: skip
+
+RESULTS = {"moe_pad": _I64}  # functions that return a value (the others return nothing)
 
 
 def cache_dir() -> Path:
@@ -152,7 +168,7 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
     for fn, argtypes in SIGNATURES.get(name, {}).items():
         getattr(lib, fn).argtypes = argtypes
-        getattr(lib, fn).restype = None
+        getattr(lib, fn).restype = RESULTS.get(fn)
     logger.info("native kernel %s: %s", name, out)
     return lib
 

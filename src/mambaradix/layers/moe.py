@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mambaradix.kernels import get_kernel
 from mambaradix.layers.mlp import GatedMLP, activation
 
 
@@ -88,20 +89,12 @@ def _padded_experts(
     down: torch.Tensor,
     act,
 ) -> torch.Tensor:
-    """``experts_forward`` as ``[E, cap, *]`` bmm's, ``cap`` the largest count: (token, k) pair
-    ``p`` goes to row ``pos[p]`` of its expert's block (its rank among that expert's pairs, no
-    sort needed); padding rows are zeros and are never read back."""
-    T, K = ids.shape
-    E = gate_up.shape[0]
-    expert = ids.reshape(-1)  # expert of pair t*K + k
-    onehot = F.one_hot(expert, E)
-    pos = (onehot.cumsum(0) * onehot).sum(1) - 1
-    cap = int(onehot.sum(0).max())
-    buf = x.new_zeros(E, cap, x.shape[-1])
-    buf[expert, pos] = x.repeat_interleave(K, dim=0)
+    """``experts_forward`` as ``[E, cap, *]`` bmm's, ``cap`` the largest count: the pairs are
+    laid out by ``moe_pad`` and summed back by ``moe_unpad`` (padding rows are never read)."""
+    buf, pos = get_kernel("moe_pad")(x, ids, gate_up.shape[0])
     g, u = torch.bmm(buf, gate_up.transpose(1, 2)).chunk(2, dim=-1)
-    y = torch.bmm(act(g) * u, down.transpose(1, 2))[expert, pos].view(T, K, -1)
-    return (y * weights.unsqueeze(-1)).sum(1)  # the k experts of each token
+    y = torch.bmm(act(g) * u, down.transpose(1, 2))
+    return get_kernel("moe_unpad")(y, ids, pos, weights)
 
 
 class Experts(nn.Module):

@@ -1,0 +1,68 @@
+/* Mixture-of-experts data movement around the padded expert GEMMs (fp32).
+ *
+ * moe_pad: pair p = t*K + k of token t and its k-th expert e = ids[p] goes to row pos[p] of
+ * expert e's block in buf ([E, T, H]: room for every token in every block), pos[p] being its
+ * rank among e's pairs in pair order. Rows from an expert's count up to cap (the largest count,
+ * returned) are zeroed; the caller multiplies buf[:, :cap]. Returns -1 if an id is out of range.
+ *
+ * moe_unpad: out[t] = sum_k weights[t, k] * y[ids[t, k], pos[t*K + k]], y's blocks
+ * block_stride floats apart and rows of H.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int64_t moe_pad(
+    int64_t T, int64_t K, int64_t E, int64_t H,
+    const float *x, int64_t x_stride,
+    const int64_t *ids,
+    float *buf, int64_t *pos)
+{
+    int64_t *count = calloc((size_t)E, sizeof(int64_t));
+    if (count == NULL)
+        return -1;
+    for (int64_t p = 0; p < T * K; p++) {
+        const int64_t e = ids[p];
+        if (e < 0 || e >= E) {
+            free(count);
+            return -1;
+        }
+        pos[p] = count[e]++;
+    }
+    int64_t cap = 0;
+    for (int64_t e = 0; e < E; e++)
+        cap = count[e] > cap ? count[e] : cap;
+#pragma omp parallel for schedule(static) if (T * K * H > 65536)
+    for (int64_t p = 0; p < T * K; p++)
+        memcpy(buf + (ids[p] * T + pos[p]) * H, x + (p / K) * x_stride, sizeof(float) * H);
+    for (int64_t e = 0; e < E; e++)
+        memset(buf + (e * T + count[e]) * H, 0, sizeof(float) * H * (cap - count[e]));
+    free(count);
+    return cap;
+}
+
+void moe_unpad(
+    int64_t T, int64_t K, int64_t H,
+    const float *y, int64_t block_stride,
+    const int64_t *ids, const int64_t *pos, const float *weights,
+    float *out)
+{
+#pragma omp parallel for schedule(static) if (T * K * H > 65536)
+    for (int64_t t = 0; t < T; t++) {
+        float *o = out + t * H;
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t p = t * K + k;
+            const float w = weights[p];
+            const float *row = y + ids[p] * block_stride + pos[p] * H;
+            if (k == 0) {
+#pragma omp simd
+                for (int64_t d = 0; d < H; d++)
+                    o[d] = w * row[d];
+            } else {
+#pragma omp simd
+                for (int64_t d = 0; d < H; d++)
+                    o[d] += w * row[d];
+            }
+        }
+    }
+}
