@@ -148,7 +148,8 @@ def test_states_at_any_position_equal_the_token_loop():
     the end), per row, without splitting the sequence."""
     T, C = 150, 64
     q, k, v, g, b, s0 = _gdn_inputs(3, T, 2, 4, 8, 12, seed=5)
-    wanted = [(0, 1), (1, 5), (2, 63), (0, 64), (1, 65), (2, 130), (0, T), (1, 129)]
+    # chunk ends (64, 128) come from the state just computed, the others from the chunk formula
+    wanted = [(0, 1), (1, 5), (2, 63), (0, 64), (1, 65), (2, 128), (2, 130), (0, T), (1, 129)]
     *_, states = chunk_gated_delta_rule(q, k, v, g, b, s0, C, states_at=wanted)
     assert states.shape == (len(wanted), 4, 8, 12)
     for (row, m), st in zip(wanted, states):

@@ -125,8 +125,9 @@ def chunk_gated_delta_rule(
     for n in range(N):
         u = w[:, :, n] - kc[:, :, n] @ state
         out[:, :, n] = q_dec[:, :, n] @ state + qk[:, :, n] @ u
-        if n in wanted:  # states after i tokens of this chunk, all wanted ones at once
-            js, rows, ii = (torch.tensor(t, device=v.device) for t in zip(*wanted[n]))
+        inside = [x for x in wanted.get(n, ()) if x[2] < C]
+        if inside:  # states after i < C tokens of this chunk, all wanted ones at once
+            js, rows, ii = (torch.tensor(t, device=v.device) for t in zip(*inside))
             cn = c[rows, :, n]  # [W, H, C]
             c_last = cn.gather(-1, (ii - 1)[:, None, None].expand(-1, Hv, 1))  # c_(i-1)
             after = (pos >= ii[:, None])[:, None, :]  # tokens past i: masked before exp
@@ -134,6 +135,10 @@ def chunk_gated_delta_rule(
             k_i = k[rows, :, n] * weight.unsqueeze(-1)
             picked[js] = state[rows] * c_last.exp().unsqueeze(-1) + k_i.transpose(-1, -2) @ u[rows]
         state = state * chunk_decay[:, :, n] + k_dec[:, :, n].transpose(-1, -2) @ u
+        ends = [x for x in wanted.get(n, ()) if x[2] == C]
+        if ends:  # at the chunk's end: the state just computed (aligned snapshots land here)
+            js, rows = (torch.tensor(t, device=v.device) for t in list(zip(*ends))[:2])
+            picked[js] = state[rows]
     out = out.reshape(B, Hv, N * C, Dv)[:, :, :T].transpose(1, 2)
     if states_at is not None:
         return out.to(out_dtype), state, picked
