@@ -195,6 +195,9 @@ class ForwardContext:
     extend_lens: list[int]
     starts: list[int]
     decode_table: torch.Tensor | None = None  # ForwardBatch.decode_table
+    # the runner's carry-over between forwards: metadata a layer may reuse when the next
+    # forward's batch allows it (the decode attention plan); None: nothing is carried
+    carry: dict | None = None
 
     @classmethod
     def build(
@@ -204,6 +207,7 @@ class ForwardContext:
         state_pool: object,
         device: str = "cpu",
         decode_table: torch.Tensor | None = None,
+        carry: dict | None = None,
     ) -> ForwardContext:
         prefix_lens = [r.prefix_len for r in reqs]
         extend_lens = [r.extend_len for r in reqs]
@@ -236,6 +240,7 @@ class ForwardContext:
             extend_lens=extend_lens,
             starts=starts,
             decode_table=decode_table,
+            carry=carry,
         )
 
     @property

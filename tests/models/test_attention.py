@@ -156,6 +156,49 @@ def test_decode_cascade_batches_groups_of_equal_prefix_length(softmax_path):
         torch.testing.assert_close(out[b], ref, atol=1e-5, rtol=0)
 
 
+def test_decode_plan_is_reused_while_its_pieces_hold(softmax_path):
+    """The next decode step (one more slot per row) reuses the previous plan's pieces; a row
+    whose prefix slots changed, or another batch size, makes a new plan. Negative control: the
+    stale plan applied to the changed table gives wrong outputs, so the check matters."""
+    from mambaradix.kernels.attention import decode_plan
+
+    torch.manual_seed(4)
+    hq, hkv, d, pool = 4, 2, 8, 3000
+    k_pool, v_pool = torch.randn(pool, hkv, d), torch.randn(pool, hkv, d)
+    perm = torch.randperm(pool)
+    prefix, own = perm[:48], iter(perm[100:].split(20))
+    rows = [torch.cat([prefix, next(own)[: 4 + i]]) for i in range(5)] + [next(own)[:9]]
+
+    def batch(rows):
+        lens = torch.tensor([len(r) for r in rows])
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), lens
+
+    def check(q, table, lens, plan):
+        out = attention_decode(q, k_pool, v_pool, table, lens, 0.3, plan)
+        refs = [_one_query(q[b], k_pool, v_pool, table[b, : lens[b]], 0.3) for b in range(len(q))]
+        return all(torch.allclose(o, ref, atol=1e-5) for o, ref in zip(out, refs))
+
+    table, lens = batch(rows)
+    first = decode_plan(table, lens, hkv)
+    assert [p.plen for p in first.pieces] == [48]
+    rows = [torch.cat([r, next(own)[:1]]) for r in rows]  # the next step: one slot more each
+    table, lens = batch(rows)
+    q = torch.randn(len(rows), hq, d)
+    step = decode_plan(table, lens, hkv, previous=first)
+    assert step.pieces is first.pieces and torch.equal(step.seq_lens, lens)
+    assert check(q, table, lens, step)
+    changed = rows[:2] + [torch.cat([perm[60:100], next(own)])] + rows[3:]  # row 2 left
+    table, lens = batch(changed)
+    fresh = decode_plan(table, lens, hkv, previous=step)
+    assert fresh.pieces is not step.pieces and check(q, table, lens, fresh)
+    stale = decode_plan(table, lens, hkv)
+    stale.pieces, stale.begin, stale.shared_row = step.pieces, step.begin, step.shared_row
+    stale.shared_members = step.shared_members
+    assert not check(q, table, lens, stale)
+    table, lens = batch(rows[:4])
+    assert decode_plan(table, lens, hkv, previous=step).pieces is not step.pieces
+
+
 def test_prefill_cascade_over_a_shared_prefix_matches_per_request(softmax_path):
     """Members of a group read the shared prefix once; some have cached more than the shared
     part (extra visible keys before their queries), extend lengths differ, and members of the

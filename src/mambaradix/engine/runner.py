@@ -55,6 +55,7 @@ class ModelRunner:
         self.state_pool = state_pool
         self.device = device
         self._sampled: dict[int, list[int]] = {}
+        self._carry: dict = {}  # ForwardContext.carry: kept from one forward to the next
         self._executor: ThreadPoolExecutor | None = None
         self._num_threads = torch.get_num_threads()
 
@@ -78,7 +79,7 @@ class ModelRunner:
         logprobs: list[float] = []
         if fb.reqs:
             ctx = ForwardContext.build(
-                fb.reqs, self.kv_pool, self.state_pool, self.device, fb.decode_table
+                fb.reqs, self.kv_pool, self.state_pool, self.device, fb.decode_table, self._carry
             )
             logits = self.model.forward(ctx)
             if batch.sample_rows:

@@ -181,10 +181,28 @@ def decode_plan(
     seq_lens: torch.Tensor,
     num_kv_heads: int,
     groups: list[tuple[torch.Tensor, int]] | None = None,
+    previous: DecodePlan | None = None,
 ) -> DecodePlan:
     """Plan ``attention_decode`` over ``slot_table`` [B, L] / ``seq_lens`` [B] for pools with
-    ``num_kv_heads`` heads. ``groups`` (``shared_prefixes``) is computed when not given."""
+    ``num_kv_heads`` heads. ``groups`` (``shared_prefixes``) is computed when not given.
+
+    ``previous``, the plan of the forward before, is reused (with the new table and lengths)
+    when its pieces still hold: as many rows, the same slots in every row up to the longest
+    shared prefix, and every request still past its prefix. That is the usual decode step
+    after a decode step, and the check costs one compare instead of the grouping. (Rows that
+    changed but kept their prefix slots are still served exactly: a piece only needs its
+    members to start with its slots.)"""
     B = slot_table.shape[0]
+    if previous is not None and _still_fits(previous, slot_table, seq_lens, num_kv_heads):
+        return DecodePlan(
+            slot_table,
+            seq_lens,
+            num_kv_heads,
+            previous.begin,
+            previous.pieces,
+            previous.shared_row,
+            previous.shared_members,
+        )
     if groups is None:
         groups = shared_prefixes(slot_table, seq_lens)
     begin = torch.zeros(B, dtype=torch.long)
@@ -212,6 +230,26 @@ def decode_plan(
         )
     members = torch.nonzero(shared_row >= 0).flatten()
     return DecodePlan(slot_table, seq_lens, num_kv_heads, begin, pieces, shared_row, members)
+
+
+def _still_fits(
+    plan: DecodePlan, slot_table: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int
+) -> bool:
+    old = plan.slot_table
+    if plan.num_kv_heads != num_kv_heads or old.shape[0] != slot_table.shape[0]:
+        return False
+    # without pieces, the first slots: rows starting alike would now form a group
+    longest = max((p.plen for p in plan.pieces), default=1)
+    if slot_table.shape[1] < longest or old.device != slot_table.device:
+        return False
+    if not bool((seq_lens > plan.begin).all()):
+        return False
+    same = old[:, :longest] == slot_table[:, :longest]
+    if bool(same.all()):
+        return True
+    # a short row's padding may have become slots: only each row's old length counts
+    past = torch.arange(longest, device=old.device)[None, :] >= plan.seq_lens[:, None]
+    return bool((same | past).all())
 
 
 def attend_shared(

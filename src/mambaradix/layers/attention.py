@@ -71,9 +71,16 @@ class BatchLayout:
 
     def decode_plan(self, num_kv_heads: int) -> DecodePlan:
         """The decodes' attention plan (``kernels.attention.decode_plan``: cascade groups and
-        gather rows), once per forward for all attention layers."""
+        gather rows), once per forward for all attention layers. The previous forward's plan
+        (in ``ctx.carry``) is reused when it still fits (a decode step after a decode step)."""
         if self._decode_plan is None or self._decode_plan[0] != num_kv_heads:
-            self._decode_plan = (num_kv_heads, decode_plan(*self.decode_slot_table(), num_kv_heads))
+            carry = self.ctx.carry
+            key = ("decode_plan", num_kv_heads)
+            previous = carry.get(key) if carry is not None else None
+            plan = decode_plan(*self.decode_slot_table(), num_kv_heads, previous=previous)
+            if carry is not None:
+                carry[key] = plan
+            self._decode_plan = (num_kv_heads, plan)
         return self._decode_plan[1]
 
     def prefill_groups(self) -> list[tuple[list[int], int]]:
