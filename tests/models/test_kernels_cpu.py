@@ -248,3 +248,24 @@ def test_moe_pad_rejects_bad_ids_and_falls_back_for_bf16():
     buf, pos = get_kernel("moe_pad", "cpu")(x.bfloat16(), ids, 4)
     ref_buf, ref_pos = get_kernel("moe_pad", "torch")(x.bfloat16(), ids, 4)
     assert buf.dtype == torch.bfloat16 and torch.equal(buf, ref_buf) and torch.equal(pos, ref_pos)
+
+
+@pytest.mark.parametrize("zero_centered,rd", [(True, 8), (False, 16)])
+def test_rms_norm_rope_matches_reference_on_strided_heads(zero_centered, rd):
+    """Per-head norm + rotate-half RoPE of a partial (8 of 16) or full rotary dim, x's heads
+    strided out of a wider projection (the k slice of a fused qkv row)."""
+    g = torch.Generator().manual_seed(rd)
+    T, H, D = 7, 3, 16
+    x = torch.randn(T, 5 * H * D, generator=g)[:, H * D : 2 * H * D].reshape(T, H, D)
+    assert x.stride() == (5 * H * D, D, 1)
+    w = torch.randn(D, generator=g) * 0.2
+    ang = torch.rand(T, rd // 2, generator=g) * 6
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    ref = get_kernel("rms_norm_rope", "torch")(x, w, 1e-6, zero_centered, cos, sin)
+    out = get_kernel("rms_norm_rope", "cpu")(x, w, 1e-6, zero_centered, cos, sin)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # the rotation is real: with cos=1, sin=0 the result is the plain norm, which differs
+    plain = get_kernel("rms_norm", "torch")(x, w, 1e-6, zero_centered)
+    no_turn = get_kernel("rms_norm_rope", "cpu")(x, w, 1e-6, zero_centered, cos * 0 + 1, sin * 0)
+    torch.testing.assert_close(no_turn, plain, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, plain, atol=1e-3)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mambaradix.kernels import attention, gated_delta, moe, native, norm
+from mambaradix.kernels import attention, gated_delta, moe, native, norm, rope
 from mambaradix.kernels.registry import register_kernel
 
 _SILU = {"silu": 1, "swish": 1, None: 0, "identity": 0}
@@ -232,5 +232,38 @@ def moe_unpad(
     lib.moe_unpad(
         T, K, H, y.data_ptr(), y.stride(0), ids.data_ptr(), pos.data_ptr(),
         weights.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+@register_kernel("rms_norm_rope", backend="cpu")
+def rms_norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """``kernels.rope.rms_norm_rope`` in one C pass per head (x's heads may be strided)."""
+    lib = native.load("rms_norm")
+    T, H, D = x.shape
+    rd = cos.shape[-1]
+    fits = (
+        lib is not None
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.stride(2) == 1
+        and _dense(weight)
+        and all(_dense(t) and t.shape == (T, rd) for t in (cos, sin))
+        and rd % 2 == 0
+        and rd <= D
+    )
+    if not fits:
+        return rope.rms_norm_rope(x, weight, eps, zero_centered, cos, sin)
+    out = torch.empty(T, H, D, dtype=torch.float32)
+    lib.rms_norm_rope(
+        T, H, D, x.data_ptr(), x.stride(0), x.stride(1), weight.data_ptr(), eps,
+        int(zero_centered), cos.data_ptr(), sin.data_ptr(), rd, out.data_ptr(),
     )  # fmt: skip
     return out

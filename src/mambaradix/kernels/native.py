@@ -81,6 +81,13 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR, ctypes.c_float, _INT,  # weight, eps, zero-centred
             _PTR,                  # out
         ],
+        "rms_norm_rope": [
+            _I64, _I64, _I64,      # T, H, D
+            _PTR, _I64, _I64,      # x, its token and head strides
+            _PTR, ctypes.c_float, _INT,  # weight, eps, zero-centred
+            _PTR, _PTR, _I64,      # cos, sin, rotary dim
+            _PTR,                  # out
+        ],
         "rms_norm_gated": [
             _I64, _I64,            # rows, dim
             _PTR, _I64,            # x, its row stride

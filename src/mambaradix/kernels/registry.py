@@ -75,7 +75,7 @@ def list_kernels() -> dict[str, list[str]]:
 
 def _ensure_reference_kernels() -> None:
     # Importing the modules registers their kernels; done lazily to avoid import cycles.
-    from mambaradix.kernels import attention, conv, cpu, gated_delta, moe, norm  # noqa: F401
+    from mambaradix.kernels import attention, conv, cpu, gated_delta, moe, norm, rope  # noqa: F401
 
     try:  # helper modules that may not exist yet in a partial checkout
         from mambaradix.kernels import mamba2  # noqa: F401

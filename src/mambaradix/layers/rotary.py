@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mambaradix.kernels.rope import apply_rope
+
 
 def rope_config(config: Any) -> dict[str, Any]:
     """Normalized RoPE parameters: a dict with at least ``rope_theta``, ``rope_type`` and
@@ -72,16 +74,4 @@ class RotaryEmbedding(nn.Module):
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``[T, H, head_dim]`` with ``cos``/``sin`` ``[T, rotary_dim]``."""
-        rd = self.rotary_dim
-        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-        x_rot = x[..., :rd]
-        if self.interleaved:
-            x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
-            rotated = torch.stack([-x2, x1], dim=-1).flatten(-2)
-        else:
-            half = rd // 2
-            rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
-        out = x_rot * cos + rotated * sin
-        if rd == x.shape[-1]:
-            return out
-        return torch.cat([out, x[..., rd:]], dim=-1)
+        return apply_rope(x, cos, sin, self.interleaved)

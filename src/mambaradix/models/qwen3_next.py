@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from mambaradix.core import ForwardContext
+from mambaradix.kernels import get_kernel
 from mambaradix.layers.attention import BatchLayout, pooled_attention
 from mambaradix.layers.gated_delta_net import GDN_MERGES, GatedDeltaNet
 from mambaradix.layers.mlp import GATE_UP_MERGE, GatedMLP
@@ -58,11 +59,19 @@ class GatedAttention(nn.Module):
         qg, k, v = self.qkv_proj(x).split([hq, hk, hk], dim=-1)
         qg = qg.reshape(T, self.h, 2 * self.d)
         q, gate = qg[..., : self.d], qg[..., self.d :]
-        q = self.q_norm(q)
-        k = self.k_norm(k.reshape(T, self.hkv, self.d))
+        k = k.reshape(T, self.hkv, self.d)
         v = v.reshape(T, self.hkv, self.d)
         cos, sin = cos_sin
-        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        if self.rotary.interleaved:
+            q, k = (
+                self.rotary.apply(self.q_norm(q), cos, sin),
+                self.rotary.apply(self.k_norm(k), cos, sin),
+            )
+        else:  # q/k norm and RoPE in one pass each
+            norm_rope = get_kernel("rms_norm_rope")
+            qn, kn = self.q_norm, self.k_norm
+            q = norm_rope(q, qn.weight, qn.eps, qn.zero_centered, cos, sin)
+            k = norm_rope(k, kn.weight, kn.eps, kn.zero_centered, cos, sin)
         o = pooled_attention(layout, self.attn_layer, q, k, v, self.scale)
         o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(T, self.h * self.d))

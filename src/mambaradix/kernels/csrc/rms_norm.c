@@ -2,7 +2,9 @@
  * w = 1 + weight (zero-centred, Qwen3-Next) or weight. fp32; x rows may be strided, the last
  * dim is dense; out is dense. One pass to sum squares, one to scale, per row; rows in
  * parallel. rms_norm_gated also multiplies by a gate row (silu already applied by the caller,
- * where it vectorises): out[r] = weight * norm(x[r]) * gate[r].
+ * where it vectorises): out[r] = weight * norm(x[r]) * gate[r]. rms_norm_rope normalises each
+ * head of x [T, H, D] (rows t*x_stride_t + h*x_stride_h) and rotates its first rd features
+ * with cos/sin [T, rd], rotate-half pairs (d, d + rd/2); out is [T, H, D].
  */
 #include <math.h>
 #include <stdint.h>
@@ -55,5 +57,31 @@ void rms_norm_gated(
 #pragma omp simd
         for (int64_t i = 0; i < dim; i++)
             o[i] = weight[i] * (xr[i] * inv) * gr[i];
+    }
+}
+
+void rms_norm_rope(
+    int64_t T, int64_t H, int64_t D,
+    const float *x, int64_t x_stride_t, int64_t x_stride_h,
+    const float *weight, float eps, int zero_centered,
+    const float *cos, const float *sin, int64_t rd,
+    float *out)
+{
+    const int64_t half = rd / 2;
+#pragma omp parallel for schedule(static) if (T * H * D > 16384)
+    for (int64_t r = 0; r < T * H; r++) {
+        const int64_t t = r / H, h = r % H;
+        const float *xr = x + t * x_stride_t + h * x_stride_h;
+        const float *c = cos + t * rd, *s = sin + t * rd;
+        float *o = out + r * D;
+        const float inv = inv_rms(xr, D, eps);
+#pragma omp simd
+        for (int64_t i = 0; i < D; i++)
+            o[i] = zero_centered ? xr[i] * inv * (1.0f + weight[i]) : weight[i] * (xr[i] * inv);
+        for (int64_t i = 0; i < half; i++) {
+            const float a = o[i], b = o[i + half];
+            o[i] = a * c[i] - b * s[i];
+            o[i + half] = b * c[i + half] + a * s[i + half];
+        }
     }
 }
