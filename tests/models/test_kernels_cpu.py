@@ -80,6 +80,27 @@ def test_gated_delta_decode_falls_back_for_other_dtypes():
     torch.testing.assert_close(out, ref)
 
 
+def test_gated_delta_decode_silu_over_a_wide_range():
+    """Conv outputs from -300 to 300 (exp overflows at one end, underflows at the other):
+    the C silu and the state update still match the reference, and stay finite."""
+    hk, hv, dk, dv, width, B = 1, 2, 8, 8, 4, 6
+    g, conv, ssm, weight = _pools(8, hk, hv, dk, dv, width, seed=21)
+    conv.zero_()  # the conv output is then weight[:, -1] * x: set it through x
+    weight[:, -1] = 1.0
+    x = torch.linspace(-300, 300, B * conv.shape[1]).reshape(B, -1)
+    x = x[:, torch.randperm(x.shape[1], generator=g)]
+    gates = (torch.zeros(B, hv), torch.zeros(B, hv), torch.zeros(hv), torch.ones(hv))
+    slots = torch.arange(B)
+    ref_conv, ref_ssm = conv.clone(), ssm.clone()
+    ref = get_kernel("gated_delta_decode", "torch")(
+        x, ref_conv, ref_ssm, slots, weight, None, *gates, hk, "silu"
+    )
+    out = get_kernel("gated_delta_decode", "cpu")(x, conv, ssm, slots, weight, None, *gates, hk)
+    assert torch.isfinite(out).all() and torch.isfinite(ssm).all()
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ssm, ref_ssm, atol=1e-4, rtol=1e-5)
+
+
 def test_gated_delta_decode_rejects_mismatched_shapes():
     hk, hv, dk, dv, width = 2, 4, 8, 8, 4
     g, conv, ssm, weight = _pools(4, hk, hv, dk, dv, width, seed=1)

@@ -140,7 +140,7 @@ def load(name: str) -> ctypes.CDLL | None:
     if cc is None:
         logger.warning("no C compiler found ($CC or cc): native kernel %s not built", name)
         return None
-    flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fopenmp-simd"]
+    flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fopenmp-simd", f"-I{CSRC}"]
     if _uses_libgomp():
         flags.append("-fopenmp")
     try:
@@ -148,8 +148,9 @@ def load(name: str) -> ctypes.CDLL | None:
     except OSError as e:
         logger.warning("C compiler %s unusable (%s): native kernel %s not built", cc, e, name)
         return None
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # shared helpers
     key = hashlib.sha256(
-        src.read_bytes() + " ".join(flags).encode() + version.encode() + _cpu_id().encode()
+        src.read_bytes() + headers + " ".join(flags).encode() + version.encode() + _cpu_id().encode()
     ).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     if not out.exists():

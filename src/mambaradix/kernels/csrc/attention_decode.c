@@ -9,31 +9,15 @@
  *   out = (sum_j e^(s_j - m) v_j + e^(lse - m) o) / (sum_j e^(s_j - m) + e^(lse - m)).
  *
  * One task per (request, KV head), in parallel: scores of the r query heads against the own
- * keys, then one pass over the value rows, each read once for the r heads. exp is a polynomial
- * that vectorises (Cephes expf coefficients; relative error ~1e-7).
+ * keys, then one pass over the value rows, each read once for the r heads. exp is exp_poly
+ * (vec_math.h), which vectorises.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#pragma omp declare simd notinbranch
-static inline float exp_poly(float x)
-{
-    /* e^x = 2^n * e^f, n = round(x / ln 2), |f| <= ln2 / 2 */
-    x = fminf(fmaxf(x, -87.0f), 88.0f);
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float f = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * f + 1.3981999507e-3f;
-    p = p * f + 8.3334519073e-3f;
-    p = p * f + 4.1665795894e-2f;
-    p = p * f + 1.6666665459e-1f;
-    p = p * f + 5.0000001201e-1f;
-    const float y = p * f * f + f + 1.0f;
-    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
-    return y * two_n.f;
-}
+#include "vec_math.h"
 
 /* 8-wide vectors (GCC vector extensions: one AVX register, two SSE ones elsewhere) */
 typedef float v8 __attribute__((vector_size(32)));

@@ -1,0 +1,28 @@
+/* Small math helpers shared by the C kernels (header-only, static inline). */
+#ifndef MAMBARADIX_VEC_MATH_H
+#define MAMBARADIX_VEC_MATH_H
+
+#include <math.h>
+#include <stdint.h>
+
+/* e^x as a polynomial that vectorises inside `omp simd` loops (glibc's expf does not without
+ * -ffast-math): e^x = 2^n e^f, n = round(x / ln 2), |f| <= ln2 / 2, Cephes expf coefficients;
+ * relative error ~1e-7. x is clamped to [-87, 88]. */
+#pragma omp declare simd notinbranch
+static inline float exp_poly(float x)
+{
+    x = fminf(fmaxf(x, -87.0f), 88.0f);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float f = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    const float y = p * f * f + f + 1.0f;
+    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
+    return y * two_n.f;
+}
+
+#endif
