@@ -150,7 +150,11 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
     headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # shared helpers
     key = hashlib.sha256(
-        src.read_bytes() + headers + " ".join(flags).encode() + version.encode() + _cpu_id().encode()
+        src.read_bytes()
+        + headers
+        + " ".join(flags).encode()
+        + version.encode()
+        + _cpu_id().encode()
     ).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     if not out.exists():
