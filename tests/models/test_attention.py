@@ -97,7 +97,7 @@ def test_partial_rotary_matches_transformers():
 def test_decode_cascade_over_shared_prefixes_matches_per_request_softmax(softmax_path):
     """Requests whose KV rows start with the same slots read that prefix once (cascade); the
     merged result equals plain attention per request, and the groups found are the real ones."""
-    from mambaradix.kernels.attention import shared_prefixes
+    from mambaradix.kernels.attention_plan import shared_prefixes
 
     torch.manual_seed(0)
     hq, hkv, d, pool = 4, 2, 8, 4000
@@ -130,7 +130,7 @@ def test_decode_cascade_over_shared_prefixes_matches_per_request_softmax(softmax
 def test_decode_cascade_batches_groups_of_equal_prefix_length(softmax_path):
     """Groups with the same shared length run as one batched piece (the smaller group padded
     with copies of a member); each request still gets its own exact softmax."""
-    from mambaradix.kernels.attention import decode_plan, shared_prefixes
+    from mambaradix.kernels.attention_plan import decode_plan, shared_prefixes
 
     torch.manual_seed(1)
     hq, hkv, d, pool = 8, 2, 16, 6000
@@ -160,7 +160,7 @@ def test_decode_plan_is_reused_while_its_pieces_hold(softmax_path):
     """The next decode step (one more slot per row) reuses the previous plan's pieces; a row
     whose prefix slots changed, or another batch size, makes a new plan. Negative control: the
     stale plan applied to the changed table gives wrong outputs, so the check matters."""
-    from mambaradix.kernels.attention import decode_plan
+    from mambaradix.kernels.attention_plan import decode_plan
 
     torch.manual_seed(4)
     hq, hkv, d, pool = 4, 2, 8, 3000

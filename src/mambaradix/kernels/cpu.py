@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mambaradix.kernels import attention, gated_delta, moe, native, norm, rope
+from mambaradix.kernels import attention, attention_plan, gated_delta, moe, native, norm, rope
 from mambaradix.kernels.registry import register_kernel
 
 _SILU = {"silu": 1, "swish": 1, None: 0, "identity": 0}
@@ -137,7 +137,7 @@ def attention_decode(
     slot_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    plan: attention.DecodePlan | None = None,
+    plan: attention_plan.DecodePlan | None = None,
 ) -> torch.Tensor:
     """``kernels.attention.attention_decode`` with each request's own keys read in place from
     the pools (C, no gather) and merged there with its shared piece, which stays a flash call
@@ -160,7 +160,7 @@ def attention_decode(
     B, Hq, D = q.shape
     Hkv, Dv = k_pool.shape[1], v_pool.shape[-1]
     if plan is None:
-        plan = attention.decode_plan(slot_table, seq_lens, Hkv)
+        plan = attention_plan.decode_plan(slot_table, seq_lens, Hkv)
     q = q.contiguous()
     ends = seq_lens.to(torch.int64).contiguous()
     if int(ends.max()) > slot_table.shape[1]:  # the C code would read past the table

@@ -14,7 +14,12 @@ import torch
 
 from mambaradix.core import ForwardContext
 from mambaradix.kernels import get_kernel
-from mambaradix.kernels.attention import MIN_SHARED, DecodePlan, decode_plan, shared_prefixes
+from mambaradix.kernels.attention_plan import (
+    MIN_SHARED,
+    DecodePlan,
+    decode_plan,
+    shared_prefixes,
+)
 
 
 @dataclass(slots=True)
@@ -70,7 +75,7 @@ class BatchLayout:
         return self._slot_table
 
     def decode_plan(self, num_kv_heads: int) -> DecodePlan:
-        """The decodes' attention plan (``kernels.attention.decode_plan``: cascade groups and
+        """The decodes' attention plan (``kernels.attention_plan.decode_plan``: cascade groups and
         gather rows), once per forward for all attention layers. The previous forward's plan
         (in ``ctx.carry``) is reused when it still fits (a decode step after a decode step)."""
         if self._decode_plan is None or self._decode_plan[0] != num_kv_heads:
@@ -85,7 +90,7 @@ class BatchLayout:
 
     def prefill_groups(self) -> list[tuple[list[int], int]]:
         """Prefills whose cached prefixes start with the same KV slots, as ``(request indices,
-        shared length)`` (``kernels.attention.shared_prefixes`` over the cached parts), once
+        shared length)`` (``kernels.attention_plan.shared_prefixes`` over the cached parts), once
         per forward."""
         if self._prefill_groups is None:
             ctx = self.ctx
