@@ -265,6 +265,9 @@ def test_moe_pad_rejects_bad_ids_and_falls_back_for_bf16():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="outside 0..3"):
         get_kernel("moe_pad", "cpu")(x, torch.tensor([[0, 1], [2, 4], [1, 3], [0, 2]]), 4)
+    # an expert listed twice by every token would need more rows than its block has
+    with pytest.raises(ValueError, match="repeats within a token"):
+        get_kernel("moe_pad", "cpu")(x, torch.tensor([[1, 1], [1, 1], [1, 1], [1, 1]]), 4)
     ids = torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2]])
     buf, pos = get_kernel("moe_pad", "cpu")(x.bfloat16(), ids, 4)
     ref_buf, ref_pos = get_kernel("moe_pad", "torch")(x.bfloat16(), ids, 4)

@@ -202,7 +202,9 @@ def moe_pad(
         buf.data_ptr(), pos.data_ptr(),
     )  # fmt: skip
     if cap < 0:
-        raise ValueError(f"moe_pad: an expert id is outside 0..{num_experts - 1}")
+        raise ValueError(
+            f"moe_pad: an expert id is outside 0..{num_experts - 1} or repeats within a token"
+        )
     return buf[:, :cap], pos
 
 

@@ -3,7 +3,8 @@
  * moe_pad: pair p = t*K + k of token t and its k-th expert e = ids[p] goes to row pos[p] of
  * expert e's block in buf ([E, T, H]: room for every token in every block), pos[p] being its
  * rank among e's pairs in pair order. Rows from an expert's count up to cap (the largest count,
- * returned) are zeroed; the caller multiplies buf[:, :cap]. Returns -1 if an id is out of range.
+ * returned) are zeroed; the caller multiplies buf[:, :cap]. Returns -1 if an id is out of range
+ * or an expert gets more than T pairs (a token listing it twice), rather than overrun buf.
  *
  * moe_unpad: out[t] = sum_k weights[t, k] * y[ids[t, k], pos[t*K + k]], y's blocks
  * block_stride floats apart and rows of H.
@@ -23,7 +24,7 @@ int64_t moe_pad(
         return -1;
     for (int64_t p = 0; p < T * K; p++) {
         const int64_t e = ids[p];
-        if (e < 0 || e >= E) {
+        if (e < 0 || e >= E || count[e] == T) { /* a block holds T rows: ids repeat in a row */
             free(count);
             return -1;
         }
