@@ -30,27 +30,33 @@ static inline v8 load8(const float *p)
     return v;
 }
 
+/* two-input lane shuffle with constant indices (GCC and clang spell it differently) */
+#if defined(__clang__)
+#define SHUF8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF8(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
 /* lane t of the result = the sum of the lanes of a[t] (three rounds of pairwise folding) */
 static inline v8 sum_lanes8(const v8 a[8])
 {
-    const v8i lo1 = {0, 8, 2, 10, 4, 12, 6, 14}, hi1 = {1, 9, 3, 11, 5, 13, 7, 15};
-    const v8i lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
-    const v8i lo3 = {0, 1, 2, 3, 8, 9, 10, 11}, hi3 = {4, 5, 6, 7, 12, 13, 14, 15};
     v8 b[4], c[2];
     for (int t = 0; t < 4; t++)
-        b[t] = __builtin_shuffle(a[2 * t], a[2 * t + 1], lo1) +
-               __builtin_shuffle(a[2 * t], a[2 * t + 1], hi1);
+        b[t] = SHUF8(a[2 * t], a[2 * t + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               SHUF8(a[2 * t], a[2 * t + 1], 1, 9, 3, 11, 5, 13, 7, 15);
     for (int t = 0; t < 2; t++)
-        c[t] = __builtin_shuffle(b[2 * t], b[2 * t + 1], lo2) +
-               __builtin_shuffle(b[2 * t], b[2 * t + 1], hi2);
-    return __builtin_shuffle(c[0], c[1], lo3) + __builtin_shuffle(c[0], c[1], hi3);
+        c[t] = SHUF8(b[2 * t], b[2 * t + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               SHUF8(b[2 * t], b[2 * t + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return SHUF8(c[0], c[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUF8(c[0], c[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 /* One (request, KV head) task: r query heads (qb, rows of D) against the n own keys at slots.
  * Keys go in blocks of 8: the 8 dot products of a query head are summed lane-wise and folded
  * together (no per-key horizontal sum); values are accumulated 8 keys at a time. Scores and
- * partial sums go to scratch (scores [r, n], acc [r, Dv], weight and inv_total [r]). Inlined with constant head sizes
- * (see attention_decode), so the loops over D and Dv unroll. D and Dv are multiples of 8. */
+ * partial sums go to scratch (scores [r, n], acc [r, Dv], weight and inv_total [r]). Inlined
+ * with constant head sizes (see attention_decode), so the loops over D and Dv unroll. D and Dv
+ * are multiples of 8. */
 static inline __attribute__((always_inline)) void attend_own(
     const int64_t r, const int64_t Hkv, const int64_t h, const int64_t D, const int64_t Dv,
     const float *restrict qb, const float *restrict k_pool, const float *restrict v_pool,
