@@ -37,9 +37,10 @@ ATTN_MERGE = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 
 class GatedAttention(nn.Module):
     """Full attention whose output is gated by ``sigmoid(gate)``; ``q_proj`` yields, per head,
-    the query and the gate (``[H, 2*D]``). q/k get a zero-centred RMSNorm over the head dim."""
+    the query and the gate (``[H, 2*D]``). q/k get a zero-centred RMSNorm over the head dim,
+    then rotate-half RoPE with the model's ``(cos, sin)``, in one op (``rms_norm_rope``)."""
 
-    def __init__(self, cfg: Any, attn_layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: Any, attn_layer: int) -> None:
         super().__init__()
         self.h, self.hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.d = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.h
@@ -50,7 +51,6 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, zero_centered=True)
         self.attn_layer = attn_layer
-        self.rotary = rotary
         self.scale = self.d**-0.5
 
     def forward(self, x: torch.Tensor, layout: BatchLayout, cos_sin) -> torch.Tensor:
@@ -62,16 +62,10 @@ class GatedAttention(nn.Module):
         k = k.reshape(T, self.hkv, self.d)
         v = v.reshape(T, self.hkv, self.d)
         cos, sin = cos_sin
-        if self.rotary.interleaved:
-            q, k = (
-                self.rotary.apply(self.q_norm(q), cos, sin),
-                self.rotary.apply(self.k_norm(k), cos, sin),
-            )
-        else:  # q/k norm and RoPE in one pass each
-            norm_rope = get_kernel("rms_norm_rope")
-            qn, kn = self.q_norm, self.k_norm
-            q = norm_rope(q, qn.weight, qn.eps, qn.zero_centered, cos, sin)
-            k = norm_rope(k, kn.weight, kn.eps, kn.zero_centered, cos, sin)
+        norm_rope = get_kernel("rms_norm_rope")
+        qn, kn = self.q_norm, self.k_norm
+        q = norm_rope(q, qn.weight, qn.eps, qn.zero_centered, cos, sin)
+        k = norm_rope(k, kn.weight, kn.eps, kn.zero_centered, cos, sin)
         o = pooled_attention(layout, self.attn_layer, q, k, v, self.scale)
         o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(T, self.h * self.d))
@@ -117,7 +111,7 @@ class Qwen3NextForCausalLM(HybridCausalLM):
         layers, n_attn, n_state = [], 0, 0
         for i, kind in enumerate(cfg.layer_types):
             if kind == "full_attention":
-                mixer: nn.Module = GatedAttention(cfg, n_attn, self.rotary)
+                mixer: nn.Module = GatedAttention(cfg, n_attn)
                 n_attn += 1
             elif kind == "linear_attention":
                 mixer = GatedDeltaNet(
