@@ -66,7 +66,7 @@ def run_to_end(sched, max_steps: int = 10_000) -> int:
     steps = 0
     while not sched.is_idle():
         sched.step()
-        sched.cache.check_integrity()
+        sched.check_integrity()
         steps += 1
         assert steps < max_steps, "scheduler made no progress"
     sched.runner.shutdown()

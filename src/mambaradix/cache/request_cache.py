@@ -14,6 +14,7 @@ With the cache disabled the same interface allocates and frees, and the tree is 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -281,21 +282,26 @@ class RequestCache:
                 states.append(rc.state_slot)
         return kv, states
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, owners: Iterable[ReqCache] | None = None) -> None:
         """Every KV slot and state slot is free, in the tree, or held by exactly one live
-        request; each live request's tree-owned prefix matches the tree's path."""
+        request; each live request's tree-owned prefix matches the tree's path; every lock
+        count of the tree equals the live requests holding it. With ``owners`` (the resources
+        of the requests the scheduler holds), the live entries must be exactly those."""
         held_kv, held_state = self.held_slots()
         if len(self.live) + self.req_slots.available() != self.req_slots.num_rows:
             raise IntegrityError(
                 f"request rows: {len(self.live)} live + {self.req_slots.available()} free "
                 f"!= {self.req_slots.num_rows}"
             )
+        if owners is not None:
+            self._check_owners(list(owners))
         if self.tree is not None:
             self.tree.check_integrity(held_kv=held_kv, held_state=held_state)
             for rc in self.live:
                 path = self.tree.path_kv(rc.node)
                 if not torch.equal(path, self.req_slots.table[rc.row, : rc.tree_len]):
                     raise IntegrityError(f"row {rc.row}: tree-owned prefix differs from tree path")
+            self._check_locks()
             return
         for name, free, held, size in (
             ("KV", self.kv_pool.free_slot_list(), held_kv, self.kv_pool.size),
@@ -305,6 +311,46 @@ class RequestCache:
             if len(everything) != size or len(set(everything)) != size:
                 raise IntegrityError(
                     f"{name} slots: {len(free)} free + {len(held)} held != {size} (or duplicated)"
+                )
+
+    def _check_owners(self, owners: list[ReqCache]) -> None:
+        ids = {id(rc) for rc in owners}
+        if len(ids) != len(owners):
+            raise IntegrityError("two requests hold the same cache resources")
+        leaked = [rc for rc in self.live if id(rc) not in ids]
+        if leaked:
+            raise IntegrityError(
+                f"leaked request: {len(leaked)} live cache entries (row {leaked[0].row} first) "
+                "belong to no request the scheduler holds"
+            )
+        gone = [rc for rc in owners if rc not in self.live]
+        if gone:
+            raise IntegrityError(
+                f"a request holds cache resources that were released (row {gone[0].row})"
+            )
+
+    def _check_locks(self) -> None:
+        """kv_lock of a node = live requests whose locked node is it or below it; state_lock =
+        live requests resuming from its state (the root keeps its one permanent kv lock)."""
+        kv_want: dict[int, int] = {}
+        state_want: dict[int, int] = {}
+        for rc in self.live:
+            node = rc.node
+            while node is not None and node.parent is not None:
+                kv_want[id(node)] = kv_want.get(id(node), 0) + 1
+                node = node.parent
+            if rc.state_node is not None and rc.state_node.parent is not None:
+                key = id(rc.state_node)
+                state_want[key] = state_want.get(key, 0) + 1
+        stack = list(self.tree.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            want_kv, want_state = kv_want.get(id(node), 0), state_want.get(id(node), 0)
+            if node.kv_lock != want_kv or node.state_lock != want_state:
+                raise IntegrityError(
+                    f"lock counts kv {node.kv_lock} / state {node.state_lock}, but {want_kv} / "
+                    f"{want_state} live requests hold them: {node!r}"
                 )
 
     # ------------------------------------------------------------------ internals

@@ -282,8 +282,9 @@ class Engine:
         return self.call(self.scheduler.is_idle)
 
     def check_integrity(self) -> None:
-        """Raise if any slot is unaccounted for (run on the engine thread, between steps)."""
-        self.call(self.cache.check_integrity)
+        """Raise if any slot, request or lock is unaccounted for (run on the engine thread,
+        between steps)."""
+        self.call(self.scheduler.check_integrity)
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread between steps and return its result."""
@@ -322,7 +323,7 @@ class Engine:
                 if not self.scheduler.is_idle():
                     self.scheduler.step()
                     if self.debug_integrity:
-                        self.cache.check_integrity()
+                        self.scheduler.check_integrity()
                 self._outbox.flush()
             except BaseException as exc:  # keep serving callers: fail their requests
                 logger.exception("engine step failed")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mambaradix.cache.integrity import IntegrityError
 from mambaradix.cache.request_cache import NO_BUFFER, RequestCache
 from mambaradix.config import EngineConfig
 from mambaradix.core import FinishReason, ForwardBatch, ForwardReq, StateOps
@@ -137,6 +138,19 @@ class Scheduler:
         elif plan:
             self._process(plan, self.runner.submit(plan.run).result())
         self._release_finished()
+
+    def check_integrity(self) -> None:
+        """The cache's full check, with the live entries held against this scheduler's
+        requests: running ones hold resources, waiting ones none, finishing ones until
+        released."""
+        for req in self.waiting:
+            if req.rc is not None:
+                raise IntegrityError(f"waiting request {req.rid} holds cache resources")
+        for req in self.running:
+            if req.rc is None:
+                raise IntegrityError(f"running request {req.rid} holds no cache resources")
+        owners = [r.rc for r in self.running + self.finishing if r.rc is not None]
+        self.cache.check_integrity(owners)
 
     def drain(self) -> None:
         self._drain()
