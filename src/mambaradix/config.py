@@ -69,6 +69,11 @@ class EngineConfig:
         "Skip the warm-up forward at start (one batch of --max-prefill-tokens on scratch slots, "
         "so the first requests do not pay for growing the CPU allocator's heap).",
     )
+    debug_integrity: bool = opt(
+        False,
+        "Run the full integrity check (every KV and state slot, request and lock accounted "
+        "for; the tree's invariants) after every engine step. Slow: for tests and debugging.",
+    )
     disable_overlap_schedule: bool = opt(
         False, "Prepare the next batch only after the current one finished."
     )

@@ -28,6 +28,7 @@ def test_cli_bench_compare_cache(tmp_path, capsys) -> None:
             "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3",
             "--gsp-system-prompt-len", "130", "--gsp-question-len", "8",
             "--gsp-output-len", "3", "--compare-cache", "--repeats", "2", "--disable-tqdm",
+            "--debug-integrity",
             "--output-json", str(out)]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -57,7 +58,12 @@ def test_cli_bench_compare_cache(tmp_path, capsys) -> None:
 
 @pytest.fixture(scope="module")
 def engine():
-    with Engine(model_path="tiny:qwen3_next", max_total_tokens=16384, max_mamba_cache_size=64) as e:
+    with Engine(
+        model_path="tiny:qwen3_next",
+        max_total_tokens=16384,
+        max_mamba_cache_size=64,
+        debug_integrity=True,
+    ) as e:
         yield e
 
 

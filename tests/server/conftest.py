@@ -24,6 +24,7 @@ def engine() -> Iterator[Engine]:
         max_total_tokens=16384,
         max_mamba_cache_size=96,
         chunked_prefill_size=256,
+        debug_integrity=True,  # the full check after every engine step
     )
     try:
         yield eng

@@ -154,7 +154,7 @@ class Engine:
             on_tokens=self._on_tokens,
             on_finish=self._on_finish,
         )
-        self.debug_integrity = debug_integrity
+        self.debug_integrity = debug_integrity or cfg.debug_integrity
         self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self._reqs: dict[str, Req] = {}
         self._inbox: queue.Queue = queue.Queue()
