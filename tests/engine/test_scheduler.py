@@ -45,7 +45,7 @@ def test_abort_in_queue_mid_prefill_mid_decode_leaks_nothing(strategy, overlap, 
     aborted_at = {}
     for _ in range(200):
         sched.step()
-        sched.cache.check_integrity()
+        sched.check_integrity()
         if "queued" not in aborted_at and queued.status is ReqStatus.WAITING:
             sched.abort(queued)
             aborted_at["queued"] = queued.fed_len
