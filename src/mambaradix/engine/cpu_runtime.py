@@ -39,12 +39,12 @@ it, the faults stop after the first batch.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import threading
-from pathlib import Path
 
 import torch
+
+from mambaradix.kernels.openmp import openmp_runtime_path
 
 logger = logging.getLogger(__name__)
 
@@ -53,26 +53,6 @@ MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 1 << 30
 TOP_PAD = 64 << 20  # glibc's largest thread-arena heap (HEAP_MAX_SIZE on 64-bit)
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep what is cheap to keep
-_RUNTIMES = ("libgomp", "libiomp", "libomp")
-
-
-@functools.cache
-def openmp_runtime_path() -> str | None:
-    """File of the OpenMP runtime this process has loaded (found in /proc/self/maps), or None."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:  # not Linux: nothing to do
-        return None
-    for line in maps.splitlines():
-        path = line.split()[-1] if line.strip() else ""
-        if path.startswith("/") and any(r in Path(path).name for r in _RUNTIMES):
-            try:
-                lib = ctypes.CDLL(path)  # already loaded: the same handle, no second copy
-            except OSError:
-                continue
-            if hasattr(lib, "omp_pause_resource_all"):
-                return path
-    return None
 
 
 def _openmp_runtime() -> ctypes.CDLL | None:

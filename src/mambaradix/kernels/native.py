@@ -11,9 +11,9 @@ folder (``$MAMBARADIX_KERNEL_CACHE``, else ``~/.cache/mambaradix/kernels``) unde
 hashes the source, the flags, the compiler and the CPU's model and features, so a change
 rebuilds, a machine never loads code built for another CPU, and concurrent processes never load
 a half-written file. OpenMP: only when the process's OpenMP runtime is libgomp (the
-CPU torch builds), whose already-loaded copy the kernel then shares: one worker pool, see
-``engine.cpu_runtime``. Otherwise the kernels run single-threaded. No compiler, or a failed
-build, leaves the torch kernels in place with one warning.
+CPU torch builds), whose already-loaded copy (``kernels.openmp``) the kernel then shares: one
+worker pool, see ``engine.cpu_runtime``. Otherwise the kernels run single-threaded. No compiler,
+or a failed build, leaves the torch kernels in place with one warning.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+from mambaradix.kernels.openmp import openmp_runtime_path
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +127,6 @@ def _cpu_id() -> str:
 
 
 def _uses_libgomp() -> bool:
-    from mambaradix.engine.cpu_runtime import openmp_runtime_path
-
     path = openmp_runtime_path()
     return path is not None and "libgomp" in Path(path).name
 
