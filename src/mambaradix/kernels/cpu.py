@@ -82,22 +82,35 @@ def gated_delta_decode(
     return out
 
 
+_NORM_DTYPES = {torch.float32: "", torch.bfloat16: "_bf16"}  # C variant by data dtype
+
+
+def _norm_fn(lib, name: str, dtype: torch.dtype):
+    """The C function of ``name`` for ``dtype`` data, or None (the caller falls back)."""
+    suffix = _NORM_DTYPES.get(dtype)
+    return None if lib is None or suffix is None else getattr(lib, name + suffix)
+
+
+def _cpu_dense(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+
+
 @register_kernel("rms_norm", backend="cpu")
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
 ) -> torch.Tensor:
-    """``kernels.norm.rms_norm`` in one C pass per row."""
-    lib = native.load("rms_norm")
+    """``kernels.norm.rms_norm`` in one C pass per row (fp32 or bf16 data, fp32 sums)."""
+    fn = _norm_fn(native.load("rms_norm"), "rms_norm", x.dtype)
     rows = None
-    if lib is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel():
+    if fn is not None and x.device.type == "cpu" and x.numel():
         try:
             rows = x.view(-1, x.shape[-1])  # a view: leading dims must merge
         except RuntimeError:
             rows = None
-    if rows is None or rows.stride(1) != 1 or not _dense(weight):
+    if rows is None or rows.stride(1) != 1 or not _cpu_dense(weight, x.dtype):
         return norm.rms_norm(x, weight, eps, zero_centered)
-    out = torch.empty(rows.shape, dtype=torch.float32)
-    lib.rms_norm(
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    fn(
         rows.shape[0], rows.shape[1], rows.data_ptr(), rows.stride(0),
         weight.data_ptr(), eps, int(zero_centered), out.data_ptr(),
     )  # fmt: skip
@@ -108,21 +121,21 @@ def rms_norm(
 def rms_norm_gated(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """``kernels.norm.rms_norm_gated``: silu in torch (vectorised), the rest in one C pass per
-    row."""
-    lib = native.load("rms_norm")
+    """``kernels.norm.rms_norm_gated``: silu in torch (vectorised, fp32 as the reference), the
+    rest in one C pass per row."""
+    fn = _norm_fn(native.load("rms_norm"), "rms_norm_gated", x.dtype)
     rows = gates = None
-    fits = lib is not None and x.dtype == gate.dtype == torch.float32 and x.numel()
-    if fits and x.device.type == "cpu" and x.shape == gate.shape and _dense(weight):
+    fits = fn is not None and x.dtype == gate.dtype and x.numel()
+    if fits and x.device.type == "cpu" and x.shape == gate.shape and _cpu_dense(weight, x.dtype):
         try:  # views: leading dims must merge
             rows = x.view(-1, x.shape[-1])
-            gates = F.silu(gate.reshape(-1, x.shape[-1]))  # a copy if gate is strided
+            gates = F.silu(gate.reshape(-1, x.shape[-1]).float())  # a copy if strided or bf16
         except RuntimeError:
             rows = None
     if rows is None or rows.stride(1) != 1 or gates.stride(1) != 1:
         return norm.rms_norm_gated(x, gate, weight, eps)
-    out = torch.empty(rows.shape, dtype=torch.float32)
-    lib.rms_norm_gated(
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    fn(
         rows.shape[0], rows.shape[1], rows.data_ptr(), rows.stride(0),
         gates.data_ptr(), gates.stride(0), weight.data_ptr(), eps, out.data_ptr(),
     )  # fmt: skip
@@ -247,24 +260,25 @@ def rms_norm_rope(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> torch.Tensor:
-    """``kernels.rope.rms_norm_rope`` in one C pass per head (x's heads may be strided)."""
-    lib = native.load("rms_norm")
+    """``kernels.rope.rms_norm_rope`` in one C pass per head (x's heads may be strided; fp32
+    or bf16 data; the rotation of bf16 data in fp32, rounded once)."""
+    fn = _norm_fn(native.load("rms_norm"), "rms_norm_rope", x.dtype)
     T, H, D = x.shape
     rd = cos.shape[-1]
     fits = (
-        lib is not None
-        and x.dtype == torch.float32
+        fn is not None
         and x.device.type == "cpu"
         and x.stride(2) == 1
-        and _dense(weight)
-        and all(_dense(t) and t.shape == (T, rd) for t in (cos, sin))
+        and _cpu_dense(weight, x.dtype)
+        and all(t.shape == (T, rd) and t.device.type == "cpu" for t in (cos, sin))
         and rd % 2 == 0
         and rd <= D
     )
     if not fits:
         return rope.rms_norm_rope(x, weight, eps, zero_centered, cos, sin)
-    out = torch.empty(T, H, D, dtype=torch.float32)
-    lib.rms_norm_rope(
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    out = torch.empty(T, H, D, dtype=x.dtype)
+    fn(
         T, H, D, x.data_ptr(), x.stride(0), x.stride(1), weight.data_ptr(), eps,
         int(zero_centered), cos.data_ptr(), sin.data_ptr(), rd, out.data_ptr(),
     )  # fmt: skip

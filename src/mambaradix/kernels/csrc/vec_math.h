@@ -25,4 +25,31 @@ static inline float exp_poly(float x)
     return y * two_n.f;
 }
 
+/* bf16 <-> fp32. bf16 is the top half of an fp32; a store rounds to nearest even (NaN kept
+ * quiet), as torch's conversion does. */
+#pragma omp declare simd notinbranch
+static inline float bf16_to_f32(uint16_t h)
+{
+    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+#pragma omp declare simd notinbranch
+static inline uint16_t f32_to_bf16(float f)
+{
+    union { float f; uint32_t u; } v = {.f = f};
+    uint32_t u = v.u;
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* The fp32 value of f rounded to bf16 (what a bf16 tensor would hold). */
+#pragma omp declare simd notinbranch
+static inline float round_bf16(float f)
+{
+    return bf16_to_f32(f32_to_bf16(f));
+}
+
 #endif

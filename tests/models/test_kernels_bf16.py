@@ -1,0 +1,132 @@
+"""Native bf16 kernels against the torch reference at real shapes (hidden sizes 1,024-4,096,
+attention heads of 128 and 256 with partial rotary, Gated DeltaNet value heads of 128), and
+against float64 truth with a tolerance that a bf16-accumulating kernel fails (negative
+control). Each test also proves the native path ran (the reference fallback raises)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from mambaradix.kernels import cpu, norm, rope
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None, reason="no C compiler: the native kernels cannot be built here"
+)
+
+EPS = 1e-6
+
+
+def ulps(got: torch.Tensor, want: torch.Tensor, floor: float | torch.Tensor = 2.0**-100):
+    """|got - want| in units of the bf16 spacing at ``want`` (at least at ``floor``)."""
+    want = want.double()
+    mag = want.abs().clamp_min(floor)
+    spacing = torch.exp2(torch.floor(torch.log2(mag)) - 7)
+    return (got.double() - want).abs() / spacing
+
+
+def truth_rms_norm(x, w, zero_centered):
+    xd = x.double()
+    y = xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + EPS)
+    return y * (1 + w.double()) if zero_centered else y * w.double()
+
+
+def bf16_accumulated_rms_norm(x, w, zero_centered):
+    """What a kernel summing squares in bf16 would give (the negative control)."""
+    xf = x.float()
+    acc = torch.zeros(x.shape[:-1], dtype=torch.bfloat16)
+    for i in range(x.shape[-1]):
+        acc = (acc.float() + xf[..., i] ** 2).bfloat16()
+    y = xf * torch.rsqrt(acc.float()[..., None] / x.shape[-1] + EPS)
+    return (y * (1 + w.float()) if zero_centered else y * w.float()).bfloat16()
+
+
+def inputs(rows: int, dim: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, dim, generator=g) * 2).bfloat16()
+    w = (torch.randn(dim, generator=g) * 0.2 + (0.0 if seed % 2 else 1.0)).bfloat16()
+    return x, w
+
+
+@pytest.mark.parametrize("dim", [1024, 2048, 4096])
+@pytest.mark.parametrize("zero_centered", [True, False])
+def test_rms_norm_bf16(dim, zero_centered):
+    x, w = inputs(33, dim, seed=dim + zero_centered)
+    ref = norm.rms_norm(x, w, EPS, zero_centered)
+    got = cpu.rms_norm(x, w, EPS, zero_centered)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert ulps(got, ref.double()).max() <= 1  # the reference rounds alike: at most 1 ulp
+    truth = truth_rms_norm(x, w, zero_centered)
+    err = ulps(got, truth)
+    # fp32 sums: within about one rounding (two where the reference rounds twice)
+    assert err.max() <= 2.0 and err.mean() <= 0.5, (err.max(), err.mean())
+    bad = ulps(bf16_accumulated_rms_norm(x, w, zero_centered), truth)
+    assert bad.mean() > 0.5 or bad.max() > 2.0  # the tolerance catches bf16 accumulation
+
+
+def test_native_bf16_norm_paths_do_not_fall_back(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("fell back to the torch reference")
+
+    monkeypatch.setattr(norm, "rms_norm", refuse)
+    monkeypatch.setattr(norm, "rms_norm_gated", refuse)
+    monkeypatch.setattr(rope, "rms_norm_rope", refuse)
+    x, w = inputs(4, 1024, seed=3)
+    cpu.rms_norm(x, w, EPS, True)
+    cpu.rms_norm_gated(x, x, w, EPS)
+    ang = torch.randn(4, 32)
+    cs = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    cpu.rms_norm_rope(x.view(4, 4, 256), w[:256].contiguous(), EPS, True, *cs)
+    with pytest.raises(AssertionError, match="fell back"):  # control: fp16 is not covered
+        cpu.rms_norm(x.half(), w.half(), EPS, True)
+
+
+@pytest.mark.parametrize("rows,dim", [(64 * 16, 128), (32 * 32, 128)])
+def test_rms_norm_gated_bf16_gdn_output(rows, dim):
+    """The Gated DeltaNet output norm: rows of one value head (d_v 128), silu gate."""
+    x, w = inputs(rows, dim, seed=rows)
+    gate = (torch.randn(rows, dim) * 2).bfloat16()
+    ref = norm.rms_norm_gated(x, gate, w, EPS)
+    got = cpu.rms_norm_gated(x, gate, w, EPS)
+    assert got.dtype == torch.bfloat16
+    assert ulps(got, ref.double()).max() <= 1
+    silu = torch.nn.functional.silu(gate.double())
+    truth = truth_rms_norm(x, w, False) * silu
+    err = ulps(got, truth)
+    assert err.max() <= 3.0 and err.mean() <= 0.5, (err.max(), err.mean())
+
+
+@pytest.mark.parametrize("head_dim,rotary,heads", [(256, 64, 16), (128, 128, 8), (64, 64, 4)])
+@pytest.mark.parametrize("zero_centered", [True, False])
+def test_rms_norm_rope_bf16_strided_heads(head_dim, rotary, heads, zero_centered):
+    """Per-head q/k norm + rotate-half RoPE (Qwen3-Next / Qwen3.5: head 256, rotary 64), heads
+    read in place from a wider projection (every other head)."""
+    T = 9
+    g = torch.Generator().manual_seed(head_dim + rotary)
+    wide = (torch.randn(T, 2 * heads, head_dim, generator=g) * 2).bfloat16()
+    x = wide[:, ::2]
+    w = (torch.randn(head_dim, generator=g) * 0.2).bfloat16()
+    pos = torch.arange(T, dtype=torch.float64)[:, None] * 37
+    inv = 10000.0 ** (-torch.arange(0, rotary, 2, dtype=torch.float64) / rotary)
+    ang = torch.cat([pos * inv] * 2, -1)
+    cos, sin = ang.cos().float(), ang.sin().float()
+    ref = rope.rms_norm_rope(x, w, EPS, zero_centered, cos, sin)
+    got = cpu.rms_norm_rope(x, w, EPS, zero_centered, cos, sin)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    # truth: the normalised head as the reference rounds it, rotated exactly
+    normed = norm.rms_norm(x, w, EPS, zero_centered).double()
+    half = rotary // 2
+    a, b = normed[..., :half], normed[..., half:rotary]
+    c, s = cos.double()[:, None], sin.double()[:, None]
+    rot = torch.cat(
+        [a * c[..., :half] - b * s[..., :half], b * c[..., half:] + a * s[..., half:]], -1
+    )
+    truth = torch.cat([rot, normed[..., rotary:]], -1)
+    err = ulps(got, truth)
+    assert err.max() <= 1.0, err.max()  # rotated in fp32, rounded once
+    # the reference rounds each product to bf16: where a*c - b*s cancels, its error is an
+    # ulp of the products, not of the small result: measure at the head's largest value
+    head_scale = normed.abs().amax(-1, keepdim=True)
+    assert ulps(got, ref.double(), floor=head_scale).max() <= 2
