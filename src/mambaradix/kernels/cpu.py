@@ -26,6 +26,24 @@ def _dense(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
 
 
+_VARIANTS = {torch.float32: "", torch.bfloat16: "_bf16"}  # C variant by data dtype
+
+
+def _native_fn(lib, name: str, dtype: torch.dtype):
+    """The C function of ``name`` for ``dtype`` data, or None (the caller falls back)."""
+    suffix = _VARIANTS.get(dtype)
+    return None if lib is None or suffix is None else getattr(lib, name + suffix)
+
+
+def _cpu_dense(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+
+
+def _cpu_rows(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """A CPU matrix of ``dtype`` whose last dim is dense (rows may be strided)."""
+    return t.device.type == "cpu" and t.dtype == dtype and t.dim() == 2 and t.stride(1) == 1
+
+
 @register_kernel("gated_delta_decode", backend="cpu")
 def gated_delta_decode(
     x: torch.Tensor,
@@ -43,14 +61,16 @@ def gated_delta_decode(
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
     """``kernels.gated_delta.gated_delta_decode`` in one pass per request (C, in place), the
-    gates included."""
-    lib = native.load("gated_delta_decode")
+    gates included: fp32 throughout, or the model's tensors in bf16 with an fp32 delta state."""
+    dt = x.dtype
+    fn = _native_fn(native.load("gated_delta_decode"), "gated_delta_decode", dt)
     fits = (
-        lib is not None
+        fn is not None
         and activation in _SILU
-        and all(_rows(t) for t in (x, a, b))
-        and all(_dense(t) for t in (conv_pool, ssm_pool, weight, A_log, dt_bias))
-        and (bias is None or _dense(bias))
+        and all(_cpu_rows(t, dt) for t in (x, a, b))
+        and all(_cpu_dense(t, dt) for t in (conv_pool, weight, A_log, dt_bias))
+        and _cpu_dense(ssm_pool, torch.float32)
+        and (bias is None or _cpu_dense(bias, dt))
         and slots.device.type == "cpu"
     )
     if not fits:
@@ -67,8 +87,8 @@ def gated_delta_decode(
             f"match {num_k_heads} key heads and a state of {(hv, dk, dv)} (conv dim {conv_dim})"
         )
     slots = slots.to(torch.int64).contiguous()
-    out = torch.empty(B, hv, dv, dtype=torch.float32)
-    lib.gated_delta_decode(
+    out = torch.empty(B, hv, dv, dtype=dt)
+    fn(
         B, slots.data_ptr(),
         x.data_ptr(), x.stride(0),
         conv_pool.data_ptr(), ssm_pool.data_ptr(),
@@ -82,25 +102,12 @@ def gated_delta_decode(
     return out
 
 
-_NORM_DTYPES = {torch.float32: "", torch.bfloat16: "_bf16"}  # C variant by data dtype
-
-
-def _norm_fn(lib, name: str, dtype: torch.dtype):
-    """The C function of ``name`` for ``dtype`` data, or None (the caller falls back)."""
-    suffix = _NORM_DTYPES.get(dtype)
-    return None if lib is None or suffix is None else getattr(lib, name + suffix)
-
-
-def _cpu_dense(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
-
-
 @register_kernel("rms_norm", backend="cpu")
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
 ) -> torch.Tensor:
     """``kernels.norm.rms_norm`` in one C pass per row (fp32 or bf16 data, fp32 sums)."""
-    fn = _norm_fn(native.load("rms_norm"), "rms_norm", x.dtype)
+    fn = _native_fn(native.load("rms_norm"), "rms_norm", x.dtype)
     rows = None
     if fn is not None and x.device.type == "cpu" and x.numel():
         try:
@@ -123,7 +130,7 @@ def rms_norm_gated(
 ) -> torch.Tensor:
     """``kernels.norm.rms_norm_gated``: silu in torch (vectorised, fp32 as the reference), the
     rest in one C pass per row."""
-    fn = _norm_fn(native.load("rms_norm"), "rms_norm_gated", x.dtype)
+    fn = _native_fn(native.load("rms_norm"), "rms_norm_gated", x.dtype)
     rows = gates = None
     fits = fn is not None and x.dtype == gate.dtype and x.numel()
     if fits and x.device.type == "cpu" and x.shape == gate.shape and _cpu_dense(weight, x.dtype):
@@ -262,7 +269,7 @@ def rms_norm_rope(
 ) -> torch.Tensor:
     """``kernels.rope.rms_norm_rope`` in one C pass per head (x's heads may be strided; fp32
     or bf16 data; the rotation of bf16 data in fp32, rounded once)."""
-    fn = _norm_fn(native.load("rms_norm"), "rms_norm_rope", x.dtype)
+    fn = _native_fn(native.load("rms_norm"), "rms_norm_rope", x.dtype)
     T, H, D = x.shape
     rd = cos.shape[-1]
     fits = (

@@ -101,8 +101,13 @@ SIGNATURES: dict[str, dict[str, list]] = {
 }  # fmt: skip
 
 # The bf16 twins take the same arguments (bf16 data behind the same pointers).
-for _name in ("rms_norm", "rms_norm_gated", "rms_norm_rope"):
-    SIGNATURES["rms_norm"][_name + "_bf16"] = SIGNATURES["rms_norm"][_name]
+for _lib, _name in (
+    ("rms_norm", "rms_norm"),
+    ("rms_norm", "rms_norm_gated"),
+    ("rms_norm", "rms_norm_rope"),
+    ("gated_delta_decode", "gated_delta_decode"),
+):
+    SIGNATURES[_lib][_name + "_bf16"] = SIGNATURES[_lib][_name]
 RESULTS = {"moe_pad": _I64}  # functions that return a value (the others return nothing)
 
 

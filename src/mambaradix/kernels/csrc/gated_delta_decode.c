@@ -7,25 +7,52 @@
  *   gates: g = -exp(A_log[h]) softplus(a[b][h] + dt_bias[h]),  beta = sigmoid(b[b][h])
  *   step:  for value head h (key head h / (Hv / Hk)), S = ssm_pool[s][h]  ([Dk][Dv]):
  *          S *= exp(g);  u = beta (v - S^T k);  S += k u^T;  out[b][h] = S^T q
- * reading and writing each state once. All tensors fp32 and contiguous, except that x, a and b
- * rows are addressed with their own row strides. Requests run in parallel (OpenMP); two requests
- * must not share a slot.
+ * reading and writing each state once. All tensors contiguous, except that x, a and b rows are
+ * addressed with their own row strides. Requests run in parallel (OpenMP); two requests must
+ * not share a slot.
+ *
+ * gated_delta_decode: every tensor fp32. gated_delta_decode_bf16: the model's tensors (x, the
+ * conv pool, conv weight and bias, a, b, A_log, dt_bias, out) bf16, the delta-rule state fp32;
+ * everything is computed in fp32, and rounded to bf16 where the torch reference holds a bf16
+ * tensor (the conv output, beta, the output).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-void gated_delta_decode(
+#include "vec_math.h"
+
+/* Element i of a tensor of fp32 (bf == 0) or bf16 (bf == 1) values. */
+static inline float ld(const void *p, int64_t i, int bf)
+{
+    return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void st(void *p, int64_t i, float v, int bf)
+{
+    if (bf)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+static inline float rnd(float v, int bf)
+{
+    return bf ? round_bf16(v) : v;
+}
+
+/* The kernel for one dtype; `bf` is a constant in each caller, so the branches fold away. */
+static inline __attribute__((always_inline)) void gdn_decode(
     int64_t B, const int64_t *slots,
-    const float *x, int64_t x_stride,
-    float *conv_pool, float *ssm_pool,
-    const float *weight, const float *bias,
-    const float *a, int64_t a_stride,
-    const float *bgate, int64_t b_stride,
-    const float *A_log, const float *dt_bias,
-    float *out,
+    const void *x, int64_t x_stride,
+    void *conv_pool, float *ssm_pool,
+    const void *weight, const void *bias,
+    const void *a, int64_t a_stride,
+    const void *bgate, int64_t b_stride,
+    const void *A_log, const void *dt_bias,
+    void *out,
     int64_t hk, int64_t hv, int64_t dk, int64_t dv, int64_t kernel,
-    int silu, int l2norm)
+    int silu, int l2norm, const int bf)
 {
     const int64_t conv_dim = 2 * hk * dk + hv * dv;
     const int64_t k1 = kernel - 1;
@@ -34,24 +61,25 @@ void gated_delta_decode(
 
 #pragma omp parallel
     {
-        float *y = malloc(sizeof(float) * (size_t)(conv_dim + dv));
+        float *y = malloc(sizeof(float) * (size_t)(conv_dim + 2 * dv));
         float *u = y + conv_dim;
+        float *o = u + dv;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) {
-            const float *xb = x + b * x_stride;
-            float *cs = conv_pool + slots[b] * conv_dim * k1;
+            const int64_t xb = b * x_stride;
+            const int64_t cs = slots[b] * conv_dim * k1;
             for (int64_t c = 0; c < conv_dim; c++) {
-                const float *w = weight + c * kernel;
-                float *st = cs + c * k1;
-                float acc = bias ? bias[c] : 0.0f;
+                const int64_t w = c * kernel, s0 = cs + c * k1;
+                const float xc = ld(x, xb + c, bf);
+                float acc = bias ? ld(bias, c, bf) : 0.0f;
                 for (int64_t j = 0; j < k1; j++)
-                    acc += w[j] * st[j];
-                acc += w[k1] * xb[c];
+                    acc += ld(weight, w + j, bf) * ld(conv_pool, s0 + j, bf);
+                acc += ld(weight, w + k1, bf) * xc;
                 for (int64_t j = 0; j + 1 < k1; j++)
-                    st[j] = st[j + 1];
+                    st(conv_pool, s0 + j, ld(conv_pool, s0 + j + 1, bf), bf);
                 if (k1 > 0)
-                    st[k1 - 1] = xb[c];
-                y[c] = silu ? acc / (1.0f + expf(-acc)) : acc;
+                    st(conv_pool, s0 + k1 - 1, xc, bf);
+                y[c] = rnd(silu ? acc / (1.0f + expf(-acc)) : acc, bf);
             }
             for (int64_t h = 0; h < 2 * hk; h++) { /* q heads, then k heads */
                 float *vec = y + h * dk;
@@ -71,12 +99,11 @@ void gated_delta_decode(
                 const float *k = y + (hk + h / rep) * dk;
                 const float *v = y + 2 * hk * dk + h * dv;
                 /* softplus as torch computes it: linear above 20 */
-                const float av = a[b * a_stride + h] + dt_bias[h];
+                const float av = ld(a, b * a_stride + h, bf) + ld(dt_bias, h, bf);
                 const float sp = av > 20.0f ? av : log1pf(expf(av));
-                const float decay = expf(-expf(A_log[h]) * sp);
-                const float bt = 1.0f / (1.0f + expf(-bgate[b * b_stride + h]));
+                const float decay = expf(-expf(ld(A_log, h, bf)) * sp);
+                const float bt = rnd(1.0f / (1.0f + expf(-ld(bgate, b * b_stride + h, bf))), bf);
                 float *S = ssm + h * dk * dv;
-                float *o = out + (b * hv + h) * dv;
                 for (int64_t j = 0; j < dv; j++)
                     u[j] = 0.0f;
                 for (int64_t i = 0; i < dk; i++) {
@@ -98,8 +125,24 @@ void gated_delta_decode(
                         o[j] += s * qi;
                     }
                 }
+                for (int64_t j = 0; j < dv; j++)
+                    st(out, (b * hv + h) * dv + j, o[j], bf);
             }
         }
         free(y);
     }
 }
+
+#define GDN_ARGS                                                                         \
+    int64_t B, const int64_t *slots, const void *x, int64_t x_stride, void *conv_pool,   \
+        float *ssm_pool, const void *weight, const void *bias, const void *a,            \
+        int64_t a_stride, const void *bgate, int64_t b_stride, const void *A_log,        \
+        const void *dt_bias, void *out, int64_t hk, int64_t hv, int64_t dk, int64_t dv,  \
+        int64_t kernel, int silu, int l2norm
+#define GDN_PASS                                                                          \
+    B, slots, x, x_stride, conv_pool, ssm_pool, weight, bias, a, a_stride, bgate,         \
+        b_stride, A_log, dt_bias, out, hk, hv, dk, dv, kernel, silu, l2norm
+
+void gated_delta_decode(GDN_ARGS) { gdn_decode(GDN_PASS, 0); }
+
+void gated_delta_decode_bf16(GDN_ARGS) { gdn_decode(GDN_PASS, 1); }
