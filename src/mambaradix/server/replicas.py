@@ -53,8 +53,13 @@ class ScaleOutConfig:
     router_policy: str = opt(
         "cache_aware", "Gateway routing policy (with --dp-size > 1).", POLICIES
     )
+    router_prometheus_port: int = opt(
+        0, "Port of the gateway's own Prometheus metrics; 0 picks a free one (logged)."
+    )
     router_health_check_interval_secs: int = opt(
-        5, "How often the gateway health-checks each replica (with --dp-size > 1)."
+        1,
+        "How often the gateway health-checks each replica (with --dp-size > 1); requests it "
+        "routes to a replica that died in between fail.",
     )
 
 
@@ -135,6 +140,7 @@ class ReplicaSet:
             cmd = [sys.executable, "-m", "mambaradix.cli", "serve"]
             cmd += config_args(ecfg) + config_args(rcfg)
             self.replicas.append(Replica(i, cmd, port, scfg.api_key))
+        self.prometheus_port = so.router_prometheus_port or free_port()
         self.gateway: subprocess.Popen | None = None
         self._stopping = False
 
@@ -143,6 +149,8 @@ class ReplicaSet:
         cmd += ["--host", self.scfg.host, "--port", str(self.scfg.port)]
         cmd += ["--worker-urls", *[r.url for r in self.replicas]]
         cmd += ["--policy", self.so.router_policy]
+        # its default (29000) would clash with a second gateway on the machine
+        cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port)]
         cmd += ["--health-check-interval-secs", str(self.so.router_health_check_interval_secs)]
         # the gateway logs every workflow step at info: keep it to warnings unless debugging
         cmd += ["--log-level", "debug" if self.scfg.log_level == "debug" else "warn"]
@@ -176,11 +184,12 @@ class ReplicaSet:
             time.sleep(POLL_S)
         self.gateway = subprocess.Popen(self.gateway_cmd(), preexec_fn=_die_with_parent)
         logger.info(
-            "gateway (%s): pid %d on http://%s:%d, replicas %s",
+            "gateway (%s): pid %d on http://%s:%d (its metrics on :%d), replicas %s",
             self.so.router_policy,
             self.gateway.pid,
             self.scfg.host,
             self.scfg.port,
+            self.prometheus_port,
             " ".join(r.url for r in self.replicas),
         )
 
