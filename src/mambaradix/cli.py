@@ -4,6 +4,7 @@ Flags are generated from the config dataclasses (``EngineConfig``, ``ServerConfi
 ``BenchConfig``, ``GenerateConfig``), with SGLang's names where the meaning is the same::
 
     mambaradix serve --model-path tiny:qwen3_next --port 30000
+    mambaradix serve --model-path tiny:qwen3_next --port 30000 --dp-size 2
     mambaradix bench --model-path tiny:qwen3_next:small --compare-cache
     mambaradix bench --base-url http://127.0.0.1:30000 --dataset-name multi-turn
     mambaradix generate --model-path tiny:qwen3_next --prompt "Hello" --max-new-tokens 16
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 from mambaradix.bench.runner import DEFAULT_MODEL, BenchConfig, run_benchmark
 from mambaradix.config import EngineConfig, ServerConfig, add_config_args, config_from_args, opt
+from mambaradix.server.replicas import ScaleOutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="Serve an OpenAI-compatible HTTP API.")
     add_config_args(p, EngineConfig)
     add_config_args(p, ServerConfig)
+    add_config_args(p, ScaleOutConfig)
     p = sub.add_parser("bench", help="Benchmark a server or an in-process engine.")
     add_config_args(p, EngineConfig)
     add_config_args(p, BenchConfig)
@@ -81,6 +84,11 @@ def _serve(ns: argparse.Namespace) -> int:
 
     scfg = config_from_args(ServerConfig, ns)
     _logging(scfg.log_level)
+    so = config_from_args(ScaleOutConfig, ns)
+    if so.dp_size > 1:  # N replicas behind the SGLang Model Gateway (server/replicas.py)
+        from mambaradix.server.replicas import serve_replicas
+
+        return serve_replicas(_engine_config(ns), scfg, so)
     with Engine(_engine_config(ns)) as engine:
         serve(engine, scfg)
     return 0

@@ -97,6 +97,11 @@ def format_summary(s: dict[str, Any], title: str = "Serving Benchmark Result") -
         for stat in ("mean", "median", "p99"):
             label = f"{stat.capitalize()} {key.upper().replace('_LATENCY', '')} (ms):"
             lines.append(f"{label:<44}{s[f'{stat}_{key}_ms']:>16.2f}")
+    if s.get("replicas"):
+        lines.append(f"{'Replicas (from /metrics)':-^60}")
+        for i, rep in enumerate(s["replicas"]):
+            label = f"Replica {i} hit rate ({rep['prompt_tokens']} prompt tokens):"
+            lines.append(f"{label:<44}{rep['hit_rate']:>16.4f}")
     lines.append("=" * 60)
     return "\n".join(lines)
 

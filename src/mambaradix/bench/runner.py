@@ -22,7 +22,17 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from mambaradix.bench.client import EngineBackend, HTTPBackend, run_workload
+from mambaradix.bench.client import EngineBackend, run_workload
+from mambaradix.bench.remote import (
+    BACKENDS,
+    PROMPT_FORMATS,
+    RemoteBackend,
+    load_bench_tokenizer,
+    model_info,
+    read_counters,
+    replica_hit_rates,
+    text_unsafe_ids,
+)
 from mambaradix.bench.report import (
     comparison,
     format_comparison,
@@ -50,11 +60,30 @@ DATASETS = ["generated-shared-prefix", "random", "multi-turn"]
 class BenchConfig:
     base_url: str = opt(
         "",
-        "OpenAI-compatible server to benchmark; empty runs an in-process engine "
-        "built from the engine flags.",
+        "Server or router to benchmark (any OpenAI- or SGLang-compatible one); empty runs an "
+        "in-process engine built from the engine flags.",
+    )
+    backend: str = opt(
+        "openai", "HTTP: 'openai' sends /v1/completions, 'sglang' sends /generate.", BACKENDS
+    )
+    prompt_format: str = opt(
+        "text",
+        "HTTP: 'text' sends the workload as text (what routers accept; tokens counted with "
+        "--tokenizer), 'token-ids' sends token ids.",
+        PROMPT_FORMATS,
+    )
+    tokenizer: str = opt(
+        "",
+        "HTTP: tokenizer folder (or tiny:<arch>) for text prompts; empty takes the "
+        "tokenizer_path the server reports in /get_model_info when that folder exists here.",
+    )
+    replica_urls: str = opt(
+        "",
+        "HTTP: comma-separated replica URLs behind the router; their /metrics are read before "
+        "and after the run for per-replica hit rates.",
     )
     model: str = opt("", "Model name sent to the server; empty takes the first of /v1/models.")
-    api_key: str = opt("", "API key for the server.")
+    api_key: str = opt("", "API key for the server (and the replicas).")
     dataset_name: str = opt("generated-shared-prefix", "Workload.", DATASETS)
     dataset_seed: int = opt(1, "Seed of the workload's token ids, lengths and arrival times.")
     num_prompts: int = opt(64, "Requests of the random workload.")
@@ -67,6 +96,9 @@ class BenchConfig:
     gsp_question_len: int = opt(64, "Per-request question length (0 = exact repeats).")
     gsp_output_len: int = opt(16, "Output length.")
     gsp_range_ratio: float = opt(1.0, "Lengths drawn from [len * ratio, len].")
+    gsp_interleave: bool = opt(
+        False, "Send the groups interleaved (k-th request of every group, then the next)."
+    )
     mt_num_sessions: int = opt(8, "Chat sessions of the multi-turn workload.")
     mt_num_turns: int = opt(4, "Turns per session (each resends the whole history).")
     mt_system_prompt_len: int = opt(256, "System prompt shared by all sessions (0 = none).")
@@ -109,6 +141,7 @@ def build_workload(cfg: BenchConfig, sampler: TokenSampler) -> Workload:
             cfg.gsp_question_len,
             cfg.gsp_output_len,
             cfg.gsp_range_ratio,
+            cfg.gsp_interleave,
         )
     if cfg.dataset_name == "random":
         return random_workload(
@@ -138,6 +171,7 @@ async def _play(
     warm: TokenSampler,
     alignment: int,
     label: str,
+    on_start: Any = None,
 ) -> dict[str, Any]:
     for _ in range(cfg.warmup_requests):
         res = await backend.generate(warm.tokens(16), 2)
@@ -145,6 +179,8 @@ async def _play(
             raise RuntimeError(f"warm-up request failed: {res.error}")
     engine = getattr(backend, "engine", None)
     before = engine.stats() if engine is not None else None
+    if on_start is not None:
+        on_start()
     bar = tqdm(total=workload.num_requests, desc=label, disable=cfg.disable_tqdm, leave=False)
     try:
         results, duration = await run_workload(
@@ -235,20 +271,48 @@ def _compare_runs(
 
 
 async def _http_run(cfg: BenchConfig, base_url: str, ecfg: EngineConfig, label: str) -> dict:
-    backend = HTTPBackend(base_url, cfg.model, cfg.api_key)
+    info = await model_info(base_url, cfg.api_key)
+    tok = None
+    if cfg.prompt_format == "text" or cfg.tokenizer:
+        tok = load_bench_tokenizer(cfg.tokenizer, info)
+    backend = RemoteBackend(base_url, cfg.backend, cfg.prompt_format, tok, cfg.model, cfg.api_key)
+    replicas = [u.strip() for u in cfg.replica_urls.split(",") if u.strip()]
     try:
-        card = await backend.model_info()
-        backend.model = backend.model or card["id"]
-        vocab = int(card.get("vocab_size") or 0)
+        card = await _model_card(backend, cfg.model)
+        backend.model = backend.model or str(card.get("id") or "")
+        vocab = len(tok) if tok is not None else int(card.get("vocab_size") or 0)
         if vocab <= 0:
             raise RuntimeError(
-                f"{base_url}/v1/models does not report vocab_size; random token ids need it"
+                f"{base_url}/v1/models does not report vocab_size; token-id prompts need it "
+                "(or pass --tokenizer)"
             )
-        workload, warm = _samplers(cfg, vocab, set())
+        specials = set(getattr(tok, "all_special_ids", []) or []) if tok is not None else set()
+        if cfg.prompt_format == "text":
+            specials |= text_unsafe_ids(tok, vocab)
+        workload, warm = _samplers(cfg, vocab, specials)
         alignment = cfg.hit_alignment or max(64, ecfg.page_size)
-        return await _play(cfg, backend, workload, warm, alignment, label)
+        before: list[dict[str, float]] = []
+
+        def on_start() -> None:
+            before.extend(read_counters(u, cfg.api_key) for u in replicas)
+
+        summary = await _play(cfg, backend, workload, warm, alignment, label, on_start)
+        if replicas:
+            after = [read_counters(u, cfg.api_key) for u in replicas]
+            summary["replicas"] = replica_hit_rates(replicas, before, after)
+        return summary
     finally:
         await backend.aclose()
+
+
+async def _model_card(backend: RemoteBackend, model: str) -> dict[str, Any]:
+    r = await backend.client.get(backend.base_url + "/v1/models")
+    if r.status_code != 200:
+        raise RuntimeError(f"{backend.base_url}/v1/models answered HTTP {r.status_code}")
+    data = r.json().get("data") or []
+    if not data:
+        raise RuntimeError(f"{backend.base_url} serves no model")
+    return next((c for c in data if model and c.get("id") == model), data[0])
 
 
 def run_benchmark(

@@ -5,7 +5,8 @@ A workload is a list of sessions; a session is a list of turns. Turn k's prompt 
 turn and the multi-turn workload needs each turn's actual output before sending the next.
 
 - ``generated-shared-prefix`` (SGLang's): ``num_groups`` system prompts, each shared by
-  ``prompts_per_group`` requests that append their own question; group-major order.
+  ``prompts_per_group`` requests that append their own question; group-major order, or
+  interleaved across groups.
 - ``random``: independent random prompts (no sharing beyond chance).
 - ``multi-turn``: chat sessions that resend their history (optionally behind one system prompt
   shared by all sessions).
@@ -69,14 +70,24 @@ def generated_shared_prefix(
     question_len: int,
     output_len: int,
     range_ratio: float = 1.0,
+    interleave: bool = False,
 ) -> Workload:
+    """Group-major order, or with ``interleave`` the k-th request of every group before the
+    (k+1)-th of any (the same token ids either way)."""
     wl = Workload("generated-shared-prefix")
+    groups: list[list[Session]] = []
     for _ in range(num_groups):
         system = sampler.tokens(sampler.length(system_prompt_len, range_ratio, minimum=1))
+        group = []
         for _ in range(prompts_per_group):
             question = sampler.tokens(sampler.length(question_len, range_ratio))
             out = sampler.length(output_len, range_ratio, minimum=1)
-            wl.sessions.append(Session([Turn(system + question, out)]))
+            group.append(Session([Turn(system + question, out)]))
+        groups.append(group)
+    if interleave:
+        wl.sessions = [g[k] for k in range(prompts_per_group) for g in groups]
+    else:
+        wl.sessions = [s for g in groups for s in g]
     return wl
 
 

@@ -362,6 +362,18 @@ class RadixTree:
             freed += 1
         return freed
 
+    def flush(self) -> int | None:
+        """Empty the tree: free every cached KV slot and state slot, leaving only the root.
+
+        Refused (returns None, nothing freed) while any lock is held, i.e. while a request
+        uses a cached prefix; otherwise returns the number of KV slots freed."""
+        if self._protected_kv or self._protected_state:
+            return None
+        freed = self.evict_kv(self._evictable_kv + 1)
+        if self._num_nodes:  # every unlocked node is in the KV-LRU, so nothing can remain
+            raise IntegrityError(f"flush left {self._num_nodes} nodes in the tree")
+        return freed
+
     # ------------------------------------------------------------------ accounting
 
     def evictable_kv(self) -> int:

@@ -261,6 +261,16 @@ class RequestCache:
         self.live.discard(rc)
         rc.track_slots, rc.pending, rc.state_slot, rc.node = [], [], -1, None
 
+    def flush(self) -> int | None:
+        """Empty the prefix cache (SGLang's ``/flush_cache``): None, and nothing freed, while
+        any request is live (it may hold cached prefixes or be about to insert); otherwise the
+        number of KV slots freed (0 with the cache disabled)."""
+        if self.live:
+            return None
+        if self.tree is None:
+            return 0
+        return self.tree.flush()
+
     # ------------------------------------------------------------------ accounting
 
     def token_usage(self) -> float:

@@ -420,5 +420,6 @@ class Engine:
                 completion_tokens=len(req.output_ids),
                 cached_tokens=req.cached_tokens,
                 new_logprobs=lps,
+                finish_matched=req.finish_matched if finished else None,
             ),
         )

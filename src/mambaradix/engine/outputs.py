@@ -19,6 +19,7 @@ class RequestOutput:
     completion_tokens: int
     cached_tokens: int
     new_logprobs: list[float] | None = None
+    finish_matched: str | int | None = None  # on the last event: the stop string or token hit
 
 
 @dataclass(slots=True)

@@ -3,7 +3,8 @@
 ``create_app(engine, server_config)`` builds the app; ``ServerThread`` runs it in-process on a
 free port (tests, the in-process benchmark over HTTP). Routes: ``/v1/completions`` (text or
 token-id prompts, batches), ``/v1/chat/completions`` (the checkpoint's chat template), both with
-SSE streaming; ``/v1/models``, ``/health``, ``/metrics``.
+SSE streaming; ``/v1/models``, ``/health``, ``/metrics``; SGLang's native routes (``/generate``,
+``/get_server_info``, ...) come from ``native.py``.
 
 Contract at the seam: every client error is an HTTP 400 with an OpenAI error body and the server
 keeps serving; a request whose client went away (mid-stream or while waiting) is aborted in the
@@ -27,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mambaradix.config import ServerConfig
 from mambaradix.server.jobs import Job, first_error, watch_disconnect
 from mambaradix.server.metrics import ServerMetrics
+from mambaradix.server.native import native_router
 from mambaradix.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -215,6 +217,7 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
         jobs = [Job.make(j, ids, params, j, tok, prompt_key=0) for j in range(req.n)]
         return await _serve(srv, jobs, req, request, chat=True)
 
+    app.include_router(native_router(srv))  # SGLang's /generate, /get_server_info, ...
     return app
 
 

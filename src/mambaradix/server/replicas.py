@@ -1,0 +1,253 @@
+"""``mambaradix serve --dp-size N``: N engine processes behind the SGLang Model Gateway.
+
+The launcher starts N ``mambaradix serve`` replicas on free local ports (each with
+``--num-threads`` threads, default ``cores // N``), waits until each answers ``/health``,
+then starts the gateway from the ``sglang-router`` package (``python -m
+sglang_router.launch_router``) on ``--host``/``--port`` with ``--router-policy`` and every
+replica's URL. There is no routing code here: the gateway routes, health-checks, retries and
+circuit-breaks. The launcher only supervises:
+
+- a replica that exits is started again on the same port (the gateway routes around it
+  meanwhile and takes it back when its health check passes);
+- the gateway exiting, or SIGTERM / SIGINT to the launcher, stops everything: SIGTERM is
+  forwarded to every child, each gets ``STOP_GRACE_S`` to exit, then SIGKILL;
+- children get SIGTERM from the kernel if the launcher itself is killed (PR_SET_PDEATHSIG).
+
+``--api-key`` protects the gateway and every replica; the gateway is given the key to reach
+the replicas.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from mambaradix.config import EngineConfig, ServerConfig, opt
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ["cache_aware", "round_robin", "power_of_two", "random"]
+STOP_GRACE_S = 15.0
+HEALTH_TIMEOUT_S = 600.0
+POLL_S = 0.5
+
+
+@dataclass
+class ScaleOutConfig:
+    dp_size: int = opt(
+        1,
+        "Engine replicas. Above 1, N processes are started behind the SGLang Model Gateway "
+        "(pip install 'mambaradix[router]'), which listens on --host/--port.",
+    )
+    router_policy: str = opt(
+        "cache_aware", "Gateway routing policy (with --dp-size > 1).", POLICIES
+    )
+    router_prometheus_port: int = opt(
+        0, "Port of the gateway's own Prometheus metrics; 0 picks a free one (logged)."
+    )
+    router_health_check_interval_secs: int = opt(
+        1,
+        "How often the gateway health-checks each replica (with --dp-size > 1); requests it "
+        "routes to a replica that died in between fail.",
+    )
+
+
+def config_args(cfg: Any) -> list[str]:
+    """The command-line flags that rebuild ``cfg`` (a config dataclass) in a child process."""
+    args: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                args.append(flag)
+        elif value != "" and value is not None:
+            args += [flag, str(value)]
+    return args
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+class Replica:
+    """One ``mambaradix serve`` child on a fixed local port."""
+
+    def __init__(self, index: int, cmd: list[str], port: int, api_key: str) -> None:
+        self.index = index
+        self.cmd = cmd
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, preexec_fn=_die_with_parent)
+        logger.info("replica %d: pid %d on %s", self.index, self.proc.pid, self.url)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+class ReplicaSet:
+    """N replicas and the gateway; ``run()`` blocks until a signal or the gateway's exit."""
+
+    def __init__(self, ecfg: EngineConfig, scfg: ServerConfig, so: ScaleOutConfig) -> None:
+        if so.dp_size < 2:
+            raise ValueError("ReplicaSet needs --dp-size >= 2")
+        self.scfg = scfg
+        self.so = so
+        threads = ecfg.num_threads or max(1, _cores() // so.dp_size)
+        ecfg = dataclasses.replace(ecfg, num_threads=threads)
+        self.replicas: list[Replica] = []
+        for i in range(so.dp_size):
+            port = free_port()
+            rcfg = dataclasses.replace(scfg, host="127.0.0.1", port=port)
+            cmd = [sys.executable, "-m", "mambaradix.cli", "serve"]
+            cmd += config_args(ecfg) + config_args(rcfg)
+            self.replicas.append(Replica(i, cmd, port, scfg.api_key))
+        self.prometheus_port = so.router_prometheus_port or free_port()
+        self.gateway: subprocess.Popen | None = None
+        self._stopping = False
+
+    def gateway_cmd(self) -> list[str]:
+        cmd = [sys.executable, "-m", "sglang_router.launch_router"]
+        cmd += ["--host", self.scfg.host, "--port", str(self.scfg.port)]
+        cmd += ["--worker-urls", *[r.url for r in self.replicas]]
+        cmd += ["--policy", self.so.router_policy]
+        # its default (29000) would clash with a second gateway on the machine
+        cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port)]
+        cmd += ["--health-check-interval-secs", str(self.so.router_health_check_interval_secs)]
+        # the gateway logs every workflow step at info: keep it to warnings unless debugging
+        cmd += ["--log-level", "debug" if self.scfg.log_level == "debug" else "warn"]
+        if self.scfg.api_key:
+            cmd += ["--api-key", self.scfg.api_key]
+        return cmd
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        try:
+            import sglang_router  # noqa: F401
+        except ImportError:
+            raise SystemExit(
+                "--dp-size > 1 needs the SGLang Model Gateway: pip install 'mambaradix[router]'"
+            ) from None
+        for r in self.replicas:
+            r.start()
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        pending = list(self.replicas)
+        while pending and not self._stopping:
+            for r in list(pending):
+                if not r.alive():
+                    self.stop()
+                    raise SystemExit(f"replica {r.index} exited during start-up")
+                if r.healthy():
+                    pending.remove(r)
+            if time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit(f"replicas not healthy after {HEALTH_TIMEOUT_S:.0f} s")
+            time.sleep(POLL_S)
+        self.gateway = subprocess.Popen(self.gateway_cmd(), preexec_fn=_die_with_parent)
+        logger.info(
+            "gateway (%s): pid %d on http://%s:%d (its metrics on :%d), replicas %s",
+            self.so.router_policy,
+            self.gateway.pid,
+            self.scfg.host,
+            self.scfg.port,
+            self.prometheus_port,
+            " ".join(r.url for r in self.replicas),
+        )
+
+    def supervise_once(self) -> bool:
+        """One supervision round: restart dead replicas; False once the gateway has exited."""
+        if self.gateway is not None and self.gateway.poll() is not None:
+            logger.error("the gateway exited (code %s); stopping", self.gateway.returncode)
+            return False
+        for r in self.replicas:
+            if not r.alive() and not self._stopping:
+                code = r.proc.returncode if r.proc is not None else None
+                logger.warning("replica %d exited (code %s); restarting it", r.index, code)
+                r.restarts += 1
+                r.start()
+        return True
+
+    def run(self) -> int:
+        """Start, supervise until SIGTERM / SIGINT or the gateway's exit, stop. Exit code."""
+        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            logger.info(
+                "signal %d: stopping the gateway and %d replicas", signum, len(self.replicas)
+            )
+            self._stopping = True
+
+        for s in previous:
+            signal.signal(s, on_signal)
+        code = 0
+        try:
+            self.start()
+            while not self._stopping:
+                if not self.supervise_once():
+                    code = 1
+                    break
+                time.sleep(POLL_S)
+        finally:
+            self.stop()
+            for s, h in previous.items():
+                signal.signal(s, h)
+        return code
+
+    def stop(self) -> None:
+        """SIGTERM to every child, wait up to ``STOP_GRACE_S`` in all, SIGKILL the rest."""
+        self._stopping = True
+        procs = [p for p in [self.gateway] + [r.proc for r in self.replicas] if p is not None]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("pid %d did not stop within %.0f s; killing it", p.pid, STOP_GRACE_S)
+                p.kill()
+                p.wait()
+
+
+def serve_replicas(ecfg: EngineConfig, scfg: ServerConfig, so: ScaleOutConfig) -> int:
+    return ReplicaSet(ecfg, scfg, so).run()

@@ -1,0 +1,192 @@
+"""``serve --dp-size 2`` behind the SGLang Model Gateway, tested as a client would use it:
+registration under the real model id, the API key on the gateway and each replica, a
+shared-prefix text workload through ``mambaradix bench`` (hit rate against one replica alone,
+per-replica figures), the gateway's view of our ``/get_load`` under ``power_of_two``, a replica
+killed and restarted, and SIGTERM stopping everything. The tests share one stack and run in
+file order (the last one stops it)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import API_KEY, AUTH, MODEL, alive, children
+
+from mambaradix.cli import main as cli_main
+from mambaradix.server.replicas import free_port
+
+BENCH = [
+    "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "4",
+    "--gsp-prompts-per-group", "4", "--gsp-system-prompt-len", "256",
+    "--gsp-question-len", "32", "--gsp-output-len", "4", "--gsp-interleave",
+    "--max-concurrency", "4", "--disable-tqdm", "--api-key", API_KEY,
+]  # fmt: skip
+
+
+def completion(url: str, prompt: str, headers: dict | None = None, **kw) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, **kw}
+    return httpx.post(url + "/v1/completions", json=body, headers=AUTH if headers is None
+                      else headers, timeout=120)  # fmt: skip
+
+
+def flush_all(stack) -> None:
+    r = httpx.post(stack.url + "/flush_cache", headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["workers_flushed"] == 2, r.text
+
+
+def test_gateway_registers_the_real_model_id(stack):
+    models = httpx.get(stack.url + "/v1/models", headers=AUTH, timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]  # not "unknown"
+    workers = stack.workers()
+    assert {w["model_id"] for w in workers} == {MODEL}
+    assert all(w["metadata"]["served_model_name"] == MODEL for w in workers)
+    r = completion(stack.url, "Hello there")
+    assert r.status_code == 200 and r.json()["model"] == MODEL
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", stack.url + "/v1/completions", json=body, headers=AUTH) as s:
+        lines = [x for x in s.iter_lines() if x.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    r = httpx.post(stack.url + "/generate", headers=AUTH, timeout=60,
+                   json={"text": "native through the gateway",
+                         "sampling_params": {"max_new_tokens": 3}})  # fmt: skip
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 3
+
+
+def test_api_key_on_gateway_and_replicas(stack):
+    assert completion(stack.url, "no key", headers={}).status_code == 401
+    assert (
+        completion(stack.url, "bad key", headers={"Authorization": "Bearer x"}).status_code == 401
+    )
+    for url in stack.replicas:
+        assert completion(url, "direct, no key", headers={}).status_code == 401
+        assert completion(url, "direct, with key").status_code == 200
+        assert httpx.get(url + "/get_server_info", timeout=10).status_code == 401
+    assert completion(stack.url, "with key").status_code == 200
+
+
+def _bench(base_url: str, tmp_path, name: str, *extra: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    code = cli_main(["bench", "--base-url", base_url, *BENCH, "--output-json", str(out), *extra])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["results"]["failed"] == 0  # bench through anything: 0 failed
+    return report["results"]
+
+
+def test_shared_prefix_hit_rate_through_gateway(stack, tmp_path):
+    flush_all(stack)
+    one = _bench(stack.replicas[0], tmp_path, "one")
+    flush_all(stack)
+    both = _bench(stack.url, tmp_path, "gateway", "--replica-urls", ",".join(stack.replicas))
+    print("hit rates: one replica", one["cache_hit_rate"], "gateway", both["cache_hit_rate"])
+    assert one["cache_hit_rate"] > 0.3  # the workload does share prefixes
+    assert both["cache_hit_rate"] >= 0.9 * one["cache_hit_rate"], (one, both)
+    reps = both["replicas"]
+    assert len(reps) == 2
+    # every prompt token of the run (+ the warm-up request) was served by one of the replicas
+    assert sum(r["prompt_tokens"] for r in reps) >= both["total_input_tokens"]
+    assert sum(r["cached_tokens"] for r in reps) >= both["cached_tokens"]
+
+
+def test_power_of_two_sees_our_loads(stack):
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+           "--port", str(port), "--worker-urls", *stack.replicas, "--policy", "power_of_two",
+           "--api-key", API_KEY, "--log-level", "warn",
+           "--prometheus-port", str(free_port())]  # fmt: skip
+    gw = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    stop = threading.Event()
+
+    def load(i: int) -> None:
+        body = {"text": f"load {i} " * 40, "stream": True,
+                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}  # fmt: skip
+        with httpx.Client(timeout=120, headers=AUTH) as c:
+            with c.stream("POST", url + "/generate", json=body) as resp:
+                for _ in resp.iter_lines():
+                    if stop.is_set():
+                        break
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    if len(httpx.get(url + "/workers", headers=AUTH).json()["workers"]) == 2:
+                        break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        idle = httpx.get(url + "/get_loads", headers=AUTH, timeout=10).json()["workers"]
+        assert len(idle) == 2 and all(w["load"] >= 0 for w in idle)  # parsed (-1: not parsed)
+        for t in threads:
+            t.start()
+        seen: list[int] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(x > 0 for x in seen):
+            loads = httpx.get(url + "/get_loads", headers=AUTH, timeout=10).json()["workers"]
+            seen = [w["load"] for w in loads]
+            time.sleep(0.2)
+        assert any(x > 0 for x in seen), seen
+        assert all(x >= 0 for x in seen), seen
+    finally:
+        stop.set()
+        for t in threads:
+            if t.ident is not None:
+                t.join(120)
+        gw.send_signal(signal.SIGTERM)
+        gw.wait(30)
+
+
+def test_killed_replica_is_routed_around_and_restarted(stack):
+    victim = stack.replicas[0]
+    pid = stack.replica_pid(victim)
+    assert pid is not None
+    prompts = [f"shared prefix {g} " * 30 + f"question {i}" for g in range(4) for i in range(2)]
+    for p in prompts:  # fill the gateway's tree: some of these prefixes now point at the victim
+        assert completion(stack.url, p).status_code == 200
+    subprocess.run(["kill", "-9", str(pid)], check=True)
+    # requests in the ~1 s until the gateway's health check (every second here) notices get a
+    # 500 from the gateway (it does not retry a refused connection elsewhere); after that,
+    # every request must succeed
+    deadline = time.monotonic() + 30
+    while any(w["url"] == victim and w["is_healthy"] for w in stack.workers()):
+        assert time.monotonic() < deadline, "the gateway never noticed the dead replica"
+        time.sleep(0.1)
+    codes = [completion(stack.url, p + " again").status_code for p in prompts]
+    assert codes == [200] * len(prompts)  # every later request succeeds
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        new_pid = stack.replica_pid(victim)
+        try:
+            healthy = httpx.get(victim + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        if new_pid not in (None, pid) and healthy:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail("the killed replica did not come back")
+    assert completion(victim, "the restarted replica serves").status_code == 200
+    deadline = time.monotonic() + 60
+    while not all(w["is_healthy"] for w in stack.workers()):
+        assert time.monotonic() < deadline, stack.workers()
+        time.sleep(0.5)
+    assert "restarting it" in stack.log.read_text()
+
+
+def test_sigterm_stops_every_child(stack):
+    kids = children(stack.proc.pid)
+    assert len(kids) == 3  # two replicas and the gateway
+    stack.proc.send_signal(signal.SIGTERM)
+    assert stack.proc.wait(60) == 0
+    deadline = time.monotonic() + 10
+    while any(alive(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(k) for k in kids)
