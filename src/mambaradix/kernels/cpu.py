@@ -162,13 +162,14 @@ def attention_decode(
     """``kernels.attention.attention_decode`` with each request's own keys read in place from
     the pools (C, no gather) and merged there with its shared piece, which stays a flash call
     per piece (``attention.attend_shared``)."""
-    lib = native.load("attention_decode")
+    dt = k_pool.dtype
+    fn = _native_fn(native.load("attention_decode"), "attention_decode", dt)
     fits = (
-        lib is not None
-        and q.dtype == torch.float32
+        fn is not None
+        and q.dtype == dt
         and q.device.type == "cpu"
-        and _dense(k_pool)
-        and _dense(v_pool)
+        and _cpu_dense(k_pool, dt)
+        and _cpu_dense(v_pool, dt)
         and slot_table.device.type == "cpu"
         and slot_table.dtype == torch.int64
         and slot_table.stride(1) == 1
@@ -181,19 +182,20 @@ def attention_decode(
     Hkv, Dv = k_pool.shape[1], v_pool.shape[-1]
     if plan is None:
         plan = attention_plan.decode_plan(slot_table, seq_lens, Hkv)
-    q = q.contiguous()
     ends = seq_lens.to(torch.int64).contiguous()
     if int(ends.max()) > slot_table.shape[1]:  # the C code would read past the table
         raise ValueError(
             f"attention_decode: a seq_len of {int(ends.max())} exceeds the slot table's "
             f"{slot_table.shape[1]} columns"
         )
-    shared = attention.attend_shared(q, k_pool, v_pool, plan, scale)
-    so, sl = (None, None) if shared is None else (shared[0].contiguous(), shared[1].contiguous())
+    shared = attention.attend_shared(q.contiguous(), k_pool, v_pool, plan, scale)
+    so, sl = (None, None) if shared is None else (shared[0].float(), shared[1].float())
+    so, sl = (None, None) if so is None else (so.contiguous(), sl.contiguous())
+    qf = q.float().contiguous()  # the kernel reads q (and the shared piece) in fp32
     out = torch.empty(B, Hq, Dv, dtype=torch.float32)
-    lib.attention_decode(
+    fn(
         B, Hq, Hkv, D, Dv,
-        q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+        qf.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
         slot_table.data_ptr(), slot_table.stride(0),
         plan.begin.data_ptr(), ends.data_ptr(),
         None if so is None else so.data_ptr(),
@@ -201,7 +203,7 @@ def attention_decode(
         None if so is None else plan.shared_row.data_ptr(),
         scale, out.data_ptr(),
     )  # fmt: skip
-    return out
+    return out if dt == torch.float32 else out.to(dt)
 
 
 @register_kernel("moe_pad", backend="cpu")

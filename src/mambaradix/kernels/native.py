@@ -106,6 +106,7 @@ for _lib, _name in (
     ("rms_norm", "rms_norm_gated"),
     ("rms_norm", "rms_norm_rope"),
     ("gated_delta_decode", "gated_delta_decode"),
+    ("attention_decode", "attention_decode"),  # bf16 pools; q, shared piece and out fp32
 ):
     SIGNATURES[_lib][_name + "_bf16"] = SIGNATURES[_lib][_name]
 RESULTS = {"moe_pad": _I64}  # functions that return a value (the others return nothing)

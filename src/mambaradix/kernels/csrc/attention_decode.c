@@ -11,6 +11,9 @@
  * One task per (request, KV head), in parallel: scores of the r query heads against the own
  * keys, then one pass over the value rows, each read once for the r heads. exp is exp_poly
  * (vec_math.h), which vectorises.
+ *
+ * attention_decode_bf16: the same with bf16 K/V pools (q, the shared piece and out stay fp32);
+ * each key and value row is widened to fp32 as it is read, and everything accumulates in fp32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -22,12 +25,34 @@
 /* 8-wide vectors (GCC vector extensions: one AVX register, two SSE ones elsewhere) */
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
 
 static inline v8 load8(const float *p)
 {
     v8 v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+/* 8 pool elements from element index idx: fp32, or bf16 widened to fp32 (bf is a constant in
+ * each caller, so the branch folds away) */
+static inline v8 pool8(const void *pool, int64_t idx, const int bf)
+{
+    if (bf) {
+        v8h h;
+        memcpy(&h, (const uint16_t *)pool + idx, sizeof h);
+        const v8u w = __builtin_convertvector(h, v8u) << 16;
+        v8 v;
+        memcpy(&v, &w, sizeof v);
+        return v;
+    }
+    return load8((const float *)pool + idx);
+}
+
+static inline const void *pool_at(const void *pool, int64_t idx, const int bf)
+{
+    return bf ? (const void *)((const uint16_t *)pool + idx) : (const void *)((const float *)pool + idx);
 }
 
 /* two-input lane shuffle with constant indices (GCC and clang spell it differently) */
@@ -59,25 +84,25 @@ static inline v8 sum_lanes8(const v8 a[8])
  * are multiples of 8. */
 static inline __attribute__((always_inline)) void attend_own(
     const int64_t r, const int64_t Hkv, const int64_t h, const int64_t D, const int64_t Dv,
-    const float *restrict qb, const float *restrict k_pool, const float *restrict v_pool,
+    const float *restrict qb, const void *restrict k_pool, const void *restrict v_pool,
     const int64_t *restrict slots, const int64_t n, float scale,
     const float *restrict so, const float *restrict sl,
     float *restrict scores, float *restrict acc, float *restrict weight,
-    float *restrict inv_total, float *restrict out)
+    float *restrict inv_total, float *restrict out, const int bf)
 {
-    const float *rows[8];
+    int64_t rows[8];  /* element index of each key's (or value's) row in its pool */
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
         const int64_t nb = n - j0 < 8 ? n - j0 : 8;
         for (int64_t t = 0; t < 8; t++)  /* a short block repeats its last key */
-            rows[t] = k_pool + (slots[j0 + (t < nb ? t : nb - 1)] * Hkv + h) * D;
+            rows[t] = (slots[j0 + (t < nb ? t : nb - 1)] * Hkv + h) * D;
         for (int64_t t = 0; j0 + 8 + t < n && t < 8; t++)
-            __builtin_prefetch(k_pool + (slots[j0 + 8 + t] * Hkv + h) * D);
+            __builtin_prefetch(pool_at(k_pool, (slots[j0 + 8 + t] * Hkv + h) * D, bf));
         for (int64_t i = 0; i < r; i++) {
             v8 a[8] = {0};
             for (int64_t c = 0; c < D; c += 8) {
                 const v8 qv = load8(qb + i * D + c);
                 for (int t = 0; t < 8; t++)
-                    a[t] += qv * load8(rows[t] + c);
+                    a[t] += qv * pool8(k_pool, rows[t] + c, bf);
             }
             const v8 sv = sum_lanes8(a) * scale;
             float *si = scores + i * n + j0;
@@ -110,9 +135,9 @@ static inline __attribute__((always_inline)) void attend_own(
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
         const int64_t nb = n - j0 < 8 ? n - j0 : 8;
         for (int64_t t = 0; t < 8; t++)
-            rows[t] = v_pool + (slots[j0 + (t < nb ? t : nb - 1)] * Hkv + h) * Dv;
+            rows[t] = (slots[j0 + (t < nb ? t : nb - 1)] * Hkv + h) * Dv;
         for (int64_t t = 0; j0 + 8 + t < n && t < 8; t++)
-            __builtin_prefetch(v_pool + (slots[j0 + 8 + t] * Hkv + h) * Dv);
+            __builtin_prefetch(pool_at(v_pool, (slots[j0 + 8 + t] * Hkv + h) * Dv, bf));
         for (int64_t i = 0; i < r; i++) {
             float p[8] = {0};  /* a short block's repeated keys weigh 0 */
             for (int64_t t = 0; t < nb; t++)
@@ -120,7 +145,7 @@ static inline __attribute__((always_inline)) void attend_own(
             for (int64_t c = 0; c < Dv; c += 8) {
                 v8 s = load8(acc + i * Dv + c);
                 for (int t = 0; t < 8; t++)
-                    s += p[t] * load8(rows[t] + c);
+                    s += p[t] * pool8(v_pool, rows[t] + c, bf);
                 memcpy(acc + i * Dv + c, &s, sizeof s);
             }
         }
@@ -142,15 +167,15 @@ static inline __attribute__((always_inline)) void attend_own(
     }
 }
 
-void attention_decode(
+static inline __attribute__((always_inline)) void decode(
     int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv,
     const float *q,
-    const float *k_pool, const float *v_pool,
+    const void *k_pool, const void *v_pool,
     const int64_t *table, int64_t table_stride,
     const int64_t *begin, const int64_t *end,
     const float *shared_o, const float *shared_lse, const int64_t *shared_row,
     float scale,
-    float *out)
+    float *out, const int bf)
 {
     const int64_t r = Hq / Hkv;
 #pragma omp parallel
@@ -175,7 +200,7 @@ void attention_decode(
             const float *qb = q + (b * Hq + h * r) * D;
             float *o = out + (b * Hq + h * r) * Dv;
 #define ATTEND(d, dv) attend_own(r, Hkv, h, d, dv, qb, k_pool, v_pool, slots, n, scale, so, sl, \
-                                 scores, acc, weight, inv_total, o)
+                                 scores, acc, weight, inv_total, o, bf)
             if (D == 32 && Dv == 32)
                 ATTEND(32, 32);
             else if (D == 64 && Dv == 64)
@@ -194,3 +219,16 @@ void attention_decode(
         free(inv_total);
     }
 }
+
+#define DECODE_ARGS                                                                          \
+    int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, const float *q,               \
+        const void *k_pool, const void *v_pool, const int64_t *table, int64_t table_stride,  \
+        const int64_t *begin, const int64_t *end, const float *shared_o,                     \
+        const float *shared_lse, const int64_t *shared_row, float scale, float *out
+#define DECODE_PASS                                                                          \
+    B, Hq, Hkv, D, Dv, q, k_pool, v_pool, table, table_stride, begin, end, shared_o,         \
+        shared_lse, shared_row, scale, out
+
+void attention_decode(DECODE_ARGS) { decode(DECODE_PASS, 0); }
+
+void attention_decode_bf16(DECODE_ARGS) { decode(DECODE_PASS, 1); }
