@@ -250,3 +250,33 @@ def test_attention_decode_bf16_pools(hq, hkv, d, sizes, monkeypatch):
     # kernel in bf16, rounded once more before the merge
     assert err.max() <= 2.5 and err.mean() <= 0.4, (err.max(), err.mean())
     assert err.mean() <= ref_err.mean() + 0.05
+
+
+@pytest.mark.parametrize("T,K,E,H", [(64, 8, 128, 2048), (16, 10, 512, 1024), (40, 4, 32, 768)])
+def test_moe_pad_unpad_bf16(T, K, E, H, monkeypatch):
+    """MoE pair layout at real expert counts and top-k (Qwen3.5-MoE 512 experts top-10,
+    Granite 32 top-4): bf16 rows placed exactly as the reference places them; the weighted
+    sum back in fp32 (bf16 expert outputs, fp32 router weights) within one rounding of a
+    float64 sum, no fallback."""
+    from mambaradix.kernels import get_kernel, moe
+
+    g = torch.Generator().manual_seed(E + K)
+    x = torch.randn(T, H + 8, generator=g).bfloat16()[:, :H]  # strided rows
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ref_buf, ref_pos = moe.moe_pad(x, ids, E)
+    monkeypatch.setattr(moe, "moe_pad", None)
+    monkeypatch.setattr(moe, "moe_unpad", None)
+    buf, pos = get_kernel("moe_pad", "cpu")(x, ids, E)
+    assert buf.dtype == torch.bfloat16
+    assert torch.equal(pos, ref_pos) and torch.equal(buf, ref_buf)
+    y = torch.randn(E, buf.shape[1], H, generator=g).bfloat16()
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    out = get_kernel("moe_unpad", "cpu")(y, ids, pos, w)
+    assert out.dtype == torch.float32  # bf16 outputs x fp32 weights: fp32, as in torch
+    picked = y[ids.reshape(-1), pos].view(T, K, H).double()
+    truth = (picked * w.double()[..., None]).sum(1)
+    assert (out.double() - truth).abs().max() <= 1e-5 * truth.abs().max()
+    out16 = get_kernel("moe_unpad", "cpu")(y, ids, pos, w.bfloat16())
+    truth16 = (picked * w.bfloat16().double()[..., None]).sum(1)
+    assert out16.dtype == torch.bfloat16
+    assert ulps(out16, truth16, floor=truth16.abs().mean()).max() <= 1.0

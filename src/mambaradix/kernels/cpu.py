@@ -17,15 +17,6 @@ from mambaradix.kernels.registry import register_kernel
 _SILU = {"silu": 1, "swish": 1, None: 0, "identity": 0}
 
 
-def _rows(t: torch.Tensor) -> bool:
-    """fp32 CPU tensor whose last dim is dense (rows may be strided)."""
-    return t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
-
-
-def _dense(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-
-
 _VARIANTS = {torch.float32: "", torch.bfloat16: "_bf16"}  # C variant by data dtype
 
 
@@ -210,16 +201,17 @@ def attention_decode(
 def moe_pad(
     x: torch.Tensor, ids: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.moe.moe_pad`` in one C pass: count, place and copy each pair's row."""
-    lib = native.load("moe")
-    if lib is None or not _rows(x) or ids.device.type != "cpu":
+    """``kernels.moe.moe_pad`` in one C pass: count, place and copy each pair's row (fp32 or
+    bf16 rows)."""
+    fn = _native_fn(native.load("moe"), "moe_pad", x.dtype)
+    if fn is None or not _cpu_rows(x, x.dtype) or ids.device.type != "cpu":
         return moe.moe_pad(x, ids, num_experts)
     T, K = ids.shape
     H = x.shape[1]
     ids = ids.to(torch.int64).contiguous()
-    buf = torch.empty(num_experts, T, H, dtype=torch.float32)
+    buf = torch.empty(num_experts, T, H, dtype=x.dtype)
     pos = torch.empty(T * K, dtype=torch.int64)
-    cap = lib.moe_pad(
+    cap = fn(
         T, K, num_experts, H, x.data_ptr(), x.stride(0), ids.data_ptr(),
         buf.data_ptr(), pos.data_ptr(),
     )  # fmt: skip
@@ -234,11 +226,13 @@ def moe_pad(
 def moe_unpad(
     y: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
-    """``kernels.moe.moe_unpad`` in one C pass per token."""
+    """``kernels.moe.moe_unpad`` in one C pass per token: fp32, or bf16 expert outputs with
+    fp32 or bf16 weights summed in fp32 (the reference's result dtype, rounded once)."""
     lib = native.load("moe")
     fits = (
         lib is not None
-        and y.dtype == weights.dtype == torch.float32
+        and y.dtype in (torch.float32, torch.bfloat16)
+        and weights.dtype in (torch.float32, y.dtype)
         and y.device.type == "cpu"
         and y.dim() == 3
         and y.stride(2) == 1
@@ -251,11 +245,19 @@ def moe_unpad(
     H = y.shape[2]
     ids = ids.to(torch.int64).contiguous()
     pos = pos.to(torch.int64).contiguous()
-    weights = weights.contiguous()
-    out = torch.empty(T, H, dtype=torch.float32)
-    lib.moe_unpad(
+    out_dtype = torch.result_type(y, weights)
+    out = torch.empty(T, H, dtype=out_dtype)
+    if y.dtype == torch.float32:
+        weights = weights.contiguous()
+        lib.moe_unpad(
+            T, K, H, y.data_ptr(), y.stride(0), ids.data_ptr(), pos.data_ptr(),
+            weights.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        return out
+    weights = weights.float().contiguous()
+    lib.moe_unpad_bf16(
         T, K, H, y.data_ptr(), y.stride(0), ids.data_ptr(), pos.data_ptr(),
-        weights.data_ptr(), out.data_ptr(),
+        weights.data_ptr(), out.data_ptr(), int(out_dtype == torch.bfloat16),
     )  # fmt: skip
     return out
 

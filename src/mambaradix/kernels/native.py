@@ -107,9 +107,12 @@ for _lib, _name in (
     ("rms_norm", "rms_norm_rope"),
     ("gated_delta_decode", "gated_delta_decode"),
     ("attention_decode", "attention_decode"),  # bf16 pools; q, shared piece and out fp32
+    ("moe", "moe_pad"),
 ):
     SIGNATURES[_lib][_name + "_bf16"] = SIGNATURES[_lib][_name]
-RESULTS = {"moe_pad": _I64}  # functions that return a value (the others return nothing)
+SIGNATURES["moe"]["moe_unpad_bf16"] = [*SIGNATURES["moe"]["moe_unpad"], _INT]  # + out is bf16
+# functions that return a value (the others return nothing)
+RESULTS = {"moe_pad": _I64, "moe_pad_bf16": _I64}
 
 
 def cache_dir() -> Path:

@@ -1,4 +1,6 @@
-/* Mixture-of-experts data movement around the padded expert GEMMs (fp32).
+/* Mixture-of-experts data movement around the padded expert GEMMs (fp32, or bf16: the *_bf16
+ * variants; moe_unpad_bf16 reads bf16 expert outputs and fp32 weights, sums in fp32 and writes
+ * fp32, or bf16 rounded once when out_bf16 is set).
  *
  * moe_pad: pair p = t*K + k of token t and its k-th expert e = ids[p] goes to row pos[p] of
  * expert e's block in buf ([E, T, H]: room for every token in every block), pos[p] being its
@@ -13,11 +15,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-int64_t moe_pad(
-    int64_t T, int64_t K, int64_t E, int64_t H,
-    const float *x, int64_t x_stride,
+#include "vec_math.h"
+
+/* moe_pad over elements of esize bytes (rows are copied, never computed on) */
+static int64_t pad(
+    int64_t T, int64_t K, int64_t E, int64_t H, int64_t esize,
+    const char *x, int64_t x_stride,
     const int64_t *ids,
-    float *buf, int64_t *pos)
+    char *buf, int64_t *pos)
 {
     int64_t *count = calloc((size_t)E, sizeof(int64_t));
     if (count == NULL)
@@ -35,11 +40,30 @@ int64_t moe_pad(
         cap = count[e] > cap ? count[e] : cap;
 #pragma omp parallel for schedule(static) if (T * K * H > 65536)
     for (int64_t p = 0; p < T * K; p++)
-        memcpy(buf + (ids[p] * T + pos[p]) * H, x + (p / K) * x_stride, sizeof(float) * H);
+        memcpy(buf + (ids[p] * T + pos[p]) * H * esize, x + (p / K) * x_stride * esize,
+               (size_t)(esize * H));
     for (int64_t e = 0; e < E; e++)
-        memset(buf + (e * T + count[e]) * H, 0, sizeof(float) * H * (cap - count[e]));
+        memset(buf + (e * T + count[e]) * H * esize, 0, (size_t)(esize * H * (cap - count[e])));
     free(count);
     return cap;
+}
+
+int64_t moe_pad(
+    int64_t T, int64_t K, int64_t E, int64_t H,
+    const float *x, int64_t x_stride,
+    const int64_t *ids,
+    float *buf, int64_t *pos)
+{
+    return pad(T, K, E, H, sizeof(float), (const char *)x, x_stride, ids, (char *)buf, pos);
+}
+
+int64_t moe_pad_bf16(
+    int64_t T, int64_t K, int64_t E, int64_t H,
+    const uint16_t *x, int64_t x_stride,
+    const int64_t *ids,
+    uint16_t *buf, int64_t *pos)
+{
+    return pad(T, K, E, H, sizeof(uint16_t), (const char *)x, x_stride, ids, (char *)buf, pos);
 }
 
 void moe_unpad(
@@ -65,5 +89,40 @@ void moe_unpad(
                     o[d] += w * row[d];
             }
         }
+    }
+}
+
+void moe_unpad_bf16(
+    int64_t T, int64_t K, int64_t H,
+    const uint16_t *y, int64_t block_stride,
+    const int64_t *ids, const int64_t *pos, const float *weights,
+    void *out, int out_bf16)
+{
+#pragma omp parallel
+    {
+        float *acc = malloc(sizeof(float) * (size_t)H);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+#pragma omp simd
+            for (int64_t d = 0; d < H; d++)
+                acc[d] = 0.0f;
+            for (int64_t k = 0; k < K; k++) {
+                const int64_t p = t * K + k;
+                const float w = weights[p];
+                const uint16_t *row = y + ids[p] * block_stride + pos[p] * H;
+#pragma omp simd
+                for (int64_t d = 0; d < H; d++)
+                    acc[d] += w * bf16_to_f32(row[d]);
+            }
+            if (out_bf16) {
+                uint16_t *o = (uint16_t *)out + t * H;
+#pragma omp simd
+                for (int64_t d = 0; d < H; d++)
+                    o[d] = f32_to_bf16(acc[d]);
+            } else {
+                memcpy((float *)out + t * H, acc, sizeof(float) * (size_t)H);
+            }
+        }
+        free(acc);
     }
 }
