@@ -1,5 +1,6 @@
-"""The warm-up forward at engine start: one prefill batch on scratch slots, every slot back in
-its pool afterwards, and nothing of it visible to requests."""
+"""The warm-up at engine start: one prefill batch on scratch slots, then a decode step of all
+its requests and one of a single request, every slot back in its pool afterwards, and nothing
+of it visible to requests."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ from engine_helpers import GREEDY, fake_engine, rand_tokens
 
 def test_warmup_runs_one_full_batch_and_frees_its_slots():
     with fake_engine(max_prefill_tokens=300, chunked_prefill_size=64) as engine:
-        assert engine.model.forwards == 1  # the warm-up ran, before any request
+        assert engine.model.forwards == 3  # prefill + two decode steps, before any request
         kv_free, state_free = engine.kv_pool.available(), engine.state_pool.available()
         assert kv_free == engine.kv_pool.size and state_free == engine.state_pool.size
         engine.check_integrity()
         # run again on the engine thread (idle): the shape it builds, and the slots it returns
         ran = engine.call(lambda: engine.runner.warmup(300, 64))
         assert ran == 300  # 4 requests of 64 + one of 44
-        assert engine.model.forwards == 2
+        assert engine.model.forwards == 6
         assert engine.kv_pool.available() == kv_free
         assert engine.state_pool.available() == state_free
         engine.check_integrity()
@@ -36,8 +37,28 @@ def test_skip_warmup_and_outputs_do_not_depend_on_it(rng):
     outs = []
     for skip in (True, False):
         with fake_engine(skip_warmup=skip, page_size=16) as engine:
-            assert engine.model.forwards == (0 if skip else 1)
+            assert engine.model.forwards == (0 if skip else 3)
             res = engine.generate(input_ids=prompts, sampling_params=GREEDY)
             outs.append([r["output_ids"] for r in res])
             engine.check_integrity()
     assert outs[0] == outs[1]
+
+
+def test_warmup_runs_decode_shapes(monkeypatch):
+    """The warm-up's second and third forwards are decode steps (one new token per request,
+    over the keys before it) with the scheduler's slot table: all requests, then one."""
+    shapes = []
+    from fake_model import FakeModel
+
+    forward = FakeModel.forward
+
+    def recording(self, ctx, all_logits=False):
+        shapes.append([(r.prefix_len, len(r.input_ids)) for r in ctx.reqs])
+        return forward(self, ctx, all_logits)
+
+    monkeypatch.setattr(FakeModel, "forward", recording)
+    with fake_engine(max_prefill_tokens=200, chunked_prefill_size=64) as engine:
+        engine.check_integrity()
+    assert shapes[0] == [(0, 64), (0, 64), (0, 64), (0, 8)]
+    assert shapes[1] == [(63, 1), (63, 1), (63, 1), (7, 1)]
+    assert shapes[2] == [(63, 1)]

@@ -5,6 +5,7 @@ under overlap), which is what lets the scheduler treat every scheduled batch as 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -91,11 +92,13 @@ class ModelRunner:
 
     def warmup(self, num_tokens: int, per_request: int) -> int:
         """Run one forward shaped like the largest prefill batch (``num_tokens`` new tokens in
-        requests of ``per_request``) on scratch KV and state slots, freed afterwards; returns
-        the tokens it ran (fewer if the pools are small). Its point is memory: on CPU the
-        allocator's heap grows to a forward's working size here instead of during the first
-        requests (~40k page faults on the benchmark model). Call it before scheduling starts:
-        it takes slots from the pools directly."""
+        requests of ``per_request``) on scratch KV and state slots, then a decode step of all
+        those requests and one of a single request; everything is freed afterwards. Returns
+        the prefill tokens it ran (fewer if the pools are small). Its point is that the first
+        requests pay nothing once: on CPU the allocator's heap grows to a forward's working
+        size here (~40k page faults on the benchmark model), and the decode path's kernels,
+        plans and primitives are built here too. Call it before scheduling starts: it takes
+        slots from the pools directly."""
         per_request = max(1, per_request)
         num_tokens = min(num_tokens, self.kv_pool.available())
         num_tokens -= num_tokens % self.kv_pool.page_size
@@ -119,13 +122,36 @@ class ModelRunner:
                 reqs.append(ForwardReq(0, ids, kv[:n], state[0]))
                 done += n
             if reqs:
+                t0 = time.perf_counter()
                 clear = StateOps(clear=[r.state_slot for r in reqs])
                 self.submit(RunBatch(-1, ForwardBatch(reqs, clear))).result()
+                t1 = time.perf_counter()
+                # decode steps: each request's last token again, over the keys before it
+                for batch in (reqs, reqs[:1]):
+                    decodes = [
+                        ForwardReq(r.seq_len - 1, r.input_ids[-1:], r.kv_slots, r.state_slot)
+                        for r in batch
+                    ]
+                    table = torch.nn.utils.rnn.pad_sequence(
+                        [r.kv_slots for r in decodes], batch_first=True
+                    )
+                    fb = ForwardBatch(decodes, StateOps(), decode_table=table)
+                    self.submit(RunBatch(-1, fb)).result()
+                logger.info(
+                    "warm-up: prefill of %d tokens in %d requests %.2f s, decode steps of %d "
+                    "and 1 requests %.2f s",
+                    sum(r.extend_len for r in reqs),
+                    len(reqs),
+                    t1 - t0,
+                    len(reqs),
+                    time.perf_counter() - t1,
+                )
         finally:
             for kv, state in taken:
                 self.kv_pool.free(kv)
                 self.state_pool.free(state)
             self._sampled.pop(-1, None)
+            self._carry.clear()  # nothing planned over scratch slots may reach a real forward
         return sum(r.extend_len for r in reqs)
 
     def submit(self, batch: RunBatch) -> Future:
