@@ -280,3 +280,20 @@ def test_moe_pad_unpad_bf16(T, K, E, H, monkeypatch):
     truth16 = (picked * w.bfloat16().double()[..., None]).sum(1)
     assert out16.dtype == torch.bfloat16
     assert ulps(out16, truth16, floor=truth16.abs().mean()).max() <= 1.0
+
+
+def test_a_fallback_is_named_once(caplog):
+    """An input the native code does not cover (fp16) runs the reference and is logged once."""
+    import logging
+
+    from mambaradix.kernels import norm as norm_mod
+
+    x, w = inputs(4, 256, seed=9)
+    x, w = x.half(), w.half()
+    cpu._REPORTED.discard(("rms_norm", torch.float16, torch.float16))
+    with caplog.at_level(logging.WARNING, logger="mambaradix.kernels.cpu"):
+        for _ in range(3):
+            out = cpu.rms_norm(x, w, EPS, False)
+    assert torch.equal(out, norm_mod.rms_norm(x, w, EPS, False))
+    named = [r for r in caplog.records if "kernel rms_norm:" in r.getMessage()]
+    assert len(named) == 1 and "float16" in named[0].getMessage()

@@ -35,7 +35,7 @@ from mambaradix.engine.outputs import EngineStats, OutputBatcher, RequestHandle,
 from mambaradix.engine.request import Req
 from mambaradix.engine.runner import ModelRunner
 from mambaradix.engine.scheduler import Scheduler
-from mambaradix.kernels import native, set_backend
+from mambaradix.kernels import list_kernels, native, set_backend
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,17 @@ def select_kernel_backend(cfg: EngineConfig) -> str:
             "no C compiler, or a failed build); use --kernel-backend torch or auto"
         )
     set_backend(backend)
+    if backend != "torch":
+        ops = list_kernels()
+        native_ops = sorted(n for n, bes in ops.items() if backend in bes)
+        reference = sorted(n for n, bes in ops.items() if backend not in bes)
+        logger.info(
+            "kernel backend %s: native %s; torch reference for %s (native ops that fall back "
+            "for this model's dtypes or shapes are named when they first do, in the warm-up)",
+            backend,
+            ", ".join(native_ops),
+            ", ".join(reference),
+        )
     return backend
 
 

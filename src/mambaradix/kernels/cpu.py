@@ -3,10 +3,13 @@
 Each function has the signature of the torch reference it replaces and falls back to it for
 inputs the C code does not cover (another device or dtype, an unusual layout, or no compiler
 here), so the backend can always be active on CPU. Operations this backend lacks use the torch
-reference through the registry.
+reference through the registry. Each fallback is logged once per operation and input dtypes
+(the warm-up runs every path at engine start, so the start-up log names them).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +17,23 @@ import torch.nn.functional as F
 from mambaradix.kernels import attention, attention_plan, gated_delta, moe, native, norm, rope
 from mambaradix.kernels.registry import register_kernel
 
+logger = logging.getLogger(__name__)
+
 _SILU = {"silu": 1, "swish": 1, None: 0, "identity": 0}
+_REPORTED: set[tuple] = set()
+
+
+def _fallback(name: str, *tensors: torch.Tensor) -> None:
+    """Say once per (operation, input dtypes) that the torch reference runs instead."""
+    key = (name, *(t.dtype for t in tensors))
+    if key not in _REPORTED:
+        _REPORTED.add(key)
+        logger.warning(
+            "kernel %s: no native code for these inputs (%s, %s): the torch reference runs",
+            name,
+            "/".join(str(t.dtype).removeprefix("torch.") for t in tensors),
+            "cpu" if all(t.device.type == "cpu" for t in tensors) else "not on the CPU",
+        )
 
 
 _VARIANTS = {torch.float32: "", torch.bfloat16: "_bf16"}  # C variant by data dtype
@@ -65,6 +84,7 @@ def gated_delta_decode(
         and slots.device.type == "cpu"
     )
     if not fits:
+        _fallback("gated_delta_decode", x, conv_pool, ssm_pool, weight, A_log)
         return gated_delta.gated_delta_decode(
             x, conv_pool, ssm_pool, slots, weight, bias, a, b, A_log, dt_bias, num_k_heads,
             activation, use_qk_l2norm,
@@ -106,6 +126,7 @@ def rms_norm(
         except RuntimeError:
             rows = None
     if rows is None or rows.stride(1) != 1 or not _cpu_dense(weight, x.dtype):
+        _fallback("rms_norm", x, weight)
         return norm.rms_norm(x, weight, eps, zero_centered)
     out = torch.empty(rows.shape, dtype=x.dtype)
     fn(
@@ -131,6 +152,7 @@ def rms_norm_gated(
         except RuntimeError:
             rows = None
     if rows is None or rows.stride(1) != 1 or gates.stride(1) != 1:
+        _fallback("rms_norm_gated", x, gate, weight)
         return norm.rms_norm_gated(x, gate, weight, eps)
     out = torch.empty(rows.shape, dtype=x.dtype)
     fn(
@@ -168,6 +190,7 @@ def attention_decode(
         and v_pool.shape[-1] % 8 == 0
     )
     if not fits:
+        _fallback("attention_decode", q, k_pool, v_pool)
         return attention.attention_decode(q, k_pool, v_pool, slot_table, seq_lens, scale, plan)
     B, Hq, D = q.shape
     Hkv, Dv = k_pool.shape[1], v_pool.shape[-1]
@@ -205,6 +228,7 @@ def moe_pad(
     bf16 rows)."""
     fn = _native_fn(native.load("moe"), "moe_pad", x.dtype)
     if fn is None or not _cpu_rows(x, x.dtype) or ids.device.type != "cpu":
+        _fallback("moe_pad", x)
         return moe.moe_pad(x, ids, num_experts)
     T, K = ids.shape
     H = x.shape[1]
@@ -240,6 +264,7 @@ def moe_unpad(
         and ids.device.type == "cpu"
     )
     if not fits:
+        _fallback("moe_unpad", y, weights)
         return moe.moe_unpad(y, ids, pos, weights)
     T, K = ids.shape
     H = y.shape[2]
@@ -286,6 +311,7 @@ def rms_norm_rope(
         and rd <= D
     )
     if not fits:
+        _fallback("rms_norm_rope", x, weight, cos)
         return rope.rms_norm_rope(x, weight, eps, zero_centered, cos, sin)
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     out = torch.empty(T, H, D, dtype=x.dtype)
