@@ -1,0 +1,405 @@
+"""Real-size benchmark: the Engine on checkpoints shaped like published ones (random weights,
+bf16, the published dimensions and vocabulary), against transformers on the same folder and
+threads, and against the machine's own limits measured in the same run.
+
+Per preset it prints, in a fixed format:
+- start: process start to engine ready (warm-up included; median of ``--starts`` fresh
+  processes), beside transformers' ``from_pretrained`` of the same folder (also fresh processes);
+- first request after start vs the same request later (median over the fresh starts);
+- prefill tok/s of one 512- and one 2,048-token prompt (the Engine, cache off), vs
+  transformers' forward, and vs the bf16 matmul limit: FLOP/s / (2 x linear parameters);
+- decode tok/s at batch 1, 16 and 64 (the Engine: the difference of two runs with more and
+  fewer new tokens, so prefill drops out), vs transformers' cached decode (batch 1 and 16), and
+  batch 1 vs the bandwidth limit: read GB/s / bytes a decode step reads;
+- W1: 4 groups x 8 requests of a 512-token system prompt + 64-token question, 16 new tokens,
+  all sent at once, cache on: wall time and computed prompt tokens vs the ideal, and
+  transformers ``generate`` in batches of 8.
+
+    python bench/bench_real.py                       # every preset, 2 threads
+    python bench/bench_real.py --presets qwen3_5_0_8b --starts 1 --skip-hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+CACHE = Path(os.environ.get("MAMBARADIX_CACHE", Path.home() / ".cache" / "mambaradix"))
+
+# Published text-model dimensions (random weights); the layer pattern as published.
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_5_0_8b": (
+        "Qwen3_5TextConfig",
+        dict(
+            vocab_size=248320, hidden_size=1024, num_hidden_layers=24, intermediate_size=3584,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+            linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+            linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+            partial_rotary_factor=0.25, tie_word_embeddings=True, max_position_embeddings=32768,
+        ),
+    ),
+    "lfm2_350m": (
+        "Lfm2Config",
+        dict(
+            vocab_size=65536, hidden_size=1024, num_hidden_layers=16, intermediate_size=6656,
+            block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=256,
+            num_attention_heads=16, num_key_value_heads=8, conv_L_cache=3,
+            layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv"
+                         for i in range(16)],
+            tie_word_embeddings=True, max_position_embeddings=32768,
+        ),
+    ),
+    "granite_4_0_h_350m": (
+        "GraniteMoeHybridConfig",
+        dict(
+            vocab_size=100352, hidden_size=768, num_hidden_layers=32, num_attention_heads=12,
+            num_key_value_heads=4, shared_intermediate_size=2048, intermediate_size=2048,
+            num_local_experts=0, mamba_n_heads=24, mamba_d_head=64, mamba_d_state=128,
+            mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256,
+            layer_types=["attention" if i in (10, 13, 17, 27) else "mamba" for i in range(32)],
+            position_embedding_type=None, embedding_multiplier=12.0, residual_multiplier=0.246,
+            attention_multiplier=0.0078125, logits_scaling=3.0, tie_word_embeddings=True,
+            max_position_embeddings=32768,
+        ),
+    ),
+}  # fmt: skip
+HF_CLASSES = {
+    "Qwen3_5TextConfig": "Qwen3_5ForCausalLM",
+    "Lfm2Config": "Lfm2ForCausalLM",
+    "GraniteMoeHybridConfig": "GraniteMoeHybridForCausalLM",
+}
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def large_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer of exactly ``vocab_size`` ordinary tokens, as published
+    tokenizers are (tiny.build_tokenizer fills a large vocabulary with added special tokens,
+    which transformers then takes ~25 s to load at 248k): the ChatML specials, the 256 byte
+    symbols and seeded synthetic merges of existing tokens."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from mambaradix.models.tiny import SPECIAL_TOKENS
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tokens = sorted(alphabet)
+    merges: list[tuple[str, str]] = []
+    rng = random.Random(0)
+    while len(vocab) < vocab_size:
+        a, b = rng.choice(tokens), rng.choice(tokens)
+        if len(a) + len(b) > 12 or a + b in vocab:
+            continue
+        vocab[a + b] = len(vocab)
+        tokens.append(a + b)
+        merges.append((a, b))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    for t in SPECIAL_TOKENS:
+        tok.add_special_tokens([t])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+
+
+def checkpoint(preset: str) -> Path:
+    """The preset's bf16 checkpoint folder (built once: seeded random weights, a tokenizer of
+    the full vocabulary)."""
+    folder = CACHE / f"real-{preset}-v1"
+    if (folder / "config.json").is_file():
+        return folder
+    import transformers
+
+    cfg_name, kw = PRESETS[preset]
+    config = getattr(transformers, cfg_name)(**kw)
+    tok = large_tokenizer(config.vocab_size)
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    config.eos_token_id, config.pad_token_id, config.bos_token_id = eos, eos, None
+    torch.manual_seed(0)
+    model = getattr(transformers, HF_CLASSES[cfg_name])(config).to(torch.bfloat16).eval()
+    tmp = folder.with_name(folder.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(folder)
+    return folder
+
+
+# --------------------------------------------------------------------------- machine limits
+
+
+def read_bandwidth(threads: int) -> float:
+    """Bytes/s of torch.sum over a 1 GiB bf16 tensor, best of 5."""
+    torch.set_num_threads(threads)
+    x = torch.ones(1 << 29, dtype=torch.bfloat16)
+    x.sum()
+    best = min(_timed(lambda: x.sum()) for _ in range(5))
+    return x.numel() * x.element_size() / best
+
+
+def matmul_flops(threads: int) -> float:
+    torch.set_num_threads(threads)
+    a = torch.randn(2048, 2048).bfloat16()
+    b = torch.randn(2048, 2048).bfloat16()
+    a @ b
+    return 2 * 2048**3 / min(_timed(lambda: a @ b) for _ in range(5))
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def weight_figures(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes a decode step reads: every linear weight incl. the LM head, norms, convs and
+    one embedding row; parameters of the linear layers incl. the LM head)."""
+    read = linear = 0
+    for name, p in model.named_parameters():
+        if "embed" in name and p.dim() == 2:
+            read += p.shape[1] * p.element_size()  # one row per token
+            if getattr(model, "lm_head", None) is None or _tied(model):
+                linear += p.numel()  # tied: the LM head reads all of it
+                read += p.numel() * p.element_size()
+            continue
+        read += p.numel() * p.element_size()
+        if p.dim() >= 2 and "conv" not in name:
+            linear += p.numel()
+    return read, linear
+
+
+def _tied(model: torch.nn.Module) -> bool:
+    head = getattr(model, "lm_head", None)
+    emb = next((p for n, p in model.named_parameters() if "embed" in n), None)
+    return head is not None and emb is not None and head.weight.data_ptr() == emb.data_ptr()
+
+
+# --------------------------------------------------------------------------- start-up
+
+
+START_SCRIPT = r"""
+import json, sys, time
+t0 = time.perf_counter()
+from mambaradix.engine.engine import Engine
+eng = Engine(model_path=sys.argv[1], num_threads=int(sys.argv[2]))
+ready = time.perf_counter()
+ids = list(range(100, 612))
+p = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+t = time.perf_counter()
+eng.generate(input_ids=ids, sampling_params=p)
+first = time.perf_counter() - t
+later = []
+for k in range(3):
+    other = [i + 1000 * (k + 1) for i in ids]  # the same shape, nothing cached
+    t = time.perf_counter(); eng.generate(input_ids=other, sampling_params=p)
+    later.append(time.perf_counter() - t)
+eng.shutdown()
+print(json.dumps({"start": ready - t0, "first": first, "later": min(later)}))
+"""
+
+HF_LOAD_SCRIPT = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+from transformers import AutoModelForCausalLM
+torch.set_num_threads(int(sys.argv[2]))
+AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+print(json.dumps({"load": time.perf_counter() - t0}))
+"""
+
+
+def fresh(script: str, folder: Path, threads: int) -> dict[str, float]:
+    """Run ``script`` in a new interpreter (the clock starts at its first line)."""
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(folder), str(threads)],
+        capture_output=True, text=True, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- engine figures
+
+
+def engine_prefill(eng, n: int, vocab: int, repeats: int) -> float:
+    p = {"temperature": 0, "max_new_tokens": 1}
+    best = float("inf")
+    for k in range(repeats):
+        ids = [(i * 7919 + k * 104729) % (vocab - 10) + 5 for i in range(n)]
+        best = min(best, _timed(lambda ids=ids: eng.generate(input_ids=ids, sampling_params=p)))
+    return n / best
+
+
+def engine_decode(eng, batch: int, vocab: int, steps: int, seed: int) -> float:
+    """Decode tok/s at ``batch``: two runs of ``steps`` and ``2 * steps`` new tokens from the
+    same 128-token prompts (cache off), the difference of their times."""
+    ids = [[(i * 31 + b * 977 + seed) % (vocab - 10) + 5 for i in range(128)] for b in range(batch)]
+    times = []
+    for n in (steps, 2 * steps):
+        p = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+        times.append(_timed(lambda p=p: eng.generate(input_ids=ids, sampling_params=[p] * batch)))
+    return batch * steps / max(times[1] - times[0], 1e-9)
+
+
+def w1_workload(vocab: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(1)
+    tok = lambda k: [rng.randrange(5, vocab - 5) for _ in range(k)]  # noqa: E731
+    systems = [tok(512) for _ in range(4)]
+    return [systems[g] + tok(64) for g in range(4) for _ in range(8)]
+
+
+def engine_w1(eng, prompts: list[list[int]]) -> tuple[float, int]:
+    before = eng.stats().computed_prefill_tokens
+    p = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    t = _timed(lambda: eng.generate(input_ids=prompts, sampling_params=[p] * len(prompts)))
+    return t, eng.stats().computed_prefill_tokens - before
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def hf_prefill(hf, n: int, vocab: int) -> float:
+    ids = torch.tensor([[(i * 7919) % (vocab - 10) + 5 for i in range(n)]])
+    with torch.inference_mode():
+        hf(input_ids=ids, logits_to_keep=1)
+        return n / min(_timed(lambda: hf(input_ids=ids, logits_to_keep=1)) for _ in range(2))
+
+
+def hf_decode(hf, batch: int, vocab: int, steps: int) -> float:
+    from transformers import DynamicCache
+
+    ids = torch.randint(5, vocab - 5, (batch, 128))
+    with torch.inference_mode():
+        cache = DynamicCache(config=hf.config)
+        hf(input_ids=ids, position_ids=torch.arange(128)[None].expand(batch, -1), cache=cache,
+           use_cache=True, logits_to_keep=1)  # fmt: skip
+        tok = torch.ones(batch, 1, dtype=torch.long)
+        t0 = time.perf_counter()
+        for s in range(steps):
+            pos = torch.full((batch, 1), 128 + s)
+            hf(input_ids=tok, position_ids=pos, cache=cache, use_cache=True)
+        return batch * steps / (time.perf_counter() - t0)
+
+
+def hf_w1(hf, prompts: list[list[int]]) -> float:
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), 8):
+            batch = torch.tensor(prompts[i : i + 8])
+            hf.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=16,
+                        min_new_tokens=16, do_sample=False)  # fmt: skip
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- main
+
+
+def line(preset: str, what: str, **fields: Any) -> None:
+    body = " ".join(
+        f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()
+    )
+    print(f"preset={preset:<20} {what:<14} {body}", flush=True)
+
+
+def run_preset(preset: str, args: argparse.Namespace, bw: float, flops: float) -> None:
+    from tqdm import tqdm
+
+    from mambaradix.engine.engine import Engine
+
+    folder = checkpoint(preset)
+    bar = tqdm(total=6, desc=preset, disable=args.disable_tqdm, leave=False)
+    starts = [fresh(START_SCRIPT, folder, args.threads) for _ in range(args.starts)]
+    hf_loads = [] if args.skip_hf else [fresh(HF_LOAD_SCRIPT, folder, args.threads)["load"]
+                                        for _ in range(args.starts)]  # fmt: skip
+    bar.update()
+    start = statistics.median(s["start"] for s in starts)
+    first = statistics.median(s["first"] / s["later"] for s in starts)
+    line(preset, "start", seconds=start,
+         hf_load_seconds=statistics.median(hf_loads) if hf_loads else float("nan"),
+         ratio_to_hf=start / statistics.median(hf_loads) if hf_loads else float("nan"),
+         first_request_over_later=first)  # fmt: skip
+    eng = Engine(model_path=str(folder), num_threads=args.threads, disable_radix_cache=True)
+    read_bytes, linear_params = weight_figures(eng.model)
+    vocab = eng.model.vocab_size
+    hf = None
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
+    prefill_limit = flops / (2 * linear_params)
+    for n in (512, 2048):
+        ours = engine_prefill(eng, n, vocab, args.repeats)
+        theirs = hf_prefill(hf, n, vocab) if hf is not None else float("nan")
+        line(preset, f"prefill_{n}", tok_s=ours, hf_tok_s=theirs, ratio_to_hf=ours / theirs,
+             limit_tok_s=prefill_limit, of_limit=ours / prefill_limit)  # fmt: skip
+    bar.update()
+    decode_limit = bw / read_bytes
+    b1 = None
+    for batch in (1, 16, 64):
+        ours = max(engine_decode(eng, batch, vocab, args.decode_steps, s) for s in range(2))
+        b1 = b1 or ours
+        theirs = (
+            hf_decode(hf, batch, vocab, args.decode_steps)
+            if hf is not None and batch <= 16
+            else float("nan")
+        )
+        extra = dict(limit_tok_s=decode_limit, of_limit=ours / decode_limit) if batch == 1 else {}
+        line(preset, f"decode_b{batch}", tok_s=ours, hf_tok_s=theirs, ratio_to_hf=ours / theirs,
+             over_batch1=ours / b1, **extra)  # fmt: skip
+        bar.update()
+    eng.shutdown()
+    prompts = w1_workload(vocab)
+    eng = Engine(model_path=str(folder), num_threads=args.threads)
+    ideal = 4 * 576 + 28 * (576 - 512)  # each group's first computes all, the rest the question
+    t, computed = engine_w1(eng, prompts)
+    eng.shutdown()
+    theirs = hf_w1(hf, prompts) if hf is not None else float("nan")
+    line(preset, "w1", seconds=t, computed_prompt_tokens=computed, ideal_tokens=ideal,
+         hf_seconds=theirs, speedup_vs_hf=theirs / t)  # fmt: skip
+    bar.update()
+    bar.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--presets", nargs="*", default=list(PRESETS), choices=list(PRESETS))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--starts", type=int, default=3, help="fresh processes for start figures")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--skip-hf", action="store_true", help="no transformers comparison")
+    ap.add_argument("--disable-tqdm", action="store_true")
+    args = ap.parse_args()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    bw, flops = read_bandwidth(args.threads), matmul_flops(args.threads)
+    print(
+        f"# bench_real threads={args.threads} torch={torch.__version__} dtype=bfloat16 "
+        f"read_GB_s={bw / 1e9:.1f} bf16_matmul_GFLOP_s={flops / 1e9:.0f}",
+        flush=True,
+    )
+    for preset in args.presets:
+        run_preset(preset, args, bw, flops)
+
+
+if __name__ == "__main__":
+    main()
