@@ -1,5 +1,6 @@
-"""Real-size benchmark: the Engine on checkpoints shaped like published ones (random weights,
-bf16, the published dimensions and vocabulary), against transformers on the same folder and
+"""Real-size benchmark: the Engine on checkpoints shaped like published ones (random weights
+saved in bf16, the published dimensions and vocabulary; computed in bf16 where the CPU has
+bf16 matmuls, else fp32, both engines alike), against transformers on the same folder and
 threads, and against the machine's own limits measured in the same run.
 
 Per preset it prints, in a fixed format:
@@ -7,7 +8,7 @@ Per preset it prints, in a fixed format:
   processes), beside transformers' ``from_pretrained`` of the same folder (also fresh processes);
 - first request after start vs the same request later (median over the fresh starts);
 - prefill tok/s of one 512- and one 2,048-token prompt (the Engine, cache off), vs
-  transformers' forward, and vs the bf16 matmul limit: FLOP/s / (2 x linear parameters);
+  transformers' forward, and vs the bf16 matmul limit: matmul FLOP/s / (2 x linear parameters);
 - decode tok/s at batch 1, 16 and 64 (the Engine: the difference of two runs with more and
   fewer new tokens, so prefill drops out), vs transformers' cached decode (batch 1 and 16), and
   batch 1 vs the bandwidth limit: read GB/s / bytes a decode step reads;
@@ -146,18 +147,20 @@ def checkpoint(preset: str) -> Path:
 
 
 def read_bandwidth(threads: int) -> float:
-    """Bytes/s of torch.sum over a 1 GiB bf16 tensor, best of 5."""
+    """Bytes/s of torch.sum over a 1 GiB fp32 tensor, best of 5 (fp32: torch's bf16 sum
+    converts as it goes and measures that instead)."""
     torch.set_num_threads(threads)
-    x = torch.ones(1 << 29, dtype=torch.bfloat16)
+    x = torch.ones(1 << 28, dtype=torch.float32)
     x.sum()
     best = min(_timed(lambda: x.sum()) for _ in range(5))
     return x.numel() * x.element_size() / best
 
 
-def matmul_flops(threads: int) -> float:
+def matmul_flops(threads: int, dtype: torch.dtype) -> float:
+    """FLOP/s of a 2,048 x 2,048 matmul in ``dtype``, best of 5."""
     torch.set_num_threads(threads)
-    a = torch.randn(2048, 2048).bfloat16()
-    b = torch.randn(2048, 2048).bfloat16()
+    a = torch.randn(2048, 2048).to(dtype)
+    b = torch.randn(2048, 2048).to(dtype)
     a @ b
     return 2 * 2048**3 / min(_timed(lambda: a @ b) for _ in range(5))
 
@@ -198,7 +201,7 @@ START_SCRIPT = r"""
 import json, sys, time
 t0 = time.perf_counter()
 from mambaradix.engine.engine import Engine
-eng = Engine(model_path=sys.argv[1], num_threads=int(sys.argv[2]))
+eng = Engine(model_path=sys.argv[1], num_threads=int(sys.argv[2]), dtype=sys.argv[3])
 ready = time.perf_counter()
 ids = list(range(100, 612))
 p = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
@@ -220,15 +223,15 @@ t0 = time.perf_counter()
 import torch
 from transformers import AutoModelForCausalLM
 torch.set_num_threads(int(sys.argv[2]))
-AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=getattr(torch, sys.argv[3]))
 print(json.dumps({"load": time.perf_counter() - t0}))
 """
 
 
-def fresh(script: str, folder: Path, threads: int) -> dict[str, float]:
+def fresh(script: str, folder: Path, threads: int, dtype: str) -> dict[str, float]:
     """Run ``script`` in a new interpreter (the clock starts at its first line)."""
     out = subprocess.run(
-        [sys.executable, "-c", script, str(folder), str(threads)],
+        [sys.executable, "-c", script, str(folder), str(threads), dtype],
         capture_output=True, text=True, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -326,8 +329,9 @@ def run_preset(preset: str, args: argparse.Namespace, bw: float, flops: float) -
 
     folder = checkpoint(preset)
     bar = tqdm(total=6, desc=preset, disable=args.disable_tqdm, leave=False)
-    starts = [fresh(START_SCRIPT, folder, args.threads) for _ in range(args.starts)]
-    hf_loads = [] if args.skip_hf else [fresh(HF_LOAD_SCRIPT, folder, args.threads)["load"]
+    dtype = args.dtype
+    starts = [fresh(START_SCRIPT, folder, args.threads, dtype) for _ in range(args.starts)]
+    hf_loads = [] if args.skip_hf else [fresh(HF_LOAD_SCRIPT, folder, args.threads, dtype)["load"]
                                         for _ in range(args.starts)]  # fmt: skip
     bar.update()
     start = statistics.median(s["start"] for s in starts)
@@ -336,14 +340,16 @@ def run_preset(preset: str, args: argparse.Namespace, bw: float, flops: float) -
          hf_load_seconds=statistics.median(hf_loads) if hf_loads else float("nan"),
          ratio_to_hf=start / statistics.median(hf_loads) if hf_loads else float("nan"),
          first_request_over_later=first)  # fmt: skip
-    eng = Engine(model_path=str(folder), num_threads=args.threads, disable_radix_cache=True)
+    eng = Engine(
+        model_path=str(folder), num_threads=args.threads, disable_radix_cache=True, dtype=dtype
+    )
     read_bytes, linear_params = weight_figures(eng.model)
     vocab = eng.model.vocab_size
     hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype)).eval()
     prefill_limit = flops / (2 * linear_params)
     for n in (512, 2048):
         ours = engine_prefill(eng, n, vocab, args.repeats)
@@ -367,7 +373,7 @@ def run_preset(preset: str, args: argparse.Namespace, bw: float, flops: float) -
         bar.update()
     eng.shutdown()
     prompts = w1_workload(vocab)
-    eng = Engine(model_path=str(folder), num_threads=args.threads)
+    eng = Engine(model_path=str(folder), num_threads=args.threads, dtype=dtype)
     ideal = 4 * 576 + 28 * (576 - 512)  # each group's first computes all, the rest the question
     t, computed = engine_w1(eng, prompts)
     eng.shutdown()
@@ -386,15 +392,26 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true", help="no transformers comparison")
+    ap.add_argument(
+        "--dtype",
+        default="",
+        choices=["", "bfloat16", "float32"],
+        help="compute dtype of both engines (default: bfloat16 where this CPU has bf16 "
+        "matmuls in hardware, else float32: see kernels/cpu_features.py)",
+    )
     ap.add_argument("--disable-tqdm", action="store_true")
     args = ap.parse_args()
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    bw, flops = read_bandwidth(args.threads), matmul_flops(args.threads)
+    from mambaradix.kernels.cpu_features import fast_bf16_matmul
+
+    args.dtype = args.dtype or ("bfloat16" if fast_bf16_matmul() else "float32")
+    dt = getattr(torch, args.dtype)
+    bw, flops = read_bandwidth(args.threads), matmul_flops(args.threads, dt)
     print(
-        f"# bench_real threads={args.threads} torch={torch.__version__} dtype=bfloat16 "
-        f"read_GB_s={bw / 1e9:.1f} bf16_matmul_GFLOP_s={flops / 1e9:.0f}",
+        f"# bench_real threads={args.threads} torch={torch.__version__} dtype={args.dtype} "
+        f"read_GB_s={bw / 1e9:.1f} matmul_GFLOP_s={flops / 1e9:.0f}",
         flush=True,
     )
     for preset in args.presets:
