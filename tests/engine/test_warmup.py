@@ -9,14 +9,16 @@ from engine_helpers import GREEDY, fake_engine, rand_tokens
 
 def test_warmup_runs_one_full_batch_and_frees_its_slots():
     with fake_engine(max_prefill_tokens=300, chunked_prefill_size=64) as engine:
-        assert engine.model.forwards == 3  # prefill + two decode steps, before any request
+        assert (
+            engine.model.forwards == 4
+        )  # probe, prefill batch, two decode steps: before any request
         kv_free, state_free = engine.kv_pool.available(), engine.state_pool.available()
         assert kv_free == engine.kv_pool.size and state_free == engine.state_pool.size
         engine.check_integrity()
         # run again on the engine thread (idle): the shape it builds, and the slots it returns
         ran = engine.call(lambda: engine.runner.warmup(300, 64))
         assert ran == 300  # 4 requests of 64 + one of 44
-        assert engine.model.forwards == 6
+        assert engine.model.forwards == 8
         assert engine.kv_pool.available() == kv_free
         assert engine.state_pool.available() == state_free
         engine.check_integrity()
@@ -37,7 +39,7 @@ def test_skip_warmup_and_outputs_do_not_depend_on_it(rng):
     outs = []
     for skip in (True, False):
         with fake_engine(skip_warmup=skip, page_size=16) as engine:
-            assert engine.model.forwards == (0 if skip else 3)
+            assert engine.model.forwards == (0 if skip else 4)
             res = engine.generate(input_ids=prompts, sampling_params=GREEDY)
             outs.append([r["output_ids"] for r in res])
             engine.check_integrity()
@@ -59,6 +61,17 @@ def test_warmup_runs_decode_shapes(monkeypatch):
     monkeypatch.setattr(FakeModel, "forward", recording)
     with fake_engine(max_prefill_tokens=200, chunked_prefill_size=64) as engine:
         engine.check_integrity()
-    assert shapes[0] == [(0, 64), (0, 64), (0, 64), (0, 8)]
-    assert shapes[1] == [(63, 1), (63, 1), (63, 1), (7, 1)]
-    assert shapes[2] == [(63, 1)]
+    assert shapes[0] == [(0, 64)]  # the probe
+    assert shapes[1] == [(0, 64), (0, 64), (0, 64), (0, 8)]
+    assert shapes[2] == [(63, 1), (63, 1), (63, 1), (7, 1)]
+    assert shapes[3] == [(63, 1)]
+
+
+def test_warmup_batch_is_cut_to_its_budget():
+    """A slow model (here: a zero budget) runs the probe and the decode steps, not the batch."""
+    with fake_engine(max_prefill_tokens=300, chunked_prefill_size=64) as engine:
+        before = engine.model.forwards
+        ran = engine.call(lambda: engine.runner.warmup(300, 64, budget_s=0.0))
+        assert ran == 0 and engine.model.forwards == before + 3
+        assert engine.kv_pool.available() == engine.kv_pool.size
+        engine.check_integrity()

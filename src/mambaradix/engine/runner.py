@@ -18,6 +18,9 @@ from mambaradix.engine.sampler import sample
 
 logger = logging.getLogger(__name__)
 
+WARMUP_BUDGET_S = 3.0  # most the warm-up's batch forward may take, judged from a probe
+WARMUP_PROBE_TOKENS = 64
+
 FUTURE_STRIDE = 1 << 20
 _KEEP_BATCHES = 4
 
@@ -90,15 +93,20 @@ class ModelRunner:
         self._sampled.pop(batch.batch_id - _KEEP_BATCHES, None)
         return RunResult(batch.batch_id, tokens, logprobs)
 
-    def warmup(self, num_tokens: int, per_request: int) -> int:
-        """Run one forward shaped like the largest prefill batch (``num_tokens`` new tokens in
-        requests of ``per_request``) on scratch KV and state slots, then a decode step of all
-        those requests and one of a single request; everything is freed afterwards. Returns
-        the prefill tokens it ran (fewer if the pools are small). Its point is that the first
-        requests pay nothing once: on CPU the allocator's heap grows to a forward's working
-        size here (~40k page faults on the benchmark model), and the decode path's kernels,
-        plans and primitives are built here too. Call it before scheduling starts: it takes
-        slots from the pools directly."""
+    def warmup(self, num_tokens: int, per_request: int, budget_s: float = WARMUP_BUDGET_S) -> int:
+        """Pay the first forwards' one-time costs before any request: a short probe prefill,
+        then one forward shaped like the largest prefill batch (``num_tokens`` new tokens in
+        requests of ``per_request``) cut to what the probe says fits in ``budget_s``, then a
+        decode step of all those requests and one of a single request, on scratch KV and state
+        slots freed afterwards. Returns the prefill tokens of the batch forward (fewer if the
+        pools are small or the model is slow).
+
+        On CPU the allocator's heap grows to a forward's working size here (~40k page faults
+        on the benchmark model), and the decode path's kernels, plans and primitives are built.
+        The budget keeps a real-size model on a slow machine from spending minutes on it (a
+        4,096-token forward of a 350M model took ~100 s on 2 AVX2 cores): the page faults a
+        cut batch leaves to the first full one cost far less than the forward itself. Call it
+        before scheduling starts: it takes slots from the pools directly."""
         per_request = max(1, per_request)
         num_tokens = min(num_tokens, self.kv_pool.available())
         num_tokens -= num_tokens % self.kv_pool.page_size
@@ -121,38 +129,56 @@ class ModelRunner:
                 ids = [(done + i) * 7919 % vocab for i in range(n)]  # spread over the vocab
                 reqs.append(ForwardReq(0, ids, kv[:n], state[0]))
                 done += n
-            if reqs:
-                t0 = time.perf_counter()
-                clear = StateOps(clear=[r.state_slot for r in reqs])
-                self.submit(RunBatch(-1, ForwardBatch(reqs, clear))).result()
-                t1 = time.perf_counter()
-                # decode steps: each request's last token again, over the keys before it
-                for batch in (reqs, reqs[:1]):
-                    decodes = [
-                        ForwardReq(r.seq_len - 1, r.input_ids[-1:], r.kv_slots, r.state_slot)
-                        for r in batch
-                    ]
-                    table = torch.nn.utils.rnn.pad_sequence(
-                        [r.kv_slots for r in decodes], batch_first=True
-                    )
-                    fb = ForwardBatch(decodes, StateOps(), decode_table=table)
-                    self.submit(RunBatch(-1, fb)).result()
-                logger.info(
-                    "warm-up: prefill of %d tokens in %d requests %.2f s, decode steps of %d "
-                    "and 1 requests %.2f s",
-                    sum(r.extend_len for r in reqs),
-                    len(reqs),
-                    t1 - t0,
-                    len(reqs),
-                    time.perf_counter() - t1,
+            if not reqs:
+                return 0
+            t0 = time.perf_counter()
+            first = reqs[0]
+            n0 = min(first.extend_len, WARMUP_PROBE_TOKENS)
+            probe = ForwardReq(0, first.input_ids[:n0], first.kv_slots[:n0], first.state_slot)
+            self._forward([probe], StateOps(clear=[probe.state_slot]))
+            rate = n0 / max(time.perf_counter() - t0, 1e-9)
+            allowed, batch = int(budget_s * rate), []
+            for r in reqs:
+                if sum(x.extend_len for x in batch) + r.extend_len > allowed:
+                    break
+                batch.append(r)
+            t1 = time.perf_counter()
+            if batch:
+                self._forward(batch, StateOps(clear=[r.state_slot for r in batch]))
+            t2 = time.perf_counter()
+            # decode steps: each request's last token again, over the keys before it
+            prefilled = batch or [probe]
+            for rows in (prefilled, prefilled[:1]):
+                decodes = [
+                    ForwardReq(r.seq_len - 1, r.input_ids[-1:], r.kv_slots, r.state_slot)
+                    for r in rows
+                ]
+                table = torch.nn.utils.rnn.pad_sequence(
+                    [r.kv_slots for r in decodes], batch_first=True
                 )
+                self._forward(decodes, StateOps(), decode_table=table)
+            ran = sum(r.extend_len for r in batch)
+            logger.info(
+                "warm-up %.2f s: probe of %d tokens %.2f s, prefill batch of %d tokens in %d "
+                "requests %.2f s (of %d wanted; budget %.0f s), decode steps of %d and 1 "
+                "requests %.2f s",
+                time.perf_counter() - t0, n0, t1 - t0, ran, len(batch), t2 - t1, num_tokens,
+                budget_s, len(prefilled), time.perf_counter() - t2,
+            )  # fmt: skip
+            return ran
         finally:
             for kv, state in taken:
                 self.kv_pool.free(kv)
                 self.state_pool.free(state)
             self._sampled.pop(-1, None)
             self._carry.clear()  # nothing planned over scratch slots may reach a real forward
-        return sum(r.extend_len for r in reqs)
+
+    def _forward(
+        self, reqs: list[ForwardReq], ops: StateOps, decode_table: torch.Tensor | None = None
+    ) -> None:
+        """One scratch forward on the runner's thread (warm-up)."""
+        fb = ForwardBatch(reqs, ops, decode_table=decode_table)
+        self.submit(RunBatch(-1, fb)).result()
 
     def submit(self, batch: RunBatch) -> Future:
         """Run on the runner's single worker thread. Every forward runs there, with overlap or
