@@ -358,7 +358,9 @@ class GrammarMatcher:
     def __init__(
         self, compiled: xgr.CompiledGrammar, vocab_size: int, max_rollback_tokens: int = 0
     ) -> None:
-        self._m = xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback_tokens)
+        # xgrammar >= 0.2 keeps unlimited rollback history (the argument is deprecated there)
+        del max_rollback_tokens
+        self._m = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self.stop_token_ids = list(self._m.stop_token_ids)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
