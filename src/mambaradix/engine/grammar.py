@@ -1,0 +1,404 @@
+"""Grammar-constrained decoding (structured output), engine side, on xgrammar.
+
+Three pieces:
+
+- ``GrammarSpec`` / ``spec_from_request``: what a request asks for (OpenAI ``response_format``
+  ``json_object`` / ``json_schema``; SGLang's ``regex`` / ``json_schema`` / ``ebnf``), checked
+  without a tokenizer; every bad input is a ``ValueError`` naming the field (a 400 upstream).
+- ``GrammarCompiler``: owned by the engine, one per tokenizer. Compiles specs against the
+  vocabulary (off the engine thread through ``compile_async``) and keeps the compiled grammars
+  in a bounded LRU keyed by spec.
+- ``GrammarMatcher``: one per request. Per decode step ``fill_mask`` / ``apply`` masks the
+  logits row (tokens the grammar forbids and padded rows past the tokenizer's vocabulary get
+  ``-inf``; the stop tokens are allowed only where the grammar may end), ``accept(token)``
+  advances it after sampling, ``is_terminated()`` says the request is finished (a stop token
+  was accepted once the grammar was complete). ``fill_masks`` / ``apply_masks`` do a batch of
+  rows in one call (multi-threaded mask computation).
+
+xgrammar was picked over llguidance by measurement (``bench/bench_grammar.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+_COMPACT = (",", ":")
+MAX_SOURCE_CHARS = 1 << 20  # a schema / regex / grammar longer than 1 MiB is refused
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A request's grammar. ``source``: the schema as compact JSON (key order kept),
+    the regex, or the EBNF text ("" for ``json_object``). ``any_whitespace``: JSON may carry
+    free whitespace between tokens (False: the compact form ``{"a":1,"b":[2,3]}`` only, which
+    also bounds the output of a schema whose strings and arrays are bounded)."""
+
+    kind: str
+    source: str = ""
+    any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"unknown grammar kind {self.kind!r}; expected one of {GRAMMAR_KINDS}")
+
+
+def _schema_source(schema: Any, field: str) -> str:
+    """Canonical JSON text of a schema given as a dict / bool or a JSON string."""
+    if isinstance(schema, str):
+        if len(schema) > MAX_SOURCE_CHARS:
+            raise ValueError(f"{field}: schema longer than {MAX_SOURCE_CHARS} characters")
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{field}: not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"{field}: a JSON schema must be an object, got {type(schema).__name__}")
+    # key order kept: properties are generated in the schema's order
+    source = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    if len(source) > MAX_SOURCE_CHARS:
+        raise ValueError(f"{field}: schema longer than {MAX_SOURCE_CHARS} characters")
+    return source
+
+
+# xgrammar 0.2.9 writes a length-bounded JSON string's characters as [^"\\\r\n], which lets raw
+# control characters (U+0000..U+001F, tab included) through: not JSON (RFC 8259 7), and
+# json.loads refuses it. Its unbounded strings use the right class; use it for both.
+_LAX_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+
+
+def json_schema_grammar(source: str, any_whitespace: bool) -> xgr.Grammar:
+    """xgrammar's grammar of a JSON schema (compact separators unless ``any_whitespace``), with
+    string characters restricted to what JSON allows unescaped."""
+    if any_whitespace:
+        grammar = xgr.Grammar.from_json_schema(source, any_whitespace=True)
+    else:
+        grammar = xgr.Grammar.from_json_schema(source, any_whitespace=False, separators=_COMPACT)
+    text = str(grammar)
+    if _LAX_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR))
+
+
+def _check_supported(schema: Any, field: str) -> None:
+    """Refuse what xgrammar would silently drop: ``pattern`` together with a string length."""
+    if isinstance(schema, dict):
+        if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
+            raise ValueError(
+                f"{field}: 'pattern' combined with 'minLength'/'maxLength' is not supported; "
+                "put the length into the pattern"
+            )
+        for value in schema.values():
+            _check_supported(value, field)
+    elif isinstance(schema, list):
+        for value in schema:
+            _check_supported(value, field)
+
+
+def validate_spec(spec: GrammarSpec, field: str = "grammar") -> None:
+    """Build the spec's grammar without a tokenizer (cheap: no vocabulary pass); a schema the
+    converter does not support, a bad regex or bad EBNF raises ``ValueError`` naming ``field``."""
+    try:
+        if spec.kind == "json_schema":
+            _check_supported(json.loads(spec.source), field)
+            json_schema_grammar(spec.source, spec.any_whitespace)
+        elif spec.kind == "regex":
+            xgr.Grammar.from_regex(spec.source)
+        elif spec.kind == "ebnf":
+            xgr.Grammar.from_ebnf(spec.source)
+    except ValueError as e:
+        if str(e).startswith(field):
+            raise
+        raise ValueError(f"{field}: invalid {spec.kind}: {e}") from None
+    except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{field}: invalid {spec.kind}: {msg}") from None
+
+
+def spec_from_request(
+    *,
+    response_format: dict[str, Any] | None = None,
+    regex: str | None = None,
+    json_schema: str | dict[str, Any] | None = None,
+    ebnf: str | None = None,
+    any_whitespace: bool = False,
+    validate: bool = True,
+) -> GrammarSpec | None:
+    """The grammar a request asks for, or None. ``response_format`` is OpenAI's object
+    (``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema",
+    "strict"}}``); ``regex`` / ``json_schema`` / ``ebnf`` are SGLang's sampling params (at most
+    one of all four may be set). Raises ``ValueError`` naming the field for an unknown type, a
+    missing or malformed schema, a bad regex or bad EBNF (with ``validate``)."""
+    given = [
+        name
+        for name, value in (
+            ("response_format", response_format),
+            ("regex", regex),
+            ("json_schema", json_schema),
+            ("ebnf", ebnf),
+        )
+        if value is not None
+    ]
+    if response_format is not None and _response_format_type(response_format) == "text":
+        given.remove("response_format")
+    if len(given) > 1:
+        raise ValueError(f"only one of {', '.join(given)} may be set")
+    if not given:
+        return None
+    field = given[0]
+    if field == "response_format":
+        spec = _spec_from_response_format(response_format, any_whitespace)  # type: ignore[arg-type]
+    elif field == "json_schema":
+        spec = GrammarSpec("json_schema", _schema_source(json_schema, field), any_whitespace)
+    else:
+        text = regex if field == "regex" else ebnf
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"{field}: must be a non-empty string")
+        if len(text) > MAX_SOURCE_CHARS:
+            raise ValueError(f"{field}: longer than {MAX_SOURCE_CHARS} characters")
+        spec = GrammarSpec(field, text)
+    if validate:
+        validate_spec(spec, field)
+    return spec
+
+
+def _response_format_type(response_format: Any) -> str:
+    if not isinstance(response_format, dict):
+        raise ValueError("response_format: must be an object")
+    kind = response_format.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ValueError(
+            f"response_format.type: {kind!r} is not one of 'text', 'json_object', 'json_schema'"
+        )
+    return kind
+
+
+def _spec_from_response_format(rf: dict[str, Any], any_whitespace: bool) -> GrammarSpec:
+    kind = _response_format_type(rf)
+    if kind == "json_object":
+        return GrammarSpec("json_object", "", any_whitespace)
+    body = rf.get("json_schema")
+    if not isinstance(body, dict):
+        raise ValueError("response_format.json_schema: must be an object with a 'schema'")
+    schema = body.get("schema", body.get("schema_"))
+    if schema is None:
+        raise ValueError("response_format.json_schema.schema: missing")
+    return GrammarSpec(
+        "json_schema", _schema_source(schema, "response_format.json_schema.schema"), any_whitespace
+    )
+
+
+class GrammarCompiler:
+    """Compiles ``GrammarSpec`` s against one tokenizer's vocabulary; thread-safe.
+
+    ``vocab_size``: rows of the model's logits (may exceed the tokenizer's vocabulary: the
+    padded ids are never allowed). ``stop_token_ids``: the tokens that end a request (default:
+    the tokenizer's EOS); the grammar allows them only where it may end. Compiled grammars are
+    kept in an LRU of ``cache_size`` entries; concurrent compiles of one spec share one job."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        *,
+        stop_token_ids: Sequence[int] | None = None,
+        cache_size: int = 128,
+        max_threads: int = 2,
+    ) -> None:
+        if stop_token_ids is None:
+            eos = tokenizer.eos_token_id
+            stop_token_ids = [] if eos is None else [eos]
+        stop = sorted({int(t) for t in stop_token_ids})
+        if not stop or any(not 0 <= t < vocab_size for t in stop):
+            raise ValueError(f"stop_token_ids {stop} must be non-empty ids < {vocab_size}")
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop
+        )
+        self._compiler = xgr.GrammarCompiler(
+            self.info, max_threads=max_threads, cache_enabled=False
+        )
+        self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
+        self._cache_size = max(1, cache_size)
+        self._inflight: dict[GrammarSpec, Future[xgr.CompiledGrammar]] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
+        self.hits = 0
+        self.misses = 0
+
+    # ------------------------------------------------------------------ compiling
+    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """The compiled grammar of ``spec`` (cached); ``ValueError`` if it does not compile."""
+        return self.compile_async(spec).result()
+
+    def compile_async(self, spec: GrammarSpec) -> Future[xgr.CompiledGrammar]:
+        """A future of the compiled grammar, compiled on the compiler's own thread (a cache hit
+        is an already-done future). Its exception is a ``ValueError`` for a bad spec."""
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                self.hits += 1
+                done: Future[xgr.CompiledGrammar] = Future()
+                done.set_result(hit)
+                return done
+            fut = self._inflight.get(spec)
+            if fut is None:
+                self.misses += 1
+                fut = self._pool.submit(self._compile_and_store, spec)
+                self._inflight[spec] = fut
+            return fut
+
+    def _compile_and_store(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        try:
+            compiled = self._compile_uncached(spec)
+        finally:
+            with self._lock:
+                self._inflight.pop(spec, None)
+        with self._lock:
+            self._cache[spec] = compiled
+            self._cache.move_to_end(spec)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile_uncached(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        c = self._compiler
+        try:
+            if spec.kind == "json_object":
+                if spec.any_whitespace:
+                    return c.compile_builtin_json_grammar()
+                return c.compile_grammar(json_schema_grammar('{"type":"object"}', False))
+            if spec.kind == "json_schema":
+                return c.compile_grammar(json_schema_grammar(spec.source, spec.any_whitespace))
+            if spec.kind == "regex":
+                return c.compile_regex(spec.source)
+            return c.compile_grammar(spec.source)
+        except Exception as e:
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"invalid {spec.kind}: {msg}") from None
+
+    def cache_len(self) -> int:
+        with self._lock:
+            return len(self._cache)
+
+    # ------------------------------------------------------------------ matching
+    def matcher(
+        self, grammar: GrammarSpec | xgr.CompiledGrammar, *, max_rollback_tokens: int = 0
+    ) -> GrammarMatcher:
+        """A fresh per-request matcher (compiling ``grammar`` if given as a spec)."""
+        compiled = self.compile(grammar) if isinstance(grammar, GrammarSpec) else grammar
+        return GrammarMatcher(compiled, self.vocab_size, max_rollback_tokens)
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        """An int32 bitmask of ``rows`` x ceil(vocab_size / 32) (bit set = token allowed)."""
+        return xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def fill_masks(
+        self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]
+    ) -> None:
+        """Fill ``bitmask[rows[i]]`` for ``matchers[i]``, threads sharing the work."""
+        self._batch.batch_fill_next_token_bitmask(
+            [m._m for m in matchers], bitmask, indices=list(rows)
+        )
+
+    def apply_masks(
+        self,
+        logits: torch.Tensor,
+        matchers: Sequence[GrammarMatcher],
+        rows: Sequence[int],
+        bitmask: torch.Tensor | None = None,
+    ) -> None:
+        """Mask ``logits[rows[i]]`` in place by ``matchers[i]`` (rows not named are untouched)."""
+        if not matchers:
+            return
+        if bitmask is None or bitmask.shape[0] < logits.shape[0]:
+            bitmask = self.allocate_bitmask(logits.shape[0])
+        self.fill_masks(matchers, bitmask, rows)
+        _apply_bitmask(logits, bitmask, self.vocab_size, list(rows))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _apply_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int, rows: list[int] | None
+) -> None:
+    if logits.shape[-1] < vocab_size:
+        raise ValueError(f"logits have {logits.shape[-1]} columns, grammar vocab is {vocab_size}")
+    if logits.dtype == torch.float32 and logits.is_contiguous():
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
+        return
+    # other dtypes / strides: the same through a float32 copy
+    tmp = logits.float().contiguous()
+    xgr.apply_token_bitmask_inplace(tmp, bitmask, vocab_size=vocab_size, indices=rows)
+    logits.copy_(tmp)
+
+
+class GrammarMatcher:
+    """One request's grammar state. Per decode step: ``apply(logits_row)`` (or ``fill_mask``
+    into a shared bitmask and ``GrammarCompiler.apply_masks``), sample, ``accept(token)``;
+    finish the request when ``is_terminated()``. Not thread-safe (one request, one thread)."""
+
+    def __init__(
+        self, compiled: xgr.CompiledGrammar, vocab_size: int, max_rollback_tokens: int = 0
+    ) -> None:
+        # xgrammar >= 0.2 keeps unlimited rollback history (the argument is deprecated there)
+        del max_rollback_tokens
+        self._m = xgr.GrammarMatcher(compiled)
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(self._m.stop_token_ids)
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> None:
+        """Write the allowed-token bits of the next step into ``bitmask[row]``."""
+        if self._m.is_terminated():
+            raise RuntimeError("grammar already terminated: the request should have finished")
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def apply(self, logits_row: torch.Tensor) -> torch.Tensor:
+        """Set the disallowed tokens of a 1-D ``[vocab_size]`` (or ``[1, vocab_size]``) logits
+        row to ``-inf`` in place; returns it."""
+        self.fill_mask(self._bitmask, 0)
+        view = logits_row.view(1, -1) if logits_row.dim() == 1 else logits_row
+        _apply_bitmask(view, self._bitmask, self.vocab_size, None)
+        return logits_row
+
+    __call__ = apply  # usable as a per-request logits processor
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by the sampled token; False if the grammar does not allow it (the matcher
+        is then unchanged)."""
+        if not 0 <= token_id < self.vocab_size:
+            return False
+        return bool(self._m.accept_token(int(token_id)))
+
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted at a point where the grammar is complete."""
+        return bool(self._m.is_terminated())
+
+    def is_completed(self) -> bool:
+        """True where the grammar may end here (the stop tokens are allowed)."""
+        return bool(self._m.is_completed())
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (up to ``max_rollback_tokens``)."""
+        self._m.rollback(num_tokens)
+
+    def reset(self) -> None:
+        self._m.reset()

@@ -1,0 +1,341 @@
+"""Grammar-constrained decoding (engine/grammar.py): random logits masked by the grammar must
+always produce output that the spec accepts, and bad specs are ValueErrors."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from mambaradix.engine.grammar import GrammarCompiler, GrammarSpec, spec_from_request
+from mambaradix.models.loader import load_tokenizer, resolve_model_path
+
+PAD = 37  # logits rows past the tokenizer's vocabulary (as models pad their vocab)
+S = {"type": "string", "maxLength": 6}
+
+SCHEMAS: list[dict] = [
+    {"type": "object", "properties": {"a": S}, "required": ["a"], "additionalProperties": False},
+    {"type": "integer", "minimum": -5, "maximum": 5},
+    {"type": "boolean"},
+    {"type": "null"},
+    {"enum": ["red", "green", "blue"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 4},
+    {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 10, "maximum": 20},
+            "b": {"type": "boolean"},
+        },
+        "required": ["n", "b"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "outer": {
+                "type": "object",
+                "properties": {"inner": S, "z": {"type": "null"}},
+                "required": ["inner", "z"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["outer"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": S, "minItems": 1, "maxItems": 3}},
+        "required": ["tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"mode": {"enum": ["fast", "slow"]}, "level": {"enum": [1, 2, 3]}},
+        "required": ["mode", "level"],
+        "additionalProperties": False,
+    },
+    {"type": "string", "minLength": 2, "maxLength": 4},
+    {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}},
+            "required": ["id"],
+            "additionalProperties": False,
+        },
+        "maxItems": 3,
+    },
+    {
+        "type": "object",
+        "properties": {"opt": S, "req": {"type": "boolean"}},
+        "required": ["req"],
+        "additionalProperties": False,
+    },
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 3}, {"type": "boolean"}]},
+    {"type": ["string", "null"], "maxLength": 3},
+    {
+        "type": "object",
+        "properties": {
+            "x": {"const": "fixed"},
+            "y": {"type": "integer", "minimum": -100, "maximum": -1},
+        },
+        "required": ["x", "y"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "a": {
+                "type": "object",
+                "properties": {
+                    "b": {
+                        "type": "object",
+                        "properties": {
+                            "c": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}
+                        },
+                        "required": ["c"],
+                        "additionalProperties": False,
+                    }
+                },
+                "required": ["b"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["a"],
+        "additionalProperties": False,
+    },
+    {"type": "array", "items": {"enum": ["x", "y", None]}, "minItems": 2, "maxItems": 2},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 0, "maximum": 130},
+            "email": {"type": ["string", "null"], "maxLength": 10},
+            "active": {"type": "boolean"},
+            "roles": {"type": "array", "items": {"enum": ["admin", "user"]}, "maxItems": 2},
+        },
+        "required": ["name", "age", "active", "roles"],
+        "additionalProperties": False,
+    },
+    {
+        "$defs": {
+            "pt": {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["x"],
+                "additionalProperties": False,
+            }
+        },
+        "type": "object",
+        "properties": {"p": {"$ref": "#/$defs/pt"}, "q": {"$ref": "#/$defs/pt"}},
+        "required": ["p", "q"],
+        "additionalProperties": False,
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(resolve_model_path("tiny:qwen3_next"))
+
+
+@pytest.fixture(scope="module")
+def compiler(tok):
+    c = GrammarCompiler(tok, len(tok) + PAD, cache_size=8)
+    yield c
+    c.close()
+
+
+def drive(compiler, matcher, tok, seed: int, max_steps: int = 400, bias=None) -> str:
+    """Greedy argmax of seeded random logits (+ ``bias``) under the mask until the grammar
+    terminates; returns the decoded text without the stop token."""
+    g = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    for _ in range(max_steps):
+        logits = torch.randn(compiler.vocab_size, generator=g)
+        if bias is not None:
+            logits += bias
+        matcher.apply(logits)
+        assert torch.isinf(logits[len(tok) :]).all(), "padded rows must be masked"
+        t = int(logits.argmax())
+        assert matcher.accept(t)
+        if matcher.is_terminated():
+            assert t in compiler.stop_token_ids
+            return tok.decode(out)
+        assert t not in compiler.stop_token_ids
+        out.append(t)
+    pytest.fail(f"grammar did not terminate within {max_steps} steps: {tok.decode(out)!r}")
+
+
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_json_schema_random_logits_always_valid(compiler, tok, i):
+    schema = SCHEMAS[i]
+    spec = spec_from_request(json_schema=json.dumps(schema))
+    for seed in range(3):
+        text = drive(compiler, compiler.matcher(spec), tok, seed=1000 * i + seed)
+        value = json.loads(text)
+        jsonschema.validate(value, schema)
+        # no free whitespace: the text is the compact serialisation
+        assert text == json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def test_bounded_string_refuses_control_characters(compiler, tok):
+    """xgrammar's bounded-string class lets U+0000..U+001F through; ours must not."""
+    m = compiler.matcher(spec_from_request(json_schema={"type": "string", "maxLength": 5}))
+    assert m.accept(tok.encode('"', add_special_tokens=False)[0])
+    logits = torch.zeros(compiler.vocab_size)
+    m.apply(logits)
+    control = [i for i in range(len(tok)) if any(ord(ch) < 0x20 for ch in tok.decode([i]))]
+    assert control  # the byte tokens are there
+    assert torch.isinf(logits[control]).all()
+    assert torch.isfinite(logits).sum() > 100
+
+
+def test_twenty_schemas():
+    assert len(SCHEMAS) == 20
+
+
+def test_response_format_json_schema_and_json_object(compiler, tok):
+    schema = SCHEMAS[6]
+    spec = spec_from_request(
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    )
+    assert spec == spec_from_request(json_schema=schema)  # same cache key either way
+    jsonschema.validate(json.loads(drive(compiler, compiler.matcher(spec), tok, 7)), schema)
+    obj = spec_from_request(response_format={"type": "json_object"})
+    # json_object is unbounded: random logits leaning towards closing tokens, so it ends
+    bias = torch.zeros(compiler.vocab_size)
+    for text in ('"', "}", "]", "0", "1", ","):
+        bias[tok.encode(text, add_special_tokens=False)] = 3.0
+    bias[compiler.stop_token_ids] = 3.0
+    for seed in range(3):
+        text = drive(compiler, compiler.matcher(obj), tok, seed, max_steps=2000, bias=bias)
+        assert isinstance(json.loads(text), dict)
+    assert spec_from_request(response_format={"type": "text"}) is None
+    assert spec_from_request() is None
+
+
+def test_regex(compiler, tok):
+    pattern = r"[a-c]{2,4}-\d{1,3}(x|yz)?"
+    spec = spec_from_request(regex=pattern)
+    for seed in range(5):
+        assert re.fullmatch(pattern, drive(compiler, compiler.matcher(spec), tok, seed))
+
+
+def test_ebnf(compiler, tok):
+    grammar = 'root ::= "(" expr ")"\nexpr ::= num | num "+" num\nnum ::= [1-9] [0-9]?\n'
+    spec = spec_from_request(ebnf=grammar)
+    for seed in range(5):
+        text = drive(compiler, compiler.matcher(spec), tok, seed)
+        assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)?\)", text), text
+
+
+def test_negative_control_without_mask_not_json(tok):
+    g = torch.Generator().manual_seed(0)
+    V = len(tok)
+    bad = 0
+    for _ in range(5):
+        ids = [int(torch.randn(V, generator=g).argmax()) for _ in range(30)]
+        try:
+            json.loads(tok.decode(ids))
+        except ValueError:
+            bad += 1
+    assert bad == 5
+
+
+def test_bad_specs_raise_value_error():
+    cases = [
+        dict(json_schema="{not json"),
+        dict(json_schema="[1, 2]"),
+        dict(json_schema={"type": "integer", "minimum": 5, "maximum": 1}),
+        dict(json_schema={"type": "nosuchtype"}),
+        dict(regex="(unclosed"),
+        dict(regex=""),
+        dict(ebnf="root ::= undefined_rule"),
+        dict(response_format={"type": "bogus"}),
+        dict(response_format={"type": "json_schema"}),
+        dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        dict(response_format="json"),
+        dict(regex="a", ebnf='root ::= "a"'),
+    ]
+    for kw in cases:
+        with pytest.raises(ValueError):
+            spec_from_request(**kw)
+    with pytest.raises(ValueError):
+        GrammarSpec("yaml")
+
+
+def test_bad_spec_at_compile_is_value_error(compiler):
+    with pytest.raises(ValueError, match="regex"):
+        compiler.compile(GrammarSpec("regex", "(unclosed"))
+    with pytest.raises(ValueError):
+        compiler.compile_async(GrammarSpec("ebnf", "root ::= nope")).result()
+
+
+def test_stop_token_only_when_complete(compiler, tok):
+    m = compiler.matcher(spec_from_request(regex="ab"))
+    eos = compiler.stop_token_ids[0]
+    logits = torch.zeros(compiler.vocab_size)
+    m.apply(logits)
+    assert torch.isinf(logits[eos])
+    assert not m.accept(eos)  # refused, matcher unchanged
+    for t in tok.encode("ab", add_special_tokens=False):
+        assert m.accept(t)
+    assert m.is_completed() and not m.is_terminated()
+    logits = torch.zeros(compiler.vocab_size)
+    m.apply(logits)
+    assert torch.isfinite(logits).sum() == len(compiler.stop_token_ids)
+    assert m.accept(eos) and m.is_terminated()
+    with pytest.raises(RuntimeError):
+        m.apply(torch.zeros(compiler.vocab_size))
+
+
+def test_rollback(compiler, tok):
+    m = compiler.matcher(spec_from_request(regex="abc"), max_rollback_tokens=8)
+    ids = [tok.convert_tokens_to_ids(c) for c in "abc"]
+    assert m.accept(ids[0]) and m.accept(ids[1])
+    assert not m.accept(ids[0])
+    m.rollback(1)
+    assert not m.accept(ids[2]) and m.accept(ids[1]) and m.accept(ids[2])
+    assert m.is_completed()
+
+
+def test_cache_lru_bound_and_hits(tok):
+    c = GrammarCompiler(tok, len(tok), cache_size=2)
+    specs = [spec_from_request(regex=f"a{{{n}}}") for n in range(1, 4)]
+    first = c.compile(specs[0])
+    assert c.compile(specs[0]) is first and c.hits == 1
+    c.compile(specs[1])
+    c.compile(specs[2])
+    assert c.cache_len() == 2
+    assert c.compile(specs[0]) is not first  # evicted, recompiled
+    assert c.misses == 4
+    c.close()
+
+
+def test_batched_apply_matches_per_row(compiler, tok):
+    specs = [spec_from_request(json_schema=SCHEMAS[i]) for i in (0, 5, 9)] + [
+        spec_from_request(regex="[0-9]+")
+    ]
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, compiler.vocab_size, generator=g)
+    rows = [0, 2, 3, 5]
+    batch = logits.clone()
+    compiler.apply_masks(batch, [compiler.matcher(s) for s in specs], rows)
+    for r, s in zip(rows, specs):
+        single = logits[r].clone()
+        compiler.matcher(s).apply(single)
+        assert torch.equal(batch[r], single)
+    for r in (1, 4):
+        assert torch.equal(batch[r], logits[r])  # rows without a grammar untouched
+    assert not torch.equal(batch[0], logits[0])
+
+
+def test_bf16_logits(compiler):
+    m = compiler.matcher(spec_from_request(regex="[0-9]"))
+    logits = torch.zeros(compiler.vocab_size, dtype=torch.bfloat16)
+    m.apply(logits)
+    assert torch.isfinite(logits).sum() == 10
