@@ -52,7 +52,7 @@ class FakeModel(torch.nn.Module):
                 if j + 1 in snaps:
                     temporal[snaps[j + 1]] = s
                     conv[snaps[j + 1]] = t
-                if all_logits or j == len(r.input_ids) - 1:
+                if all_logits or r.all_logits or j == len(r.input_ids) - 1:
                     row = torch.zeros(VOCAB)
                     row[(s * 7 + kv_sum) % VOCAB] = 10.0
                     row[(s * 3 + 1) % VOCAB] += 5.0
