@@ -79,7 +79,7 @@ class _Server:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise APIError(
-                f"token id {bad[0]} is out of range [0, {self.vocab_size})", param="prompt"
+                f"prompt: token id {bad[0]} is out of range [0, {self.vocab_size})", param="prompt"
             )
 
     def max_tokens_for(self, prompt_len: int, requested: int | None, least: int = 1) -> int:

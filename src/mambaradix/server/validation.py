@@ -116,6 +116,7 @@ _PEER_FIELDS_CHAT: dict[str, tuple[Any, ...]] = {
     "reasoning": (),
     # vLLM
     "echo": (False,),
+    "best_of": (1,),
     "add_special_tokens": (False,),
     "documents": (),
     "chat_template": (),
@@ -186,9 +187,9 @@ def _path(path: tuple) -> str | None:
 
 
 def _too_deep(path: tuple) -> None:
+    field = str(path[0]) if path else None
     raise APIError(
-        f"{_path(path) or 'body'}: JSON nested too deeply (at most {MAX_DEPTH} levels)",
-        param=_path(path),
+        f"{field or 'body'}: JSON nested too deeply (at most {MAX_DEPTH} levels)", param=field
     )
 
 
