@@ -71,9 +71,13 @@ def test_reasoning_parser_splits_the_reply(tclient, think_server, engine) -> Non
               extra_body={"ignore_eos": True})  # fmt: skip
     # the prompt opened a think block: the whole (random-model) reply is reasoning
     r = tclient.chat.completions.create(**kw).choices[0].message
-    raw = tclient.chat.completions.create(
-        **{**kw, "extra_body": {"ignore_eos": True, "separate_reasoning": False}}
-    ).choices[0].message
+    raw = (
+        tclient.chat.completions.create(
+            **{**kw, "extra_body": {"ignore_eos": True, "separate_reasoning": False}}
+        )
+        .choices[0]
+        .message
+    )
     assert raw.model_extra.get("reasoning_content") is None and raw.content
     assert r.model_extra["reasoning_content"] + (r.content or "") == raw.content
     assert r.content is None

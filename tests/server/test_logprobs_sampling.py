@@ -67,7 +67,7 @@ def test_completion_logprobs_fields(client: openai.OpenAI, engine) -> None:
     assert lp.text_offset == sorted(lp.text_offset)
     text = r.choices[0].text
     tok = engine.tokenizer
-    for i, tid in enumerate(ids):  # each offset is where that token's text starts
+    for i in range(len(ids)):  # each offset is where that token's text starts
         assert lp.text_offset[i] == len(tok.decode(ids[:i]))
     assert text == tok.decode(ids)
     for top, chosen_lp in zip(lp.top_logprobs, lp.token_logprobs):
@@ -218,8 +218,16 @@ def test_n_64(client: openai.OpenAI) -> None:
 
 
 def test_seeded_sampling_with_penalties_repeats(client: openai.OpenAI) -> None:
-    kw = dict(model=MODEL, prompt="the model", max_tokens=10, temperature=1.0, seed=42,
-              frequency_penalty=0.5, logit_bias={"100": 3}, extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL,
+        prompt="the model",
+        max_tokens=10,
+        temperature=1.0,
+        seed=42,
+        frequency_penalty=0.5,
+        logit_bias={"100": 3},
+        extra_body={"ignore_eos": True},
+    )
     a = client.completions.create(**kw).choices[0].text
     b = client.completions.create(**kw).choices[0].text
     c = client.completions.create(**{**kw, "seed": 43}).choices[0].text
