@@ -94,6 +94,19 @@ def test_reasoning_parser_splits_the_reply(tclient, think_server, engine) -> Non
         for c in chunks if c.choices
     )  # fmt: skip
     assert streamed == r.model_extra["reasoning_content"]
+    # stream_reasoning false: the reasoning arrives in one piece
+    chunks = list(
+        tclient.chat.completions.create(
+            stream=True, **{**kw, "extra_body": {"ignore_eos": True, "stream_reasoning": False}}
+        )
+    )
+    pieces = [
+        (c.choices[0].delta.model_extra or {}).get("reasoning_content")
+        for c in chunks
+        if c.choices
+    ]
+    pieces = [p for p in pieces if p]
+    assert pieces == [r.model_extra["reasoning_content"]]
 
 
 @pytest.mark.parametrize(
