@@ -101,9 +101,7 @@ def test_reasoning_parser_splits_the_reply(tclient, think_server, engine) -> Non
         )
     )
     pieces = [
-        (c.choices[0].delta.model_extra or {}).get("reasoning_content")
-        for c in chunks
-        if c.choices
+        (c.choices[0].delta.model_extra or {}).get("reasoning_content") for c in chunks if c.choices
     ]
     pieces = [p for p in pieces if p]
     assert pieces == [r.model_extra["reasoning_content"]]
