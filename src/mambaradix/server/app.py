@@ -28,6 +28,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mambaradix.config import ServerConfig
+from mambaradix.server.guard import ServerErrorGuard, read_body
 from mambaradix.server.jobs import Choices, Job, first_error, watch_disconnect
 from mambaradix.server.logprobs import TokenTable
 from mambaradix.server.metrics import ServerMetrics
@@ -161,7 +162,7 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
 
     # Not an exception_handler(Exception): Starlette runs that one in its outermost middleware
     # and re-raises after answering, and uvicorn then drops the keep-alive connection.
-    app.add_middleware(_ServerErrorGuard)
+    app.add_middleware(ServerErrorGuard)
 
     if srv.cfg.api_key:
         expected = f"Bearer {srv.cfg.api_key}"
@@ -272,73 +273,9 @@ def _render_chat(srv: _Server, tok: Any, req: ChatCompletionRequest) -> tuple[st
     return text, kwargs
 
 
-class _ServerErrorGuard:
-    """ASGI middleware: an exception no route handled becomes a complete 500 JSON response,
-    logged once; after the response started, the body is ended properly instead. Either way
-    the HTTP/1.1 framing stays intact and the client can reuse the connection."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        state = {"started": False, "ended": False}
-
-        async def guarded_send(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                state["started"] = True
-            elif message["type"] == "http.response.body" and not message.get("more_body"):
-                state["ended"] = True
-            await send(message)
-
-        try:
-            await self.app(scope, receive, guarded_send)
-        except Exception as exc:
-            logger.exception("internal error while serving %s", scope.get("path"))
-            if state["ended"]:
-                return
-            if state["started"]:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return
-            body = json.dumps(
-                error_body(f"internal server error: {exc}", type="server_error")
-            ).encode()
-            headers = [
-                (b"content-type", b"application/json"),
-                (b"content-length", b"%d" % len(body)),
-            ]
-            await send({"type": "http.response.start", "status": 500, "headers": headers})
-            await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _read_body(srv: _Server, request: Request) -> bytes:
-    """The body, or a 413 once it passes --max-body-mb (the rest is read and dropped, so the
-    connection stays usable)."""
-    limit = srv.max_body
-    declared = request.headers.get("content-length")
-    too_big = declared is not None and declared.isdigit() and int(declared) > limit
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            too_big = True
-        if not too_big:
-            parts.append(chunk)
-    if too_big:
-        raise APIError(
-            f"the request body is larger than the server's limit of {limit} bytes (--max-body-mb)",
-            status=413,
-            code="request_too_large",
-        )
-    return b"".join(parts)
-
-
 async def _parse(srv: _Server, request: Request, model: type[M], kind: str) -> M:
     """The body as JSON whatever its content type (curl -d sends form encoding), validated."""
-    data = parse_json(await _read_body(srv, request))
+    data = parse_json(await read_body(request, srv.max_body))
     return validate_body(data, model, kind)  # type: ignore[return-value]
 
 
