@@ -67,3 +67,19 @@ def test_penalties_and_bias_same_with_and_without_overlap(rng):
     assert results[0] != [o["output_ids"] for o in plain]  # the processing did something
     assert all(len(ids) == 20 for ids in results[0])  # min_tokens kept EOS (7) away
     assert all(7 not in ids for ids in results[0])
+
+
+def test_prompt_logprobs_survive_retraction(rng):
+    """Under KV pressure requests are retracted and re-admitted: each still reports every
+    prompt logprob exactly once, equal to the reference."""
+    prompts = [rand_tokens(rng, 100) for _ in range(8)]
+    p = SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True, prompt_logprob_start=1)
+    with fake_engine(max_total_tokens=700, chunked_prefill_size=32) as eng:
+        handles = [eng.submit(ids, p) for ids in prompts]
+        outs = [list(h.events()) for h in handles]
+        assert eng.stats().retractions > 0
+        eng.check_integrity()
+    for ids, events in zip(prompts, outs):
+        got = [e.prompt_logprobs for e in events if e.prompt_logprobs is not None]
+        assert len(got) == 1 and got[0] == pytest.approx(_reference(ids), abs=1e-5)
+        assert sum(len(e.new_token_ids) for e in events) == 60
