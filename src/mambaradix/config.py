@@ -106,6 +106,17 @@ class ServerConfig:
         "", "Model name reported by /v1/models; defaults to the model path."
     )
     log_level: str = opt("info", "Log level.", ["debug", "info", "warning", "error"])
+    chat_template: str = opt(
+        "", "Chat template replacing the checkpoint's: a Jinja file's path or the template itself."
+    )
+    reasoning_parser: str = opt(
+        "",
+        "Split <think>...</think> out of chat replies into reasoning_content: 'qwen3' (a reply "
+        "may open a think block; one the prompt opened is continued), 'deepseek-r1' / "
+        "'qwen3-thinking' (replies start in reasoning unless enable_thinking is false).",
+        ["qwen3", "deepseek-r1", "qwen3-thinking"],
+    )
+    max_body_mb: float = opt(64.0, "Largest request body accepted (MiB); larger ones get 413.")
 
 
 def _flag(name: str) -> str:

@@ -73,8 +73,24 @@ class StateSpec:
 # --------------------------------------------------------------------------- requests
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(slots=True)
 class SamplingParams:
+    """How one request samples. Logprobs are of the model's own distribution (before
+    ``logit_bias``, penalties, temperature and filters), like vLLM's default and OpenAI's.
+
+    ``top_logprobs``: alternatives reported per sampled token (with ``return_logprob``).
+    ``prompt_logprob_start``: report the logprob of every prompt token from this position on
+    (>= 1; -1: none); such a request is never resumed from the cache past
+    ``prompt_logprob_start - 1``, so its logits exist. ``prompt_top_logprobs``: alternatives per
+    prompt token. ``logit_bias``: token id -> value added to its logit. ``repetition_penalty``
+    applies to prompt and output tokens, ``presence_penalty`` / ``frequency_penalty`` to output
+    tokens (OpenAI's definition). ``min_tokens``: EOS and ``stop_token_ids`` are masked until
+    that many tokens exist.
+    """
+
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
@@ -86,8 +102,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     return_logprob: bool = False
     skip_special_tokens: bool = True
+    top_logprobs: int = 0
+    prompt_logprob_start: int = -1
+    prompt_top_logprobs: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the bad field; called before a request enters the queue."""
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
@@ -99,6 +123,53 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("top_logprobs", "prompt_top_logprobs"):
+            value = getattr(self, name)
+            if not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+        if self.prompt_logprob_start != -1 and self.prompt_logprob_start < 1:
+            raise ValueError(
+                f"prompt_logprob_start must be -1 (off) or >= 1, got {self.prompt_logprob_start}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (-2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not (0.0 < self.repetition_penalty <= 10.0):
+            raise ValueError(
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
+            )
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_tokens}"
+            )
+        for tok, bias in self.logit_bias.items():
+            if vocab_size is not None and not 0 <= tok < vocab_size:
+                raise ValueError(f"logit_bias token id {tok} is out of range [0, {vocab_size})")
+            if not (-100.0 <= bias <= 100.0):
+                raise ValueError(f"logit_bias value for token {tok} must be in [-100, 100]")
+        if vocab_size is not None:
+            for tok in self.stop_token_ids:
+                if not 0 <= tok < vocab_size:
+                    raise ValueError(
+                        f"stop_token_ids: token id {tok} is out of range [0, {vocab_size})"
+                    )
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_logprob_start >= 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether sampling must change the logits (bias, penalties, min_tokens)."""
+        return bool(
+            self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+        )
 
 
 class FinishReason(str, Enum):
@@ -142,7 +213,9 @@ class ForwardReq:
     prefix_len are read, the rest are written by this forward. ``snapshots`` lists
     ``(n, slot)``: write the recurrent state after the first n new tokens (1 <= n <= extend_len)
     into state slot ``slot``. ``state_slot`` is the working slot: it holds the state at
-    prefix_len on entry and the state at prefix_len + extend_len on exit.
+    prefix_len on entry and the state at prefix_len + extend_len on exit. ``all_logits``: the
+    model returns logits for every new token of this request, not only the last (prompt
+    logprobs).
     """
 
     prefix_len: int
@@ -150,6 +223,7 @@ class ForwardReq:
     kv_slots: torch.Tensor
     state_slot: int
     snapshots: list[tuple[int, int]] = field(default_factory=list)
+    all_logits: bool = False
 
     @property
     def extend_len(self) -> int:
@@ -246,6 +320,16 @@ class ForwardContext:
     @property
     def num_reqs(self) -> int:
         return len(self.reqs)
+
+    def logit_rows(self) -> torch.Tensor:
+        """Rows the model returns logits for, in request order: each request's last new token,
+        or all its new tokens where ``ForwardReq.all_logits`` is set."""
+        if not any(r.all_logits for r in self.reqs):
+            return self.last_token_rows()
+        rows: list[int] = []
+        for r, s, n in zip(self.reqs, self.starts, self.extend_lens):
+            rows.extend(range(s, s + n) if r.all_logits else (s + n - 1,))
+        return torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
 
     def last_token_rows(self) -> torch.Tensor:
         """Row of each request's last new token (where its next-token logits come from)."""

@@ -126,7 +126,7 @@ class FakeModel(torch.nn.Module):
                     sums[layer] += v
                 if j + 1 in snaps:
                     self._write_state(ctx, snaps[j + 1], state)
-                if all_logits or j == len(r.input_ids) - 1:
+                if all_logits or r.all_logits or j == len(r.input_ids) - 1:
                     rows.append(logit_row(state, (sums[0], sums[1])))
             self._write_state(ctx, r.state_slot, state)
         return torch.stack(rows) if rows else torch.zeros(0, VOCAB)

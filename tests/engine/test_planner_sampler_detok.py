@@ -68,7 +68,7 @@ def test_sampler_filters():
 
     def draw(**kw):
         p = SamplingParams(temperature=1.0, **kw)
-        toks, lps = sample(logits, [p] * 400, [gen] * 400)
+        toks, lps, _ = sample(logits, [p] * 400, [gen] * 400)
         return set(toks), lps
 
     assert draw(top_k=1)[0] == {0}
@@ -76,7 +76,7 @@ def test_sampler_filters():
     assert draw(top_p=0.3)[0] == {0}
     assert draw(min_p=0.5)[0] == {0, 1}  # p(2) / p(0) = e^-1.5 < 0.5
     assert draw()[0] >= {0, 1, 2}
-    toks, lps = sample(logits[:1], [SamplingParams(temperature=0.0)], [None])
+    toks, lps, _ = sample(logits[:1], [SamplingParams(temperature=0.0)], [None])
     assert toks == [0] and lps[0] == pytest.approx(torch.log_softmax(logits[0], -1)[0].item())
 
 

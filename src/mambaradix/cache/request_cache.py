@@ -92,11 +92,13 @@ class RequestCache:
 
     # ------------------------------------------------------------------ lookup and admission
 
-    def match(self, tokens: list[int]) -> MatchResult:
-        """Lookup with limit len(tokens) - 1: at least one token must be computed."""
+    def match(self, tokens: list[int], limit: int | None = None) -> MatchResult:
+        """Lookup with limit len(tokens) - 1 (at least one token must be computed), or the
+        smaller ``limit`` (a request that needs the logits of earlier positions)."""
         if self.tree is None:
             return MatchResult(0, 0, None, torch.empty(0, dtype=torch.long))  # type: ignore[arg-type]
-        return self.tree.match(tokens, limit=len(tokens) - 1)
+        cap = len(tokens) - 1 if limit is None else min(limit, len(tokens) - 1)
+        return self.tree.match(tokens, limit=cap)
 
     def admit(self, match: MatchResult, first_len: int) -> tuple[ReqCache, StateOps] | None:
         """Take a request row, its state slots and KV for tokens [0, first_len).

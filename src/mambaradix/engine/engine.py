@@ -31,6 +31,7 @@ from mambaradix.engine.cpu_runtime import (
     serial_torch_thread,
 )
 from mambaradix.engine.detokenizer import DetokState, IncrementalDetokenizer, find_stop, holdback
+from mambaradix.engine.logits_process import RequestLogits
 from mambaradix.engine.outputs import EngineStats, OutputBatcher, RequestHandle, RequestOutput
 from mambaradix.engine.request import Req
 from mambaradix.engine.runner import ModelRunner
@@ -212,7 +213,7 @@ class Engine:
         self, input_ids: list[int], params: SamplingParams | None, rid: str | None
     ) -> tuple[Req, RequestHandle]:
         params = params or SamplingParams()
-        params.validate()
+        params.validate(self.model.vocab_size)
         if not input_ids:
             raise ValueError("the prompt is empty; send at least one token")
         total = len(input_ids) + params.max_new_tokens
@@ -228,6 +229,10 @@ class Engine:
         self._raise_if_broken()
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         req = Req(rid=rid, prompt_ids=list(input_ids), params=params)
+        if params.processes_logits:
+            req.logits_state = RequestLogits(
+                params, req.prompt_ids, vocab, list(getattr(self.model, "eos_token_ids", []) or [])
+            )
         handle = RequestHandle(rid, len(input_ids))
         req.stream = handle
         req.detok = DetokState()
@@ -399,6 +404,16 @@ class Engine:
         self._emit(req, ids, lps, text, finished=False)
         return stop_hit
 
+    def _logprob_extras(self, req: Req, out: RequestOutput, num_new: int) -> None:
+        """Top-k logprobs of the new tokens and, once, the prompt logprobs."""
+        p = req.params
+        if p.return_logprob and p.top_logprobs and num_new:
+            out.new_top_logprobs = req.output_top[-num_new:]
+        if p.wants_prompt_logprobs and not req.prompt_sent and (num_new or out.finished):
+            req.prompt_sent = True
+            out.prompt_logprobs = list(req.prompt_lps)
+            out.prompt_top_logprobs = list(req.prompt_top) if p.prompt_top_logprobs else None
+
     def _take_text(self, req: Req, final: bool) -> str:
         st: DetokState = req.detok
         if self._detok is None:
@@ -419,18 +434,18 @@ class Engine:
     ) -> None:
         handle: RequestHandle = req.stream
         reason = req.finish_reason.value if (finished and req.finish_reason) else None
-        self._outbox.put(
-            handle,
-            RequestOutput(
-                rid=req.rid,
-                new_token_ids=list(ids),
-                new_text=text,
-                finished=finished,
-                finish_reason=reason,
-                prompt_tokens=len(req.prompt_ids),
-                completion_tokens=len(req.output_ids),
-                cached_tokens=req.cached_tokens,
-                new_logprobs=lps,
-                finish_matched=req.finish_matched if finished else None,
-            ),
+        out = RequestOutput(
+            rid=req.rid,
+            new_token_ids=list(ids),
+            new_text=text,
+            finished=finished,
+            finish_reason=reason,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            new_logprobs=lps,
+            finish_matched=req.finish_matched if finished else None,
         )
+        if req.params.return_logprob or req.params.wants_prompt_logprobs:
+            self._logprob_extras(req, out, len(ids))
+        self._outbox.put(handle, out)

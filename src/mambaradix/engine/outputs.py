@@ -20,6 +20,12 @@ class RequestOutput:
     cached_tokens: int
     new_logprobs: list[float] | None = None
     finish_matched: str | int | None = None  # on the last event: the stop string or token hit
+    # per new token, its best alternatives (ids, logprobs), when the request asks for them
+    new_top_logprobs: list | None = None
+    # with the first output of a request that asks for prompt logprobs: the logprobs of prompt
+    # tokens prompt_logprob_start.. and their top alternatives (None entries without top-k)
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list | None = None
 
 
 @dataclass(slots=True)

@@ -32,6 +32,11 @@ class Req:
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top: list = field(default_factory=list)  # per output token: (ids, logprobs) | None
+    prompt_lps: list[float] = field(default_factory=list)  # from params.prompt_logprob_start
+    prompt_top: list = field(default_factory=list)
+    prompt_sent: bool = False  # prompt logprobs handed out (with the first output)
+    logits_state: object = None  # engine.logits_process.RequestLogits, when sampling needs one
     status: ReqStatus = ReqStatus.WAITING
     rc: ReqCache | None = None
     fed_len: int = 0

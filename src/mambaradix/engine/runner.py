@@ -14,7 +14,7 @@ import torch
 from mambaradix.cache.kv_pool import KVPool
 from mambaradix.cache.state_pool import StatePool
 from mambaradix.core import ForwardBatch, ForwardContext, ForwardReq, SamplingParams, StateOps
-from mambaradix.engine.sampler import sample
+from mambaradix.engine.sampler import TopLogprobs, sample, top_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,10 @@ class RunBatch:
     sample_rows: list[int] = field(default_factory=list)  # indices into forward.reqs
     params: list[SamplingParams] = field(default_factory=list)
     generators: list[torch.Generator | None] = field(default_factory=list)
+    logit_states: list = field(default_factory=list)  # RequestLogits or None per sample row
+    # prompt logprobs: (index into forward.reqs, row offset in its segment, target token ids,
+    # top-k); that request has ForwardReq.all_logits set
+    prompt_rows: list[tuple[int, int, list[int], int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -44,6 +48,9 @@ class RunResult:
     batch_id: int
     tokens: list[int]
     logprobs: list[float]
+    top: list[TopLogprobs | None] = field(default_factory=list)  # per sample row
+    # per RunBatch.prompt_rows entry: the targets' logprobs and each one's top-k (or None)
+    prompt: list[tuple[list[float], list[TopLogprobs | None]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -79,19 +86,36 @@ class ModelRunner:
             if any(t < 0 for t in r.input_ids):
                 r.input_ids = self._resolve(r.input_ids)
         self.state_pool.apply(fb.state_ops)
-        tokens: list[int] = []
-        logprobs: list[float] = []
+        result = RunResult(batch.batch_id, [], [])
         if fb.reqs:
             ctx = ForwardContext.build(
                 fb.reqs, self.kv_pool, self.state_pool, self.device, fb.decode_table, self._carry
             )
             logits = self.model.forward(ctx)
-            if batch.sample_rows:
-                rows = logits[torch.tensor(batch.sample_rows, dtype=torch.long)]
-                tokens, logprobs = sample(rows, batch.params, batch.generators)
-        self._sampled[batch.batch_id] = tokens
+            sample_rows = batch.sample_rows
+            first_row: list[int] = []
+            if batch.prompt_rows:  # some requests return logits for all their new tokens
+                pos = 0
+                for r in fb.reqs:
+                    first_row.append(pos)
+                    pos += r.extend_len if r.all_logits else 1
+                sample_rows = [
+                    first_row[j] + (fb.reqs[j].extend_len - 1 if fb.reqs[j].all_logits else 0)
+                    for j in sample_rows
+                ]
+            if sample_rows:
+                rows = logits[torch.tensor(sample_rows, dtype=torch.long)]
+                result.tokens, result.logprobs, result.top = sample(
+                    rows, batch.params, batch.generators, batch.logit_states
+                )
+            for j, offset, targets, k in batch.prompt_rows:
+                start = first_row[j] + offset
+                lps = torch.log_softmax(logits[start : start + len(targets)].float(), dim=-1)
+                got = lps.gather(1, torch.tensor(targets, dtype=torch.long)[:, None])[:, 0]
+                result.prompt.append((got.tolist(), top_logprobs(lps, [k] * len(targets))))
+        self._sampled[batch.batch_id] = result.tokens
         self._sampled.pop(batch.batch_id - _KEEP_BATCHES, None)
-        return RunResult(batch.batch_id, tokens, logprobs)
+        return result
 
     def warmup(self, num_tokens: int, per_request: int, budget_s: float = WARMUP_BUDGET_S) -> int:
         """Pay the first forwards' one-time costs before any request: a short probe prefill,

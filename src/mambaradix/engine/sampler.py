@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs."""
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, per-request
+logits processing (``engine.logits_process``), logprobs and top-k logprobs."""
 
 from __future__ import annotations
 
@@ -6,24 +7,45 @@ import torch
 
 from mambaradix.core import SamplingParams
 
+TopLogprobs = tuple[list[int], list[float]]  # token ids, their logprobs (best first)
+
 
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-) -> tuple[list[int], list[float]]:
-    """Pick one token per row of ``logits`` [B, V]; return the tokens and their logprobs under
-    the model's (unmodified) distribution."""
+    states: list | None = None,
+) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
+    """Pick one token per row of ``logits`` [B, V]; return the tokens, their logprobs under the
+    model's (unprocessed) distribution, and per row its ``top_logprobs`` best alternatives
+    (None where the request asks for none). ``states`` holds each row's ``RequestLogits`` (or
+    None); each state processes its row before sampling and accepts the token sampled."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     greedy = logits.argmax(dim=-1)
     tokens = greedy.tolist()
     for i, p in enumerate(params):
-        if p.temperature == 0.0 or p.top_k == 1:
+        state = states[i] if states else None
+        is_greedy = p.temperature == 0.0 or p.top_k == 1
+        if state is None:
+            if not is_greedy:
+                tokens[i] = _sample_row(logits[i], p, generators[i])
             continue
-        tokens[i] = _sample_row(logits[i], p, generators[i])
+        row = state(logits[i])
+        tokens[i] = int(row.argmax().item()) if is_greedy else _sample_row(row, p, generators[i])
+        state.accept(tokens[i])
     chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0]
-    return tokens, chosen.tolist()
+    return tokens, chosen.tolist(), top_logprobs(logprobs, [p.top_logprobs for p in params])
+
+
+def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[TopLogprobs | None]:
+    """Per row of ``logprobs`` [N, V], its ``ks[i]`` best (ids, logprobs), or None for k 0."""
+    k = max(ks, default=0)
+    if k <= 0:
+        return [None] * len(ks)
+    values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [(ids[i][:n], values[i][:n]) if n > 0 else None for i, n in enumerate(ks)]
 
 
 def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

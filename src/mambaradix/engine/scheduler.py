@@ -38,6 +38,8 @@ class Entry:
     resumed: bool = False
     track: tuple[int, int] | None = None  # extra_buffer: (position, track index)
     page_track: tuple[int, int, int] | None = None  # (position, track index, track epoch)
+    prompt_idx: int | None = None  # its entry in RunBatch.prompt_rows (prompt logprobs)
+    prompt_first: int = 0  # the prompt position of that entry's first target token
 
 
 @dataclass(slots=True)
@@ -261,6 +263,10 @@ class Scheduler:
             plan.run.sample_rows.append(len(plan.run.forward.reqs))
             plan.run.params.append(req.params)
             plan.run.generators.append(req.generator)
+            plan.run.logit_states.append(req.logits_state)
+        all_logits = False
+        if req.params.wants_prompt_logprobs and start < len(req.prompt_ids):
+            all_logits = self._plan_prompt_logprobs(plan, entry, req, start, end)
         if start < len(req.prompt_ids) or end - start > 1:
             self.stats.computed_prefill_tokens += end - start
         plan.run.forward.reqs.append(
@@ -270,10 +276,35 @@ class Scheduler:
                 kv_slots=self.cache.kv_slots(req.rc, end) if kv_slots is None else kv_slots,
                 state_slot=req.rc.state_slot,
                 snapshots=snapshots,
+                all_logits=all_logits,
             )
         )
         plan.entries.append(entry)
         req.fed_len = end
+
+    def _plan_prompt_logprobs(
+        self, plan: BatchPlan, entry: Entry, req: Req, start: int, end: int
+    ) -> bool:
+        """Ask the runner for the logprobs of the prompt tokens this segment predicts (row p
+        predicts token p + 1) that the request still lacks; True if there are any."""
+        first_wanted = req.params.prompt_logprob_start
+        first = max(first_wanted + len(req.prompt_lps), start + 1)
+        last = min(end, len(req.prompt_ids) - 1)
+        if first > last:
+            return False
+        entry.prompt_idx, entry.prompt_first = len(plan.run.prompt_rows), first
+        targets = req.prompt_ids[first : last + 1]
+        index = len(plan.run.forward.reqs)
+        top_k = req.params.prompt_top_logprobs
+        plan.run.prompt_rows.append((index, first - 1 - start, targets, top_k))
+        return True
+
+    def _match_limit(self, req: Req) -> int | None:
+        """Prompt logprobs need the logits of the positions before the first token still
+        lacking one: the cache may resume the request at most there."""
+        if not req.params.wants_prompt_logprobs:
+            return None
+        return req.params.prompt_logprob_start - 1 + len(req.prompt_lps)
 
     def _admit(self, plan: BatchPlan, budget: int) -> int:
         if not self.waiting:
@@ -287,8 +318,11 @@ class Scheduler:
                 break
             tokens = req.tokens()
             # matched again right before admission: an earlier admission may have evicted nodes
-            m = self.cache.match(tokens)
-            if held_for_sharing(req, m.prefix_len, self.running, self._wanted, self.align):
+            limit = self._match_limit(req)
+            m = self.cache.match(tokens, limit)
+            if limit is None and held_for_sharing(
+                req, m.prefix_len, self.running, self._wanted, self.align
+            ):
                 self.stats.held_for_sharing += 1
                 continue
             queue_branch = (
@@ -398,6 +432,11 @@ class Scheduler:
                 continue
             if e.resumed:
                 self.cache.resume_done(req.rc)
+            if e.prompt_idx is not None:
+                lps, top = result.prompt[e.prompt_idx]
+                if e.prompt_first == req.params.prompt_logprob_start + len(req.prompt_lps):
+                    req.prompt_lps.extend(lps)
+                    req.prompt_top.extend(top)
             if e.track is not None:
                 self.cache.donate_track(req.rc, e.track[1], req.tokens(), e.track[0])
             if e.page_track is not None and e.page_track[2] == req.track_epoch:
@@ -411,6 +450,8 @@ class Scheduler:
             req.futures.pop(0)
             req.output_ids.append(tok)
             req.output_logprobs.append(result.logprobs[e.sample_row])
+            if req.params.top_logprobs:
+                req.output_top.append(result.top[e.sample_row])
             self.stats.generated_tokens += 1
             reason = self._finish_reason(req, tok)
             stop_hit = self.on_tokens(req, [tok], [result.logprobs[e.sample_row]])

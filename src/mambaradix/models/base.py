@@ -11,8 +11,9 @@ order) and computes one forward over a ``ForwardContext``:
   ``temporal[j][state_slot]``, leaves its final state there, and for every ``(n, slot)`` in
   ``req.snapshots`` also writes the state after n new tokens into ``slot``.
 
-It returns next-token logits: ``[num_reqs, vocab]`` for each request's last new token, or
-``[num_tokens, vocab]`` for every new token when ``all_logits`` is true.
+It returns next-token logits at ``ctx.logit_rows()``: each request's last new token, or all
+its new tokens where ``ForwardReq.all_logits`` is set (prompt logprobs); ``[num_tokens,
+vocab]`` for every new token when the ``all_logits`` argument is true.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ class Lfm2ForCausalLM(HybridCausalLM):
         for layer in self.model.layers:
             h = layer(h, layout, self.rotary, cos_sin)
         if not all_logits:
-            h = h.index_select(0, ctx.last_token_rows())
+            h = h.index_select(0, ctx.logit_rows())
         h = self.model.embedding_norm(h)
         return self.lm_head(h)
 

@@ -231,7 +231,7 @@ class NemotronHForCausalLM(HybridCausalLM):
         for block in self.backbone.layers:
             h = block(h, layout)
         if not all_logits:
-            h = h.index_select(0, ctx.last_token_rows())
+            h = h.index_select(0, ctx.logit_rows())
         h = self.backbone.norm_f(h)
         return self.lm_head(h).float()
 

@@ -170,7 +170,7 @@ class Qwen3NextForCausalLM(HybridCausalLM):
         for layer in self.layers:
             x = layer(x, layout, cos_sin)
         if not all_logits and not layout.all_decode:
-            x = x.index_select(0, ctx.last_token_rows())
+            x = x.index_select(0, ctx.logit_rows())
         return self.lm_head(self.norm(x))
 
     # ------------------------------------------------------------------ weights

@@ -6,9 +6,11 @@ token-id prompts, batches), ``/v1/chat/completions`` (the checkpoint's chat temp
 SSE streaming; ``/v1/models``, ``/health``, ``/metrics``; SGLang's native routes (``/generate``,
 ``/get_server_info``, ...) come from ``native.py``.
 
-Contract at the seam: every client error is an HTTP 400 with an OpenAI error body and the server
-keeps serving; a request whose client went away (mid-stream or while waiting) is aborted in the
-engine, which frees its slots.
+Contract at the seam: every client error is a 4xx with an OpenAI error body naming the field
+(``validation.py``) and the server keeps serving; an unexpected error is a complete 500 response
+(or, mid-stream, a properly ended stream), so the keep-alive connection stays usable; a request
+whose client went away (mid-stream or while waiting) is aborted in the engine, which frees its
+slots.
 """
 
 from __future__ import annotations
@@ -16,17 +18,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mambaradix.config import ServerConfig
-from mambaradix.server.jobs import Job, first_error, watch_disconnect
+from mambaradix.server.guard import ServerErrorGuard, read_body
+from mambaradix.server.jobs import Choices, Job, first_error, watch_disconnect
+from mambaradix.server.logprobs import TokenTable
 from mambaradix.server.metrics import ServerMetrics
 from mambaradix.server.native import native_router
 from mambaradix.server.protocol import (
@@ -38,6 +43,8 @@ from mambaradix.server.protocol import (
     response_envelope,
     usage_dict,
 )
+from mambaradix.server.reasoning import starts_in_reasoning
+from mambaradix.server.validation import parse_json, validate_body
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +62,13 @@ class _Server:
         self.accepted_names = {self.model_name, engine.model_name}
         self.metrics = ServerMetrics(engine, self.model_name)
         self.vocab_size = len(engine.tokenizer)
+        self.table = TokenTable(engine.tokenizer)
+        self.max_body = int(cfg.max_body_mb * (1 << 20))
+        template = cfg.chat_template
+        if template and os.path.isfile(template):
+            with open(template, encoding="utf-8") as f:
+                template = f.read()
+        self.chat_template: str | None = template or None
 
     def check_model(self, name: str | None) -> None:
         if name and name not in self.accepted_names:
@@ -68,15 +82,18 @@ class _Server:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise APIError(
-                f"token id {bad[0]} is out of range [0, {self.vocab_size})", param="prompt"
+                f"prompt: token id {bad[0]} is out of range [0, {self.vocab_size})", param="prompt"
             )
 
-    def max_tokens_for(self, prompt_len: int, requested: int | None) -> int:
+    def max_tokens_for(self, prompt_len: int, requested: int | None, least: int = 1) -> int:
+        """The engine's max_new_tokens (at least 1; a completion's ``max_tokens: 0``, with
+        ``least`` 0, generates one token that is not reported)."""
         ctx = self.engine.context_length
         if requested is None:
             requested = ctx - prompt_len
-        if requested < 0:
-            raise APIError(f"max_tokens must be >= 0, got {requested}", param="max_tokens")
+        if requested < least:
+            raise APIError(f"max_tokens must be >= {least}, got {requested}", param="max_tokens")
+        requested = max(requested, 1)
         if prompt_len + requested > ctx:
             raise APIError(
                 f"this model's maximum context length is {ctx} tokens; the request has "
@@ -145,12 +162,9 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
             error_body(str(exc.detail), code=exc.status_code), status_code=exc.status_code
         )
 
-    @app.exception_handler(Exception)
-    async def _server_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error while serving a request")
-        return JSONResponse(
-            error_body(f"internal server error: {exc}", type="server_error"), status_code=500
-        )
+    # Not an exception_handler(Exception): Starlette runs that one in its outermost middleware
+    # and re-raises after answering, and uvicorn then drops the keep-alive connection.
+    app.add_middleware(ServerErrorGuard)
 
     if srv.cfg.api_key:
         expected = f"Bearer {srv.cfg.api_key}"
@@ -189,51 +203,83 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Any:
-        req = await _parse(request, CompletionRequest)
+        req = await _parse(srv, request, CompletionRequest, "completion")
         srv.check_model(req.model)
         tok = engine.tokenizer
+        want_lps = req.logprobs is not None
+        ch = Choices(False, req, tok, srv.table, logprobs=want_lps, discard=req.max_tokens == 0)
         jobs: list[Job] = []
+        n = req.num_choices
         for p_idx, prompt in enumerate(req.prompts()):
             ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
             srv.check_ids(ids)
-            params = req.sampling_params(srv.max_tokens_for(len(ids), req.max_tokens), False)
-            params.return_logprob = req.logprobs is not None
-            for j in range(req.n):
-                jobs.append(Job.make(p_idx * req.n + j, ids, params, j, tok, prompt_key=p_idx))
+            max_new = srv.max_tokens_for(len(ids), req.max_tokens, least=0)
+            params = req.sampling_params(max_new, srv.vocab_size)
+            params.return_logprob = want_lps
+            params.top_logprobs = req.logprobs or 0
+            echo_text = None
+            if req.echo:
+                echo_text = prompt if isinstance(prompt, str) else tok.decode(ids)
+                if want_lps:
+                    params.prompt_logprob_start = 1
+                    params.prompt_top_logprobs = req.logprobs or 0
+            for j in range(n):
+                jobs.append(Job.make(p_idx * n + j, ids, params, j, ch, p_idx, echo_text))
         return await _serve(srv, jobs, req, request, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Any:
-        req = await _parse(request, ChatCompletionRequest)
+        req = await _parse(srv, request, ChatCompletionRequest, "chat")
         srv.check_model(req.model)
         tok = engine.tokenizer
-        text = tok.apply_chat_template(
-            req.chat_messages(), add_generation_prompt=True, tokenize=False
-        )
+        text, kwargs = _render_chat(srv, tok, req)
         ids = tok.encode(text, add_special_tokens=False)
         params = req.sampling_params(
-            srv.max_tokens_for(len(ids), req.requested_max_tokens()), req.logprobs
+            srv.max_tokens_for(len(ids), req.requested_max_tokens()), srv.vocab_size
         )
-        jobs = [Job.make(j, ids, params, j, tok, prompt_key=0) for j in range(req.n)]
+        params.return_logprob = bool(req.logprobs)
+        params.top_logprobs = req.top_logprobs or 0
+        ch = Choices(True, req, tok, srv.table, logprobs=bool(req.logprobs))
+        parser = srv.cfg.reasoning_parser
+        if parser and req.separate_reasoning is not False:
+            ch.in_reasoning = starts_in_reasoning(parser, text, kwargs)
+            ch.stream_reasoning = req.stream_reasoning is not False
+        jobs = [Job.make(j, ids, params, j, ch, prompt_key=0) for j in range(req.num_choices)]
         return await _serve(srv, jobs, req, request, chat=True)
 
     app.include_router(native_router(srv))  # SGLang's /generate, /get_server_info, ...
     return app
 
 
-async def _parse(request: Request, model: type[M]) -> M:
+def _render_chat(srv: _Server, tok: Any, req: ChatCompletionRequest) -> tuple[str, dict]:
+    """The prompt text from the chat template; a 400 when there is no template or the template
+    refuses the conversation (its raise_exception, a missing variable)."""
+    messages, kwargs = req.template_args()
+    template = srv.chat_template or getattr(tok, "chat_template", None)
+    if not template:
+        raise APIError(
+            "this model has no chat template; send the prompt to /v1/completions, or start the "
+            "server with --chat-template",
+            param="messages",
+            code="no_chat_template",
+        )
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, chat_template=template, **kwargs)
+    except Exception as e:
+        if isinstance(e, (ValueError, TypeError, LookupError)) or (
+            type(e).__module__.startswith("jinja2")
+        ):
+            raise APIError(
+                f"the chat template refused the request: {e}", param="messages"
+            ) from None
+        raise
+    return text, kwargs
+
+
+async def _parse(srv: _Server, request: Request, model: type[M], kind: str) -> M:
     """The body as JSON whatever its content type (curl -d sends form encoding), validated."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(f"malformed JSON body: {e}", code="json_invalid") from None
-    if not isinstance(data, dict):
-        raise APIError(f"the body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise RequestValidationError(e.errors()) from None
+    data = parse_json(await read_body(request, srv.max_body))
+    return validate_body(data, model, kind)  # type: ignore[return-value]
 
 
 async def _serve(srv: _Server, jobs: list[Job], req: Any, request: Request, chat: bool) -> Any:
@@ -253,7 +299,7 @@ async def _serve(srv: _Server, jobs: list[Job], req: Any, request: Request, chat
     if err is not None:
         raise err
     kind = "chat.completion" if chat else "text_completion"
-    body = response_envelope(kind, rid, srv.model_name, [j.final_choice(chat, req) for j in jobs])
+    body = response_envelope(kind, rid, srv.model_name, [j.final_choice() for j in jobs])
     body["usage"] = _usage(jobs)
     return body
 
@@ -296,9 +342,13 @@ async def _stream(
                 yield _sse(err.body())
                 break
             job.add(out)
-            choice = job.chunk_choice(out, chat, req)
+            choice = job.chunk_choice(out)
             if choice is not None:
                 body = response_envelope(kind, rid, srv.model_name, [choice])
+                if req.continuous_usage:
+                    body["usage"] = usage_dict(
+                        job.prompt_tokens, job.completion_tokens, job.cached_tokens
+                    )
                 if req.return_token_ids and out.finished:
                     body["prompt_token_ids"] = job.input_ids
                 yield _sse(body)

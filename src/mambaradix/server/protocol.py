@@ -1,10 +1,14 @@
 """OpenAI-compatible request schemas, their translation to ``SamplingParams``, response builders.
 
-Requests are pydantic models (wrong types become HTTP 400 in ``app.py``); responses are plain
-dicts in the OpenAI wire format. Extensions accepted in request bodies (SGLang / vLLM names):
-``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``seed``, ``skip_special_tokens``, and
-``return_token_ids`` (adds ``token_ids`` to each choice and ``prompt_token_ids``, which the
-benchmark's multi-turn workload needs to resend a conversation token for token).
+Requests are strict pydantic models (no type coercion, unknown keys refused; ``validation.py``
+checks the body before them and turns their errors into 400s naming the field); responses are
+plain dicts in the OpenAI wire format. Extensions implemented beyond OpenAI's schema (SGLang /
+vLLM names): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``skip_special_tokens``, ``return_token_ids`` (adds ``token_ids`` to each
+choice and ``prompt_token_ids``), ``stream_options.continuous_usage_stats``; chat:
+``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``,
+``separate_reasoning``, ``stream_reasoning``, messages' ``reasoning_content`` and ``name``;
+completions: ``max_tokens: 0`` (with ``echo``: prompt logprobs only).
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, field_validator
 
-from mambaradix.core import SamplingParams
+from mambaradix.core import MAX_TOP_LOGPROBS, SamplingParams
+
+MAX_N = 64
 
 
 class APIError(Exception):
@@ -49,42 +55,49 @@ def error_body(
 # --------------------------------------------------------------------------- requests
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
-    model_config = ConfigDict(extra="ignore")
+
+class _SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions (null means the default)."""
 
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions (SGLang / vLLM)
     top_k: int | None = None
     min_p: float | None = None
-    ignore_eos: bool = False
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    return_token_ids: bool = False
+    skip_special_tokens: bool | None = True
+    return_token_ids: bool | None = False
 
-    def sampling_params(self, max_new_tokens: int, return_logprob: bool) -> SamplingParams:
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+    def sampling_params(self, max_new_tokens: int, vocab_size: int) -> SamplingParams:
         """Translate to engine params; raises APIError naming the offending field."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise APIError(f"{name} is not supported (only 0)", param=name)
-        if self.n < 1 or self.n > 16:
-            raise APIError(f"n must be in [1, 16], got {self.n}", param="n")
+        n = self.num_choices
+        if not 1 <= n <= MAX_N:
+            raise APIError(f"n must be in [1, {MAX_N}], got {n}", param="n")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise APIError("stop strings must not be empty", param="stop")
@@ -95,44 +108,76 @@ class _SamplingFields(BaseModel):
             top_k=-1 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
             seed=self.seed,
-            ignore_eos=self.ignore_eos,
+            ignore_eos=bool(self.ignore_eos),
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
-            return_logprob=return_logprob,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens is not False,
+            logit_bias=self._logit_bias(),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_tokens=self.min_tokens or 0,
         )
         if params.temperature > 2.0:
             raise APIError(
                 f"temperature must be in [0, 2], got {params.temperature}", param="temperature"
             )
         try:
-            params.validate()
+            params.validate(vocab_size)
         except ValueError as e:
             raise APIError(str(e), param=_param_of(str(e))) from None
         return params
 
+    def _logit_bias(self) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise APIError(
+                    f"logit_bias keys must be token ids (decimal strings), got {key!r}",
+                    param="logit_bias",
+                ) from None
+            out[tok] = float(value)
+        return out
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 _PARAM_NAMES = {"max_new_tokens": "max_tokens"}
 
 
 def _param_of(message: str) -> str | None:
-    word = message.split(" ", 1)[0]
+    word = message.split(" ", 1)[0].rstrip(":")
     return _PARAM_NAMES.get(word, word) if word.isidentifier() else None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
-    suffix: str | None = None
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_range(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        return v
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids. Raises APIError on an empty batch/prompt."""
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise APIError(
+                "best_of other than n is not supported (no server-side ranking)", param="best_of"
+            )
         p = self.prompt
         if isinstance(p, str):
             items: list[str | list[int]] = [p]
@@ -144,23 +189,35 @@ class CompletionRequest(_SamplingFields):
             items = list(p)  # type: ignore[arg-type]
         if any(len(x) == 0 for x in items):
             raise APIError("prompt must not be empty", param="prompt")
-        if self.echo:
-            raise APIError("echo is not supported", param="echo")
-        if self.suffix:
-            raise APIError("suffix is not supported", param="suffix")
         return items
 
 
-class TextPart(BaseModel):
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+_NULL_ONLY_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "refusal", "audio", "function_call")
 
+
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
+    # tool calling is not implemented yet: accepted only as null
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    refusal: Any = None
+    audio: Any = None
+    function_call: Any = None
+
+    @field_validator(*_NULL_ONLY_MESSAGE_FIELDS)
+    @classmethod
+    def _null_only(cls, v: Any) -> Any:
+        if v is not None and v != []:
+            raise ValueError("is not supported by this server; only null is accepted")
+        return None
 
     def text(self) -> str:
         if self.content is None:
@@ -169,18 +226,75 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def template_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        return out
+
+
+# chat_template_kwargs may not override what the server passes itself
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "conversation", "add_generation_prompt", "continue_final_message", "tokenize",
+     "tools", "documents", "chat_template", "return_dict", "return_assistant_tokens_mask",
+     "padding", "truncation", "max_length", "return_tensors", "tokenizer_kwargs"}
+)  # fmt: skip
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    separate_reasoning: bool | None = True
+    stream_reasoning: bool | None = True
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_range(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        return v
+
+    def template_args(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Messages and keyword arguments for ``apply_chat_template``; APIError if bad."""
         if not self.messages:
             raise APIError("messages must not be empty", param="messages")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        if self.top_logprobs and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        kwargs: dict[str, Any] = {}
+        for key, value in (self.chat_template_kwargs or {}).items():
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise APIError(
+                    f"chat_template_kwargs may not set '{key}'",
+                    param=f"chat_template_kwargs.{key}",
+                )
+            kwargs[key] = value
+        cont = bool(self.continue_final_message)
+        gen = self.add_generation_prompt is not False
+        if cont:
+            if self.messages[-1].role != "assistant":
+                raise APIError(
+                    "continue_final_message needs the last message to be the assistant's",
+                    param="continue_final_message",
+                )
+            if self.add_generation_prompt is True and "add_generation_prompt" in (
+                self.model_fields_set
+            ):
+                raise APIError(
+                    "continue_final_message and add_generation_prompt cannot both be true",
+                    param="continue_final_message",
+                )
+            gen = False
+        kwargs["add_generation_prompt"] = gen
+        kwargs["continue_final_message"] = cont
+        return [m.template_dict() for m in self.messages], kwargs
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -201,24 +315,6 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def completion_logprobs(token_strs: list[str], logprobs: list[float]) -> dict[str, Any]:
-    return {
-        "tokens": token_strs,
-        "token_logprobs": logprobs,
-        "top_logprobs": [None] * len(logprobs),
-        "text_offset": [],
-    }
-
-
-def chat_logprobs(token_strs: list[str], logprobs: list[float]) -> dict[str, Any]:
-    return {
-        "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-            for t, lp in zip(token_strs, logprobs)
-        ]
     }
 
 

@@ -1,0 +1,92 @@
+"""Per-request logits processing before sampling: penalties, ``logit_bias``, ``min_tokens``,
+and a list of pluggable processors (the seam a grammar mask uses).
+
+A ``RequestLogits`` belongs to one request. It is read and updated only on the runner's
+thread: batches run there strictly in order, so when a batch samples for a request, every
+token sampled for it by earlier batches has already been ``accept``-ed, overlap or not. A
+retracted request keeps its state (its sampled tokens do not change).
+
+Order on a row of raw logits: repetition penalty (prompt and output tokens: positive logits
+divided, negative multiplied), frequency and presence penalties (output tokens), logit bias,
+the ``min_tokens`` mask of EOS and stop tokens, then each processor.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from mambaradix.core import SamplingParams
+
+
+class LogitsProcessor(Protocol):
+    """A per-request step of logits processing (e.g. a grammar's token mask)."""
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """Return the processed fp32 row ``[V]`` (may modify ``logits`` in place)."""
+        ...
+
+    def accept(self, token: int) -> None:
+        """The token sampled from the processed row."""
+        ...
+
+
+class RequestLogits:
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_ids: list[int],
+        vocab_size: int,
+        eos_token_ids: list[int],
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.repetition = params.repetition_penalty
+        self.frequency = params.frequency_penalty
+        self.presence = params.presence_penalty
+        self.min_tokens = params.min_tokens
+        self.num_outputs = 0
+        self.processors: list[LogitsProcessor] = []
+        bias = sorted(params.logit_bias.items())
+        self.bias_ids = torch.tensor([t for t, _ in bias], dtype=torch.long)
+        self.bias_values = torch.tensor([b for _, b in bias], dtype=torch.float32)
+        self.counts = (
+            torch.zeros(vocab_size, dtype=torch.float32)
+            if (self.frequency or self.presence)
+            else None
+        )
+        self.seen: torch.Tensor | None = None
+        if self.repetition != 1.0:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool)
+            self.seen[torch.tensor(prompt_ids, dtype=torch.long)] = True
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(eos_token_ids)
+        self.stop_ids = torch.tensor(sorted(t for t in stops if 0 <= t < vocab_size))
+
+    def __call__(self, row: torch.Tensor) -> torch.Tensor:
+        """The processed copy of one fp32 row of raw logits."""
+        row = row.clone()
+        if self.seen is not None:
+            picked = row[self.seen]
+            row[self.seen] = torch.where(
+                picked > 0, picked / self.repetition, picked * self.repetition
+            )
+        if self.counts is not None:
+            row -= self.frequency * self.counts + self.presence * (self.counts > 0).float()
+        if self.bias_ids.numel():
+            row.index_add_(0, self.bias_ids, self.bias_values)
+        if self.num_outputs < self.min_tokens and self.stop_ids.numel():
+            row[self.stop_ids] = float("-inf")
+        for proc in self.processors:
+            row = proc(row)
+        return row
+
+    def accept(self, token: int) -> None:
+        self.num_outputs += 1
+        if self.counts is not None:
+            self.counts[token] += 1.0
+        if self.seen is not None:
+            self.seen[token] = True
+        for proc in self.processors:
+            proc.accept(token)

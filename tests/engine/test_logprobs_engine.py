@@ -1,0 +1,85 @@
+"""Prompt logprobs and logits processing in the engine (fake model): the same values whatever
+the cache, chunking and overlap; a cached prefix never hides prompt logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import fake_engine, rand_tokens
+from fake_model import FakeModel
+
+from mambaradix.core import ForwardContext, ForwardReq, SamplingParams
+
+
+def _reference(prompt: list[int]) -> list[float]:
+    """Logprob of every prompt token 1.. from one all-logits forward of the fake model."""
+    from mambaradix.cache.kv_pool import KVPool
+    from mambaradix.cache.state_pool import StatePool
+
+    model = FakeModel()
+    kv = KVPool(model.kv_spec, 4096, 1)
+    st = StatePool(model.state_spec, 4)
+    slots = kv.alloc(len(prompt))
+    state = st.alloc(1)
+    st.clear(state)
+    req = ForwardReq(0, list(prompt), slots, int(state[0]))
+    logits = model.forward(ForwardContext.build([req], kv, st), all_logits=True)
+    lps = torch.log_softmax(logits.float(), -1)
+    return lps[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].tolist()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("chunk", [16, -1])
+def test_prompt_logprobs_match_a_full_forward_with_the_prompt_cached(rng, overlap, chunk):
+    prompt = rand_tokens(rng, 100)
+    want = _reference(prompt)
+    with fake_engine(chunked_prefill_size=chunk, disable_overlap_schedule=not overlap) as eng:
+        eng.generate(input_ids=prompt, sampling_params={"max_new_tokens": 3, "temperature": 0})
+        for start in (1, 40):
+            p = SamplingParams(
+                max_new_tokens=2, temperature=0, prompt_logprob_start=start, prompt_top_logprobs=2
+            )
+            outs = list(eng.submit(prompt, p).events())
+            first = outs[0]
+            assert first.prompt_logprobs == pytest.approx(want[start - 1 :], abs=1e-5)
+            assert len(first.prompt_top_logprobs) == len(prompt) - start
+            assert all(o.prompt_logprobs is None for o in outs[1:])
+            # the cache served what precedes the first needed position, nothing after it
+            assert outs[-1].cached_tokens <= start - 1
+        eng.check_integrity()
+
+
+def test_penalties_and_bias_same_with_and_without_overlap(rng):
+    prompts = [rand_tokens(rng, 20) for _ in range(6)]
+    params = {
+        "max_new_tokens": 20, "temperature": 0, "frequency_penalty": 1.5,
+        "repetition_penalty": 1.3, "logit_bias": {7: 4.0}, "min_tokens": 20,
+    }  # fmt: skip
+    results = []
+    for overlap in (True, False):
+        with fake_engine(disable_overlap_schedule=not overlap, eos=[7]) as eng:
+            outs = eng.generate(input_ids=prompts, sampling_params=params)
+            results.append([o["output_ids"] for o in outs])
+            plain = eng.generate(
+                input_ids=prompts, sampling_params={"max_new_tokens": 20, "temperature": 0}
+            )
+    assert results[0] == results[1]
+    assert results[0] != [o["output_ids"] for o in plain]  # the processing did something
+    assert all(len(ids) == 20 for ids in results[0])  # min_tokens kept EOS (7) away
+    assert all(7 not in ids for ids in results[0])
+
+
+def test_prompt_logprobs_survive_retraction(rng):
+    """Under KV pressure requests are retracted and re-admitted: each still reports every
+    prompt logprob exactly once, equal to the reference."""
+    prompts = [rand_tokens(rng, 100) for _ in range(8)]
+    p = SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True, prompt_logprob_start=1)
+    with fake_engine(max_total_tokens=700, chunked_prefill_size=32) as eng:
+        handles = [eng.submit(ids, p) for ids in prompts]
+        outs = [list(h.events()) for h in handles]
+        assert eng.stats().retractions > 0
+        eng.check_integrity()
+    for ids, events in zip(prompts, outs):
+        got = [e.prompt_logprobs for e in events if e.prompt_logprobs is not None]
+        assert len(got) == 1 and got[0] == pytest.approx(_reference(ids), abs=1e-5)
+        assert sum(len(e.new_token_ids) for e in events) == 60
