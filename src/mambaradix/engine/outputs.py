@@ -7,6 +7,8 @@ import queue
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
+ENGINE_DEAD = "engine failed"  # how the error of a request failed by the engine's death begins
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -20,6 +22,16 @@ class RequestOutput:
     cached_tokens: int
     new_logprobs: list[float] | None = None
     finish_matched: str | int | None = None  # on the last event: the stop string or token hit
+    error: str | None = None  # set on the final output of a request that failed
+    queue_time: float | None = None  # seconds the request waited before its first admission
+
+
+class RequestError(RuntimeError):
+    """One request failed (a fault while handling it); the engine keeps serving the others."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine itself failed; every running and later request fails with this."""
 
 
 @dataclass(slots=True)
@@ -82,6 +94,7 @@ class RequestHandle:
                 return
 
     def result(self) -> dict:
+        """The whole output; raises ``RequestError`` / ``EngineDeadError`` if it failed."""
         return _collect(self.events())
 
 
@@ -133,6 +146,9 @@ def _collect(events: Iterator[RequestOutput]) -> dict:
         if out.new_logprobs:
             lps += out.new_logprobs
         last = out
+    if last.error is not None:
+        kind = EngineDeadError if last.error.startswith(ENGINE_DEAD) else RequestError
+        raise kind(last.error)
     meta = {
         "id": last.rid,
         "prompt_tokens": last.prompt_tokens,

@@ -41,6 +41,7 @@ class RunResult:
     batch_id: int
     tokens: list[int]
     logprobs: list[float]
+    errors: dict[int, BaseException] | None = None  # sample row -> why sampling it raised
 
 
 class ModelRunner:
@@ -78,6 +79,7 @@ class ModelRunner:
         self.state_pool.apply(fb.state_ops)
         tokens: list[int] = []
         logprobs: list[float] = []
+        errors = None
         if fb.reqs:
             ctx = ForwardContext.build(
                 fb.reqs, self.kv_pool, self.state_pool, self.device, fb.decode_table, self._carry
@@ -85,10 +87,36 @@ class ModelRunner:
             logits = self.model.forward(ctx)
             if batch.sample_rows:
                 rows = logits[torch.tensor(batch.sample_rows, dtype=torch.long)]
-                tokens, logprobs = sample(rows, batch.params, batch.generators)
+                tokens, logprobs, errors = self._sample(rows, batch)
         self._sampled[batch.batch_id] = tokens
         self._sampled.pop(batch.batch_id - _KEEP_BATCHES, None)
-        return RunResult(batch.batch_id, tokens, logprobs)
+        return RunResult(batch.batch_id, tokens, logprobs, errors)
+
+    def _sample(
+        self, rows: torch.Tensor, batch: RunBatch
+    ) -> tuple[list[int], list[float], dict[int, BaseException] | None]:
+        """Sample the whole batch at once; if that raises, sample row by row so that only the
+        rows that raise fail (their requests end with an error; the others get exactly the
+        tokens the batched call gives: the random generators are rewound first)."""
+        params, gens = batch.params, batch.generators
+        rewind = _rng_states(params, gens)
+        try:
+            tokens, logprobs = sample(rows, params, gens)
+            return tokens, logprobs, None
+        except Exception:
+            logger.debug("batch sampling raised; sampling row by row", exc_info=True)
+        _restore_rng(rewind, gens)
+        tokens, logprobs, errors = [], [], {}
+        for i in range(rows.shape[0]):
+            try:
+                t, lp = sample(rows[i : i + 1], [params[i]], [gens[i]])
+                tokens.append(t[0])
+                logprobs.append(lp[0])
+            except Exception as exc:
+                errors[i] = exc
+                tokens.append(int(rows[i].argmax()))  # a valid id for any batch that reads it
+                logprobs.append(0.0)
+        return tokens, logprobs, errors
 
     def warmup(self, num_tokens: int, per_request: int) -> int:
         """Run one forward shaped like the largest prefill batch (``num_tokens`` new tokens in
@@ -170,3 +198,27 @@ class ModelRunner:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+def _rng_states(
+    params: list[SamplingParams], gens: list[torch.Generator | None]
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None]] | None:
+    """The random states the rows may consume (None when every row is greedy: nothing)."""
+    if all(p.temperature == 0.0 for p in params):
+        return None
+    shared = torch.get_rng_state() if any(g is None for g in gens) else None
+    return shared, [g.get_state() if g is not None else None for g in gens]
+
+
+def _restore_rng(
+    saved: tuple[torch.Tensor | None, list[torch.Tensor | None]] | None,
+    gens: list[torch.Generator | None],
+) -> None:
+    if saved is None:
+        return
+    shared, states = saved
+    if shared is not None:
+        torch.set_rng_state(shared)
+    for g, st in zip(gens, states):
+        if g is not None and st is not None:
+            g.set_state(st)

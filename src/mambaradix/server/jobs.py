@@ -13,7 +13,7 @@ import logging
 import uuid
 from typing import Any
 
-from mambaradix.core import SamplingParams
+from mambaradix.core import SEED_LIMIT, SamplingParams
 from mambaradix.server.metrics import RequestTimer
 from mambaradix.server.protocol import APIError, chat_logprobs, completion_logprobs
 
@@ -65,7 +65,8 @@ class Job:
     ) -> Job:
         """The ``copy_index``-th of n samples of one prompt; seeded copies get distinct seeds."""
         if copy_index and params.seed is not None:
-            params = dataclasses.replace(params, seed=params.seed + copy_index)
+            # wraps within the valid range: seed 2^63 - 1 with n = 2 must not overflow
+            params = dataclasses.replace(params, seed=(params.seed + copy_index) % SEED_LIMIT)
         return cls(index, input_ids, params, tok, prompt_key)
 
     # ------------------------------------------------------------------ events
