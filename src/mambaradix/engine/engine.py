@@ -287,7 +287,9 @@ class Engine:
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            token_usage=self.cache.token_usage(),
+            token_usage=(usage := self.cache.token_usage()),
+            num_used_tokens=round(usage * self.kv_pool.size),
+            max_total_num_tokens=self.kv_pool.size,
             mamba_usage=self.cache.mamba_usage(),
             prompt_tokens=s.prompt_tokens,
             cached_tokens=s.cached_tokens,

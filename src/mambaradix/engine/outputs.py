@@ -40,6 +40,8 @@ class EngineStats:
     num_waiting: int = 0
     token_usage: float = 0.0
     mamba_usage: float = 0.0
+    num_used_tokens: int = 0  # KV tokens in use (size - free - evictable)
+    max_total_num_tokens: int = 0  # KV pool size in tokens
     prompt_tokens: int = 0
     cached_tokens: int = 0
     computed_prefill_tokens: int = 0

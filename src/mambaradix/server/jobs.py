@@ -84,6 +84,8 @@ class Job:
         if out.finished:
             self.finished = True
             self.finish_reason = out.finish_reason
+            if out.error is not None:
+                self.error = RuntimeError(out.error)
 
     async def collect(self) -> None:
         try:
