@@ -122,7 +122,7 @@ def test_engine_fault_turns_health_503_and_exits_nonzero() -> None:
             proc.wait()
 
 
-@pytest.mark.parametrize("extra", [["--device", "cuda"], ["--model-path", "/nonexistent/m"]])
+@pytest.mark.parametrize("extra", [["--model-path", "/nonexistent/m"]])
 def test_cli_user_error_is_one_line_exit_2(extra) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     src = os.path.abspath(os.path.join(HERE, "..", "..", "src"))
