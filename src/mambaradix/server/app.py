@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mambaradix.config import ServerConfig
 from mambaradix.server.health import add_health_routes
-from mambaradix.server.jobs import Job, first_error, watch_disconnect
+from mambaradix.server.jobs import Job, abort_unfinished, first_error, watch_disconnect
 from mambaradix.server.metrics import ServerMetrics
 from mambaradix.server.native import native_router
 from mambaradix.server.protocol import (
@@ -352,10 +352,4 @@ async def _stream(
 
 
 def _abort_unfinished(srv: _Server, jobs: list[Job]) -> None:
-    """Abort in the engine what the client no longer waits for; count it as aborted (the
-    engine's final event for it reaches nobody)."""
-    for job in jobs:
-        if not job.finished:
-            srv.engine.abort(job.rid)
-            if job.timer is not None:
-                job.timer.aborted()
+    abort_unfinished(srv.engine, jobs)

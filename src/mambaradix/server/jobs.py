@@ -164,6 +164,16 @@ def first_error(jobs: list[Job]) -> APIError | None:
     return None
 
 
+def abort_unfinished(engine: Any, jobs: list[Job]) -> None:
+    """Abort in the engine what the client no longer waits for, and count it as aborted (the
+    engine's final event for it reaches nobody)."""
+    for job in jobs:
+        if not job.finished:
+            engine.abort(job.rid)
+            if job.timer is not None:
+                job.timer.aborted()
+
+
 async def watch_disconnect(request: Any, engine: Any, jobs: list[Job]) -> None:
     """Poll the connection of a non-streaming request; abort its jobs when the client is gone."""
     while True:
