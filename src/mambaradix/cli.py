@@ -81,17 +81,21 @@ def _engine_config(ns: argparse.Namespace) -> EngineConfig:
 def _serve(ns: argparse.Namespace) -> int:
     from mambaradix.engine.engine import Engine
     from mambaradix.server.launch import serve
+    from mambaradix.server.lifecycle import bind_socket
 
     scfg = config_from_args(ServerConfig, ns)
+    scfg.validate()
     _logging(scfg.log_level)
     so = config_from_args(ScaleOutConfig, ns)
     if so.dp_size > 1:  # N replicas behind the SGLang Model Gateway (server/replicas.py)
         from mambaradix.server.replicas import serve_replicas
 
         return serve_replicas(_engine_config(ns), scfg, so)
-    with Engine(_engine_config(ns)) as engine:
-        serve(engine, scfg)
-    return 0
+    ecfg = _engine_config(ns)
+    sock = bind_socket(scfg.host, scfg.port)  # a port in use fails now, not after loading
+    with Engine(ecfg) as engine:
+        code = serve(engine, scfg, sock=sock)
+    return code
 
 
 def _bench(ns: argparse.Namespace) -> int:
@@ -136,10 +140,30 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean the user asked for something wrong: one line, exit 2."""
+    from mambaradix.server.lifecycle import PortInUseError
+
+    return (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, PortInUseError)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    """Run one command. A user error (bad path, missing file, unsupported architecture, port
+    in use, CUDA asked on a CPU build, a bad flag value) prints one line and returns 2 (the
+    traceback only with --log-level debug)."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
     handler = {"serve": _serve, "bench": _bench, "generate": _generate}[ns.command]
-    return handler(ns)
+    try:
+        return handler(ns)
+    except _user_errors() as e:
+        if getattr(ns, "log_level", "") == "debug":
+            logger.exception("user error")
+        message = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        if isinstance(e, FileNotFoundError | NotADirectoryError) and e.filename:
+            message = f"{e.strerror}: {e.filename}"
+        sys.stderr.write(f"mambaradix {ns.command}: error: {message}\n")
+        return 2
 
 
 if __name__ == "__main__":

@@ -77,6 +77,11 @@ class EngineConfig:
     disable_overlap_schedule: bool = opt(
         False, "Prepare the next batch only after the current one finished."
     )
+    watchdog_timeout: float = opt(
+        300.0,
+        "Seconds a forward may run with work pending before /health reports the engine stuck "
+        "(503).",
+    )
     num_threads: int = opt(0, "torch intra-op threads; 0 keeps torch's default.")
     kernel_backend: str = opt(
         "auto",
@@ -95,6 +100,31 @@ class EngineConfig:
             raise ValueError("--mamba-track-interval must be >= 1")
         if not 0 < self.mamba_full_memory_ratio:
             raise ValueError("--mamba-full-memory-ratio must be > 0")
+        if not self.watchdog_timeout > 0:
+            raise ValueError("--watchdog-timeout must be > 0")
+        check_device(self.device)
+
+
+def check_device(device: str) -> None:
+    """Raise ValueError if torch cannot use ``device`` here (CUDA asked on a CPU build)."""
+    import torch
+
+    kind = device.split(":", 1)[0]
+    if kind == "cpu":
+        return
+    if kind == "cuda":
+        if torch.version.cuda is None:
+            raise ValueError(
+                f"--device {device}: this torch build ({torch.__version__}) has no CUDA "
+                "support; use --device cpu or install a CUDA build of torch"
+            )
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: no CUDA device is visible")
+        return
+    try:
+        torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"--device {device}: {e}") from None
 
 
 @dataclass
@@ -117,6 +147,27 @@ class ServerConfig:
         ["qwen3", "deepseek-r1", "qwen3-thinking"],
     )
     max_body_mb: float = opt(64.0, "Largest request body accepted (MiB); larger ones get 413.")
+    graceful_shutdown_timeout: float = opt(
+        30.0,
+        "On SIGTERM: stop admitting, let running requests finish for this many seconds, then "
+        "abort the rest (each stream gets a final 'abort' event) and exit 0.",
+    )
+    metrics_prefix: str = opt(
+        "mambaradix",
+        "Prefix of the /metrics names ('sglang' lets SGLang's dashboards work unchanged).",
+    )
+
+    def validate(self) -> None:
+        import re
+
+        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
+            raise ValueError(
+                f"--metrics-prefix {self.metrics_prefix!r}: letters, digits and '_' only"
+            )
+        if self.graceful_shutdown_timeout < 0:
+            raise ValueError("--graceful-shutdown-timeout must be >= 0")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port {self.port} is not a port number")
 
 
 def _flag(name: str) -> str:

@@ -74,6 +74,7 @@ class StateSpec:
 
 
 MAX_TOP_LOGPROBS = 20
+SEED_LIMIT = 1 << 63  # torch.Generator.manual_seed takes a signed 64-bit value
 
 
 @dataclass(slots=True)
@@ -123,6 +124,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not (0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
         for name in ("top_logprobs", "prompt_top_logprobs"):
             value = getattr(self, name)
             if not 0 <= value <= MAX_TOP_LOGPROBS:
@@ -176,6 +179,7 @@ class FinishReason(str, Enum):
     STOP = "stop"  # EOS, stop token or stop string
     LENGTH = "length"  # max_new_tokens or context length
     ABORT = "abort"
+    ERROR = "error"  # this request failed (a fault while handling it, or the engine died)
 
 
 # --------------------------------------------------------------------------- scheduler -> runner

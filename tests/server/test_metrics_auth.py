@@ -28,8 +28,10 @@ def test_metrics_move_with_requests(http, engine, wait_idle) -> None:
     for name in ("mambaradix:num_running_reqs", "mambaradix:num_queue_reqs",
                  "mambaradix:token_usage", "mambaradix:mamba_usage",
                  "mambaradix:evicted_states_total", "mambaradix:evicted_kv_tokens_total",
-                 "mambaradix:retractions_total", "mambaradix:skipped_snapshots_total",
-                 "mambaradix:state_copies_total"):  # fmt: skip
+                 "mambaradix:num_retracted_requests_total", "mambaradix:skipped_snapshots_total",
+                 "mambaradix:state_copies_total", "mambaradix:num_used_tokens",
+                 "mambaradix:max_total_num_tokens", "mambaradix:gen_throughput",
+                 "mambaradix:cache_hit_rate"):  # fmt: skip
         assert name in m0, name
     prompt = [7] * 40
     r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5,
@@ -48,7 +50,11 @@ def test_metrics_move_with_requests(http, engine, wait_idle) -> None:
     assert d("mambaradix:e2e_request_latency_seconds_count") == 1
     assert d("mambaradix:inter_token_latency_seconds_count") == 4
     assert d("mambaradix:requests_total{length}") == 1
-    assert d("mambaradix:requests_total{error}") == 1
+    assert d("mambaradix:requests_total{error}") == 0  # the 400 never reached the engine
+    assert d("mambaradix:num_client_errors_total") == 1
+    assert d("mambaradix:num_server_errors_total") == 0
+    assert d("mambaradix:num_requests_total") == 1
+    assert d("mambaradix:queue_time_seconds_count") == 1
     assert d("mambaradix:engine_finished_requests_total") == 1
     assert m1["mambaradix:num_running_reqs"] == 0 and m1["mambaradix:num_queue_reqs"] == 0
 

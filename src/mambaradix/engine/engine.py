@@ -31,8 +31,16 @@ from mambaradix.engine.cpu_runtime import (
     serial_torch_thread,
 )
 from mambaradix.engine.detokenizer import DetokState, IncrementalDetokenizer, find_stop, holdback
+from mambaradix.engine.health import EngineHealth, HealthReport
 from mambaradix.engine.logits_process import RequestLogits
-from mambaradix.engine.outputs import EngineStats, OutputBatcher, RequestHandle, RequestOutput
+from mambaradix.engine.outputs import (
+    ENGINE_DEAD,
+    EngineDeadError,
+    EngineStats,
+    OutputBatcher,
+    RequestHandle,
+    RequestOutput,
+)
 from mambaradix.engine.request import Req
 from mambaradix.engine.runner import ModelRunner
 from mambaradix.engine.scheduler import Scheduler
@@ -41,6 +49,7 @@ from mambaradix.kernels import list_kernels, native, set_backend
 logger = logging.getLogger(__name__)
 
 ARRIVAL_WINDOW_S = 0.01  # waking from idle: how long a burst may take to arrive
+_FAIL_LOCK = threading.Lock()  # failing queued work may run on a caller's thread and the loop's
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -171,7 +180,7 @@ class Engine:
         self._reqs: dict[str, Req] = {}
         self._inbox: queue.Queue = queue.Queue()
         self._outbox = OutputBatcher()  # flushed after every turn of the engine loop
-        self._error: BaseException | None = None
+        self._health = EngineHealth(cfg.watchdog_timeout)
         self._stop = False
         self._ids = itertools.count()
         # Loading ran torch on this thread; its OpenMP pool would slow the runner's, and glibc
@@ -198,7 +207,7 @@ class Engine:
         self, input_ids: list[int], params: SamplingParams | None = None, rid: str | None = None
     ) -> RequestHandle:
         req, handle = self._make_req(input_ids, params, rid)
-        self._inbox.put(("add", [req]))
+        self._put(("add", [req]))
         return handle
 
     def submit_many(
@@ -206,7 +215,7 @@ class Engine:
     ) -> list[RequestHandle]:
         """Queue several requests at once (they arrive together, in one scheduler step)."""
         made = [self._make_req(ids, p, None) for ids, p in zip(input_ids, params)]
-        self._inbox.put(("add", [req for req, _ in made]))
+        self._put(("add", [req for req, _ in made]))
         return [h for _, h in made]
 
     def _make_req(
@@ -239,7 +248,16 @@ class Engine:
         return req, handle
 
     def abort(self, rid: str) -> None:
-        self._inbox.put(("abort", rid))
+        self._put(("abort", rid))
+
+    def abort_all(self) -> None:
+        """Abort every request the engine holds (each gets a final ``abort`` event)."""
+        self._put(("abort_all",))
+
+    def health(self) -> HealthReport:
+        """``ok`` while the loop is alive and making progress; ``stuck`` when a forward has
+        run past --watchdog-timeout; ``dead`` after a fault in the engine; ``stopped``."""
+        return self._health.report()
 
     def generate(
         self,
@@ -274,7 +292,9 @@ class Engine:
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            token_usage=self.cache.token_usage(),
+            token_usage=(usage := self.cache.token_usage()),
+            num_used_tokens=round(usage * self.kv_pool.size),
+            max_total_num_tokens=self.kv_pool.size,
             mamba_usage=self.cache.mamba_usage(),
             prompt_tokens=s.prompt_tokens,
             cached_tokens=s.cached_tokens,
@@ -304,8 +324,9 @@ class Engine:
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread between steps and return its result."""
+        self._raise_if_broken()
         fut: Future = Future()
-        self._inbox.put(("call", fn, fut))
+        self._put(("call", fn, fut))
         return fut.result()
 
     def shutdown(self) -> None:
@@ -315,6 +336,8 @@ class Engine:
         self._inbox.put(("stop",))
         self._thread.join(timeout=30)
         self.runner.shutdown()
+        self._health.stopped = True
+        self._fail_inbox()  # anything queued after the loop ended
 
     def __enter__(self) -> Engine:
         return self
@@ -325,11 +348,22 @@ class Engine:
     # ------------------------------------------------------------------ engine thread
 
     def _raise_if_broken(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"engine loop failed: {self._error!r}") from self._error
+        error = self._health.error
+        if error is not None:
+            raise EngineDeadError(self._health.report().detail) from error
+        if self._stop:
+            raise EngineDeadError("engine is shut down")
+
+    def _put(self, item: tuple) -> None:
+        """Queue for the engine thread. If the loop has ended (a fault, or shut down), what
+        was queued fails at once instead of waiting for a loop that will never run it."""
+        self._inbox.put(item)
+        if self._health.error is not None or not self._thread.is_alive():
+            self._fail_inbox()
 
     def _loop(self) -> None:
         serial_torch_thread()  # no OpenMP pool beside the runner's (engine.cpu_runtime)
+        health = self._health
         while not self._stop:
             try:
                 self._pull(block=self.scheduler.is_idle())
@@ -337,13 +371,15 @@ class Engine:
                     self._outbox.flush()
                     break
                 if not self.scheduler.is_idle():
+                    health.step_started()
                     self.scheduler.step()
                     if self.debug_integrity:
                         self.scheduler.check_integrity()
+                    health.step_done()
                 self._outbox.flush()
-            except BaseException as exc:  # keep serving callers: fail their requests
-                logger.exception("engine step failed")
-                self._error = exc
+            except BaseException as exc:  # a fault of the engine itself: it is dead
+                health.die(exc)
+                logger.exception("engine failed; every running and later request fails")
                 self._fail_all()
                 return
 
@@ -359,7 +395,21 @@ class Engine:
                 time.sleep(ARRIVAL_WINDOW_S)
             block = False
             kind = item[0]
-            if kind == "add":
+            if kind == "call":
+                _, fn, fut = item
+                try:
+                    if not self.scheduler.is_idle():
+                        self.scheduler.drain()
+                except BaseException as exc:  # a forward raised: the engine is dead
+                    fut.set_exception(exc)
+                    raise
+                try:
+                    result = fn()
+                    self._outbox.flush()
+                    fut.set_result(result)
+                except BaseException as exc:
+                    fut.set_exception(exc)
+            elif kind == "add":
                 for req in item[1]:
                     self._reqs[req.rid] = req
                     self.scheduler.add(req)
@@ -367,24 +417,42 @@ class Engine:
                 req = self._reqs.get(item[1])
                 if req is not None:
                     self.scheduler.abort(req)
-            elif kind == "call":
-                _, fn, fut = item
-                try:
-                    if not self.scheduler.is_idle():
-                        self.scheduler.drain()
-                    result = fn()
-                    self._outbox.flush()
-                    fut.set_result(result)
-                except BaseException as exc:
-                    fut.set_exception(exc)
+            elif kind == "abort_all":
+                for req in list(self._reqs.values()):
+                    self.scheduler.abort(req)
             elif kind == "stop":
                 return
 
     def _fail_all(self) -> None:
+        """The engine died: every request it holds or has queued ends with an error event."""
+        detail = self._health.report().detail
         for req in list(self._reqs.values()):
-            req.finish_reason = FinishReason.ABORT
-            self._emit(req, [], [], "", finished=True)
+            self._fail_req(req, detail)
         self._reqs.clear()
+        self._fail_inbox()
+
+    def _fail_req(self, req: Req, detail: str) -> None:
+        req.finish_reason = FinishReason.ERROR
+        req.error = detail if detail.startswith(ENGINE_DEAD) else f"{ENGINE_DEAD}: {detail}"
+        self._emit(req, [], None, "", finished=True)
+
+    def _fail_inbox(self) -> None:
+        """Fail what waits in the inbox (the loop has ended); safe from any thread."""
+        detail = self._health.report().detail if self._health.error else "engine is shut down"
+        with _FAIL_LOCK:
+            self._fail_queued(detail)
+
+    def _fail_queued(self, detail: str) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item[0] == "add":
+                for req in item[1]:
+                    self._fail_req(req, detail)
+            elif item[0] == "call":
+                item[2].set_exception(EngineDeadError(detail))
         self._outbox.flush()
 
     def _on_tokens(self, req: Req, ids: list[int], logprobs: list[float]) -> bool:
@@ -424,10 +492,18 @@ class Engine:
         return text
 
     def _on_finish(self, req: Req) -> None:
-        if self._detok is not None and not isinstance(req.finish_matched, str):
-            self._detok.flush(req.detok, req.output_ids)  # no stop string cut the text
-        self._emit(req, [], None, self._take_text(req, final=True), finished=True)
         self._reqs.pop(req.rid, None)
+        text = ""
+        if req.error is None:
+            try:
+                if self._detok is not None and not isinstance(req.finish_matched, str):
+                    self._detok.flush(req.detok, req.output_ids)  # no stop string cut the text
+                text = self._take_text(req, final=True)
+            except Exception as exc:  # this request's detokenization: it alone fails
+                logger.error("request %s failed: %r", req.rid, exc, exc_info=exc)
+                req.finish_reason = FinishReason.ERROR
+                req.error = f"request failed: {type(exc).__name__}: {exc}"
+        self._emit(req, [], None, text, finished=True)
 
     def _emit(
         self, req: Req, ids: list[int], lps: list[float] | None, text: str, finished: bool
@@ -445,6 +521,8 @@ class Engine:
             cached_tokens=req.cached_tokens,
             new_logprobs=lps,
             finish_matched=req.finish_matched if finished else None,
+            error=req.error if finished else None,
+            queue_time=req.queue_time,
         )
         if req.params.return_logprob or req.params.wants_prompt_logprobs:
             self._logprob_extras(req, out, len(ids))

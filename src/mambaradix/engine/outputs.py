@@ -7,6 +7,8 @@ import queue
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
+ENGINE_DEAD = "engine failed"  # how the error of a request failed by the engine's death begins
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -26,6 +28,16 @@ class RequestOutput:
     # tokens prompt_logprob_start.. and their top alternatives (None entries without top-k)
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list | None = None
+    error: str | None = None  # set on the final output of a request that failed
+    queue_time: float | None = None  # seconds the request waited before its first admission
+
+
+class RequestError(RuntimeError):
+    """One request failed (a fault while handling it); the engine keeps serving the others."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine itself failed; every running and later request fails with this."""
 
 
 @dataclass(slots=True)
@@ -34,6 +46,8 @@ class EngineStats:
     num_waiting: int = 0
     token_usage: float = 0.0
     mamba_usage: float = 0.0
+    num_used_tokens: int = 0  # KV tokens in use (size - free - evictable)
+    max_total_num_tokens: int = 0  # KV pool size in tokens
     prompt_tokens: int = 0
     cached_tokens: int = 0
     computed_prefill_tokens: int = 0
@@ -88,6 +102,7 @@ class RequestHandle:
                 return
 
     def result(self) -> dict:
+        """The whole output; raises ``RequestError`` / ``EngineDeadError`` if it failed."""
         return _collect(self.events())
 
 
@@ -139,6 +154,9 @@ def _collect(events: Iterator[RequestOutput]) -> dict:
         if out.new_logprobs:
             lps += out.new_logprobs
         last = out
+    if last.error is not None:
+        kind = EngineDeadError if last.error.startswith(ENGINE_DEAD) else RequestError
+        raise kind(last.error)
     meta = {
         "id": last.rid,
         "prompt_tokens": last.prompt_tokens,

@@ -52,6 +52,8 @@ class Req:
     finish_reason: FinishReason | None = None
     finish_matched: str | int | None = None  # stop string or stop token
     aborted: bool = False
+    error: str | None = None  # why the request failed (FinishReason.ERROR)
+    queue_time: float | None = None  # seconds from arrival to first admission
     generator: torch.Generator | None = None
     np_ids: np.ndarray | None = None
     stream: object = None  # engine-side output sink

@@ -51,6 +51,7 @@ class RunResult:
     top: list[TopLogprobs | None] = field(default_factory=list)  # per sample row
     # per RunBatch.prompt_rows entry: the targets' logprobs and each one's top-k (or None)
     prompt: list[tuple[list[float], list[TopLogprobs | None]]] = field(default_factory=list)
+    errors: dict[int, BaseException] | None = None  # sample row -> why sampling it raised
 
 
 class ModelRunner:
@@ -105,8 +106,8 @@ class ModelRunner:
                 ]
             if sample_rows:
                 rows = logits[torch.tensor(sample_rows, dtype=torch.long)]
-                result.tokens, result.logprobs, result.top = sample(
-                    rows, batch.params, batch.generators, batch.logit_states
+                result.tokens, result.logprobs, result.top, result.errors = self._sample(
+                    rows, batch
                 )
             for j, offset, targets, k in batch.prompt_rows:
                 start = first_row[j] + offset
@@ -116,6 +117,35 @@ class ModelRunner:
         self._sampled[batch.batch_id] = result.tokens
         self._sampled.pop(batch.batch_id - _KEEP_BATCHES, None)
         return result
+
+    def _sample(
+        self, rows: torch.Tensor, batch: RunBatch
+    ) -> tuple[list[int], list[float], list, dict[int, BaseException] | None]:
+        """Sample the whole batch at once; if that raises, sample row by row so that only the
+        rows that raise fail (their requests end with an error; the others get exactly the
+        tokens the batched call gives: the random generators are rewound first)."""
+        params, gens, states = batch.params, batch.generators, batch.logit_states
+        rewind = _rng_states(params, gens)
+        try:
+            tokens, logprobs, top = sample(rows, params, gens, states)
+            return tokens, logprobs, top, None
+        except Exception:
+            logger.debug("batch sampling raised; sampling row by row", exc_info=True)
+        _restore_rng(rewind, gens)
+        tokens, logprobs, top, errors = [], [], [], {}
+        for i in range(rows.shape[0]):
+            state = [states[i]] if states else None
+            try:
+                t, lp, tp = sample(rows[i : i + 1], [params[i]], [gens[i]], state)
+                tokens.append(t[0])
+                logprobs.append(lp[0])
+                top.append(tp[0])
+            except Exception as exc:
+                errors[i] = exc
+                tokens.append(int(rows[i].argmax()))  # a valid id for any batch that reads it
+                logprobs.append(0.0)
+                top.append(None)
+        return tokens, logprobs, top, errors
 
     def warmup(self, num_tokens: int, per_request: int, budget_s: float = WARMUP_BUDGET_S) -> int:
         """Pay the first forwards' one-time costs before any request: a short probe prefill,
@@ -220,3 +250,27 @@ class ModelRunner:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+def _rng_states(
+    params: list[SamplingParams], gens: list[torch.Generator | None]
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None]] | None:
+    """The random states the rows may consume (None when every row is greedy: nothing)."""
+    if all(p.temperature == 0.0 for p in params):
+        return None
+    shared = torch.get_rng_state() if any(g is None for g in gens) else None
+    return shared, [g.get_state() if g is not None else None for g in gens]
+
+
+def _restore_rng(
+    saved: tuple[torch.Tensor | None, list[torch.Tensor | None]] | None,
+    gens: list[torch.Generator | None],
+) -> None:
+    if saved is None:
+        return
+    shared, states = saved
+    if shared is not None:
+        torch.set_rng_state(shared)
+    for g, st in zip(gens, states):
+        if g is not None and st is not None:
+            g.set_state(st)

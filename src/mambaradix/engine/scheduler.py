@@ -11,6 +11,7 @@ batch as already computed (``fed_len``); only sampled token values arrive late (
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -122,13 +123,27 @@ class Scheduler:
         if req.status is ReqStatus.FINISHED:
             return
         req.aborted = True
+        self._end_early(req, FinishReason.ABORT)
+
+    def fail(self, req: Req, exc: BaseException) -> None:
+        """A fault while handling this one request (sampling setup, stop strings,
+        detokenization, a parameter validation missed): end it with an error, free its slots
+        once no batch in flight uses them, keep serving the others."""
+        if req.status is ReqStatus.FINISHED:
+            return
+        logger.error("request %s failed: %r", req.rid, exc, exc_info=exc)
+        req.error = f"request failed: {type(exc).__name__}: {exc}"
+        self._end_early(req, FinishReason.ERROR)
+
+    def _end_early(self, req: Req, reason: FinishReason) -> None:
+        """Abort or fail: reported at once; resources released, never cached."""
         if req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
             req.status = ReqStatus.FINISHED
-            req.finish_reason = FinishReason.ABORT
+            req.finish_reason = reason
             self.on_finish(req)
             return
-        self._finish(req, FinishReason.ABORT)
+        self._finish(req, reason)
 
     def step(self) -> None:
         plan = self._schedule()
@@ -320,6 +335,12 @@ class Scheduler:
             # matched again right before admission: an earlier admission may have evicted nodes
             limit = self._match_limit(req)
             m = self.cache.match(tokens, limit)
+            if req.generator is None and req.params.seed is not None:
+                try:
+                    req.generator = torch.Generator().manual_seed(req.params.seed)
+                except Exception as exc:  # a seed out of range that slipped through
+                    self.fail(req, exc)
+                    continue
             if limit is None and held_for_sharing(
                 req, m.prefix_len, self.running, self._wanted, self.align
             ):
@@ -361,8 +382,8 @@ class Scheduler:
                 req.cached_tokens = m.prefix_len
                 self.stats.prompt_tokens += len(req.prompt_ids)
                 self.stats.cached_tokens += m.prefix_len
-            if req.generator is None and req.params.seed is not None:
-                req.generator = torch.Generator().manual_seed(req.params.seed)
+            if req.queue_time is None:
+                req.queue_time = time.monotonic() - req.arrival
             taken = self._add_prefill(plan, req, budget)
             plan.entries[-1].resumed = m.prefix_len > 0
             budget -= taken
@@ -448,15 +469,21 @@ class Scheduler:
                 continue
             tok = result.tokens[e.sample_row]
             req.futures.pop(0)
+            if result.errors and e.sample_row in result.errors:
+                self.fail(req, result.errors[e.sample_row])  # its sampling raised
+                continue
             req.output_ids.append(tok)
             req.output_logprobs.append(result.logprobs[e.sample_row])
             if req.params.top_logprobs:
                 req.output_top.append(result.top[e.sample_row])
             self.stats.generated_tokens += 1
-            reason = self._finish_reason(req, tok)
-            stop_hit = self.on_tokens(req, [tok], [result.logprobs[e.sample_row]])
-            if stop_hit:
-                reason = FinishReason.STOP
+            try:
+                reason = self._finish_reason(req, tok)
+                if self.on_tokens(req, [tok], [result.logprobs[e.sample_row]]):
+                    reason = FinishReason.STOP  # a stop string matched
+            except Exception as exc:  # detokenization / stop strings of this request
+                self.fail(req, exc)
+                continue
             if reason is not None:
                 self._finish(req, reason)
 
@@ -479,7 +506,7 @@ class Scheduler:
         req.share_targets = []
         self.finishing.append(req)
         self.stats.finished_requests += 1
-        if reason is FinishReason.ABORT:
+        if reason in (FinishReason.ABORT, FinishReason.ERROR):
             self.on_finish(req)
 
     def _release_finished(self) -> None:
@@ -488,7 +515,7 @@ class Scheduler:
             if req.inflight:
                 keep.append(req)
                 continue
-            if req.finish_reason is FinishReason.ABORT:
+            if req.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
                 if req.rc is not None:
                     self.cache.release(req.rc)
             else:

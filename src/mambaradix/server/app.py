@@ -3,14 +3,16 @@
 ``create_app(engine, server_config)`` builds the app; ``ServerThread`` runs it in-process on a
 free port (tests, the in-process benchmark over HTTP). Routes: ``/v1/completions`` (text or
 token-id prompts, batches), ``/v1/chat/completions`` (the checkpoint's chat template), both with
-SSE streaming; ``/v1/models``, ``/health``, ``/metrics``; SGLang's native routes (``/generate``,
-``/get_server_info``, ...) come from ``native.py``.
+SSE streaming; ``/v1/models``, ``/health``, ``/health_generate`` (``server.health``), ``/metrics``;
+SGLang's native routes (``/generate``, ``/get_server_info``, ...) come from ``native.py``.
 
 Contract at the seam: every client error is a 4xx with an OpenAI error body naming the field
 (``validation.py``) and the server keeps serving; an unexpected error is a complete 500 response
 (or, mid-stream, a properly ended stream), so the keep-alive connection stays usable; a request
 whose client went away (mid-stream or while waiting) is aborted in the engine, which frees its
-slots.
+slots, and counted as aborted. While draining for shutdown, new requests get 503. Tokenization
+and chat templating of long inputs run in a worker thread, off the event loop, so one 10 MB body
+does not stall every other client and /health.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mambaradix.config import ServerConfig
 from mambaradix.server.guard import ServerErrorGuard, read_body
-from mambaradix.server.jobs import Choices, Job, first_error, watch_disconnect
+from mambaradix.server.health import add_health_routes
+from mambaradix.server.jobs import Choices, Job, abort_unfinished, first_error, watch_disconnect
 from mambaradix.server.logprobs import TokenTable
 from mambaradix.server.metrics import ServerMetrics
 from mambaradix.server.native import native_router
@@ -50,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+OFF_LOOP_CHARS = 4096  # text longer than this is tokenized / templated in a worker thread
 
 
 class _Server:
@@ -60,7 +64,7 @@ class _Server:
         self.cfg = cfg
         self.model_name = cfg.served_model_name or engine.model_name
         self.accepted_names = {self.model_name, engine.model_name}
-        self.metrics = ServerMetrics(engine, self.model_name)
+        self.metrics = ServerMetrics(engine, self.model_name, cfg.metrics_prefix)
         self.vocab_size = len(engine.tokenizer)
         self.table = TokenTable(engine.tokenizer)
         self.max_body = int(cfg.max_body_mb * (1 << 20))
@@ -69,6 +73,14 @@ class _Server:
             with open(template, encoding="utf-8") as f:
                 template = f.read()
         self.chat_template: str | None = template or None
+        self.draining = False  # shutting down: new requests get 503
+        self.active = 0  # generation requests being served (graceful shutdown waits for them)
+
+    def check_admitting(self) -> None:
+        if self.draining:
+            raise APIError(
+                "the server is shutting down and admits no new requests", 503, "server_error"
+            )
 
     def check_model(self, name: str | None) -> None:
         if name and name not in self.accepted_names:
@@ -133,12 +145,12 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        srv.metrics.count_error()
+        srv.metrics.count_error(exc.status)
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        srv.metrics.count_error()
+        srv.metrics.count_error(400)
         errors = exc.errors()
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
@@ -158,13 +170,14 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        srv.metrics.count_error(exc.status_code)
         return JSONResponse(
             error_body(str(exc.detail), code=exc.status_code), status_code=exc.status_code
         )
 
     # Not an exception_handler(Exception): Starlette runs that one in its outermost middleware
     # and re-raises after answering, and uvicorn then drops the keep-alive connection.
-    app.add_middleware(ServerErrorGuard)
+    app.add_middleware(ServerErrorGuard, on_error=srv.metrics.count_error)
 
     if srv.cfg.api_key:
         expected = f"Bearer {srv.cfg.api_key}"
@@ -180,9 +193,7 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
                 )
             return await call_next(request)
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    add_health_routes(app, srv)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -203,6 +214,7 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Any:
+        srv.check_admitting()
         req = await _parse(srv, request, CompletionRequest, "completion")
         srv.check_model(req.model)
         tok = engine.tokenizer
@@ -211,7 +223,10 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
         jobs: list[Job] = []
         n = req.num_choices
         for p_idx, prompt in enumerate(req.prompts()):
-            ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            if isinstance(prompt, str):
+                ids = await _off_loop(len(prompt), tok.encode, prompt)
+            else:
+                ids = list(prompt)
             srv.check_ids(ids)
             max_new = srv.max_tokens_for(len(ids), req.max_tokens, least=0)
             params = req.sampling_params(max_new, srv.vocab_size)
@@ -229,11 +244,13 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Any:
+        srv.check_admitting()
         req = await _parse(srv, request, ChatCompletionRequest, "chat")
         srv.check_model(req.model)
         tok = engine.tokenizer
-        text, kwargs = _render_chat(srv, tok, req)
-        ids = tok.encode(text, add_special_tokens=False)
+        size = sum(len(str(getattr(m, "content", None) or "")) for m in req.messages)
+        text, kwargs = await _off_loop(size, _render_chat, srv, tok, req)
+        ids = await _off_loop(len(text), lambda: tok.encode(text, add_special_tokens=False))
         params = req.sampling_params(
             srv.max_tokens_for(len(ids), req.requested_max_tokens()), srv.vocab_size
         )
@@ -276,6 +293,14 @@ def _render_chat(srv: _Server, tok: Any, req: ChatCompletionRequest) -> tuple[st
     return text, kwargs
 
 
+async def _off_loop(size: int, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``: inline for small inputs (a thread hop costs more than the work), in a
+    worker thread for large ones (a 10 MB body took seconds on the event loop)."""
+    if size <= OFF_LOOP_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
 async def _parse(srv: _Server, request: Request, model: type[M], kind: str) -> M:
     """The body as JSON whatever its content type (curl -d sends form encoding), validated."""
     data = parse_json(await read_body(request, srv.max_body))
@@ -283,18 +308,19 @@ async def _parse(srv: _Server, request: Request, model: type[M], kind: str) -> M
 
 
 async def _serve(srv: _Server, jobs: list[Job], req: Any, request: Request, chat: bool) -> Any:
+    srv.check_admitting()
     srv.submit(jobs)
     rid = new_id("chatcmpl" if chat else "cmpl")
+    srv.active += 1
     if req.stream:
         return StreamingResponse(_stream(srv, jobs, req, rid, chat), media_type="text/event-stream")
     watcher = asyncio.create_task(watch_disconnect(request, srv.engine, jobs))
     try:
         await asyncio.gather(*(job.collect() for job in jobs))
     finally:
+        srv.active -= 1
         watcher.cancel()
-        for job in jobs:
-            if not job.finished:
-                srv.engine.abort(job.rid)
+        _abort_unfinished(srv, jobs)
     err = first_error(jobs)
     if err is not None:
         raise err
@@ -337,9 +363,13 @@ async def _stream(
         remaining = len(jobs)
         while remaining:
             job, out = await queue.get()
-            if isinstance(out, BaseException):
+            if isinstance(out, BaseException) or out.error is not None:
+                if not isinstance(out, BaseException):
+                    job.add(out)  # the request failed in the engine: an error event, [DONE]
+                    out = APIError(out.error, 500, "server_error")
                 err = out if isinstance(out, APIError) else APIError(str(out), 500, "server_error")
                 yield _sse(err.body())
+                yield "data: [DONE]\n\n"
                 break
             job.add(out)
             choice = job.chunk_choice(out)
@@ -361,8 +391,11 @@ async def _stream(
                 yield _sse(body)
             yield "data: [DONE]\n\n"
     finally:
+        srv.active -= 1
         for t in tasks:
             t.cancel()
-        for job in jobs:
-            if not job.finished:
-                srv.engine.abort(job.rid)
+        _abort_unfinished(srv, jobs)
+
+
+def _abort_unfinished(srv: _Server, jobs: list[Job]) -> None:
+    abort_unfinished(srv.engine, jobs)

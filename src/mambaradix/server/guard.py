@@ -19,8 +19,9 @@ class ServerErrorGuard:
     logged once; after the response started, the body is ended properly instead. Either way
     the HTTP/1.1 framing stays intact and the client can reuse the connection."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, on_error: Any = None) -> None:
         self.app = app
+        self.on_error = on_error  # called with the status of each 500 (the metrics count it)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -39,6 +40,8 @@ class ServerErrorGuard:
             await self.app(scope, receive, guarded_send)
         except Exception as exc:
             logger.exception("internal error while serving %s", scope.get("path"))
+            if self.on_error is not None:
+                self.on_error(500)
             if state["ended"]:
                 return
             if state["started"]:

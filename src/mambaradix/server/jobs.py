@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from mambaradix.core import SamplingParams
+from mambaradix.core import SEED_LIMIT, SamplingParams
 from mambaradix.engine.detokenizer import DetokState, IncrementalDetokenizer
 from mambaradix.server.logprobs import TokenTable, chat_logprobs, completion_logprobs, text_offsets
 from mambaradix.server.metrics import RequestTimer
@@ -105,7 +105,8 @@ class Job:
     ) -> Job:
         """The ``copy_index``-th of n samples of one prompt; seeded copies get distinct seeds."""
         if copy_index and params.seed is not None:
-            params = dataclasses.replace(params, seed=params.seed + copy_index)
+            # wraps within the valid range: seed 2^63 - 1 with n = 2 must not overflow
+            params = dataclasses.replace(params, seed=(params.seed + copy_index) % SEED_LIMIT)
         return cls(index, input_ids, params, ch, prompt_key, echo_text)
 
     # ------------------------------------------------------------------ events
@@ -128,6 +129,8 @@ class Job:
         if out.finished:
             self.finished = True
             self.finish_reason = "length" if self.ch.discard else out.finish_reason
+            if out.error is not None:
+                self.error = RuntimeError(out.error)
 
     async def collect(self) -> None:
         try:
@@ -279,6 +282,16 @@ def first_error(jobs: list[Job]) -> APIError | None:
         if job.error is not None:
             return APIError(f"engine error: {job.error}", 500, "server_error")
     return None
+
+
+def abort_unfinished(engine: Any, jobs: list[Job]) -> None:
+    """Abort in the engine what the client no longer waits for, and count it as aborted (the
+    engine's final event for it reaches nobody)."""
+    for job in jobs:
+        if not job.finished:
+            engine.abort(job.rid)
+            if job.timer is not None:
+                job.timer.aborted()
 
 
 async def watch_disconnect(request: Any, engine: Any, jobs: list[Job]) -> None:

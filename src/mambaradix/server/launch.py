@@ -13,6 +13,7 @@ import uvicorn
 
 from mambaradix.config import ServerConfig
 from mambaradix.server.app import create_app
+from mambaradix.server.lifecycle import serve_app
 
 logger = logging.getLogger(__name__)
 
@@ -23,12 +24,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def serve(engine: Any, cfg: ServerConfig) -> None:
-    """Serve until interrupted (uvicorn handles SIGINT / SIGTERM)."""
+def serve(engine: Any, cfg: ServerConfig, sock: socket.socket | None = None) -> int:
+    """Serve until SIGTERM / SIGINT (drains, returns 0) or the engine's death (returns 1);
+    see ``server.lifecycle``. ``sock``: a socket already bound to the address."""
     app = create_app(engine, cfg)
     logger.info("serving %s on http://%s:%d", cfg.served_model_name or engine.model_name,
                 cfg.host, cfg.port)  # fmt: skip
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    return serve_app(
+        app, cfg.host, cfg.port, cfg.log_level, cfg.graceful_shutdown_timeout, sock=sock
+    )
 
 
 class ServerThread:

@@ -1,14 +1,17 @@
 """Prometheus metrics of one server app, in a registry of its own (two apps never share series).
 
-Two sources:
+Names and labels are SGLang's (``sglang:num_running_reqs``, ``sglang:prompt_tokens_total``,
+``sglang:time_to_first_token_seconds`` ...) behind our prefix (``--metrics-prefix``, default
+``mambaradix``; ``sglang`` lets SGLang's dashboards work unchanged), and every series carries
+``model_name``. Two sources:
 
-- the server records what it serves: prompt / cached / generated token counters, request
-  counts by finish reason, and TTFT, inter-token and end-to-end latency histograms
+- the server records what it serves: prompt / cached / generated tokens, finished and aborted
+  requests (streams whose client went away included), requests by finish reason, client errors
+  (4xx) apart from server errors, and TTFT, inter-token, end-to-end and queue-time histograms
   (``RequestTimer`` is fed every ``RequestOutput`` of a request);
 - ``EngineStatsCollector`` reads ``engine.stats()`` at scrape time: running / waiting requests,
-  token and mamba usage, evictions, retractions, skipped snapshots, state copies.
-
-Names use the ``mambaradix:`` prefix (as SGLang uses ``sglang:``).
+  used and total KV tokens, token and mamba usage, generation throughput and cache hit rate
+  since the previous scrape, and our own counters (evictions, skipped snapshots, state copies).
 """
 
 from __future__ import annotations
@@ -24,25 +27,28 @@ from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "mambaradix:"
+DEFAULT_PREFIX = "mambaradix"
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
 )  # fmt: skip
+_QUEUE_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 300, 1000)
 
-# EngineStats field -> (metric suffix, kind, help); read at scrape time.
+# EngineStats field -> (metric name, help); read at scrape time.
 _ENGINE_GAUGES = {
-    "num_running": ("num_running_reqs", "Requests running in the engine."),
-    "num_waiting": ("num_queue_reqs", "Requests waiting to be admitted."),
+    "num_running": ("num_running_reqs", "The number of running requests."),
+    "num_waiting": ("num_queue_reqs", "The number of requests in the waiting queue."),
+    "num_used_tokens": ("num_used_tokens", "KV tokens in use: size - free - evictable."),
+    "max_total_num_tokens": ("max_total_num_tokens", "Size of the KV pool in tokens."),
     "token_usage": ("token_usage", "KV pool usage: (size - free - evictable) / size."),
     "mamba_usage": ("mamba_usage", "State pool usage: (size - free - evictable) / size."),
 }
 _ENGINE_COUNTERS = {
+    "retractions": ("num_retracted_requests", "Running requests retracted for lack of KV."),
     "computed_prefill_tokens": ("computed_prefill_tokens", "Prompt tokens actually computed."),
     "evicted_kv_tokens": ("evicted_kv_tokens", "KV tokens evicted from the radix tree."),
     "evicted_states": ("evicted_states", "State snapshots evicted from the radix tree."),
-    "retractions": ("retractions", "Running requests retracted for lack of KV memory."),
     "skipped_snapshots": ("skipped_snapshots", "Snapshots skipped for lack of a state slot."),
     "state_copies": ("state_copies", "Recurrent-state slot copies executed."),
     "state_copy_bytes": ("state_copy_bytes", "Bytes moved by recurrent-state slot copies."),
@@ -51,10 +57,30 @@ _ENGINE_COUNTERS = {
 
 
 class EngineStatsCollector(Collector):
-    """Turns ``engine.stats()`` into gauges and counters on every scrape."""
+    """Turns ``engine.stats()`` into gauges and counters on every scrape; the two rates
+    (``gen_throughput``, ``cache_hit_rate``) cover the time since the previous scrape."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, prefix: str, model_name: str) -> None:
         self.engine = engine
+        self.prefix = prefix + ":"
+        self.model_name = model_name
+        self._last = (time.monotonic(), 0, 0, 0)  # (time, generated, prompt, cached)
+        self._hit_rate = 0.0
+
+    def _family(self, kind: type, name: str, help_text: str, value: float) -> Metric:
+        m = kind(self.prefix + name, help_text, labels=["model_name"])
+        m.add_metric([self.model_name], float(value))
+        return m
+
+    def _rates(self, stats: Any) -> tuple[float, float]:
+        now = time.monotonic()
+        t0, gen0, prompt0, cached0 = self._last
+        gen, prompt, cached = stats.generated_tokens, stats.prompt_tokens, stats.cached_tokens
+        self._last = (now, gen, prompt, cached)
+        throughput = (gen - gen0) / (now - t0) if now > t0 else 0.0
+        if prompt > prompt0:  # no new prompt since the last scrape: keep the last rate
+            self._hit_rate = (cached - cached0) / (prompt - prompt0)
+        return throughput, self._hit_rate
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -62,79 +88,89 @@ class EngineStatsCollector(Collector):
         except Exception:  # a scrape must not fail because the engine is shutting down
             logger.exception("engine.stats() failed during a metrics scrape")
             return
-        for field_name, (suffix, help_text) in _ENGINE_GAUGES.items():
+        for field_name, (name, help_text) in _ENGINE_GAUGES.items():
             if hasattr(stats, field_name):
-                g = GaugeMetricFamily(PREFIX + suffix, help_text)
-                g.add_metric([], float(getattr(stats, field_name)))
-                yield g
-        for field_name, (suffix, help_text) in _ENGINE_COUNTERS.items():
+                yield self._family(GaugeMetricFamily, name, help_text, getattr(stats, field_name))
+        throughput, hit_rate = self._rates(stats)
+        yield self._family(
+            GaugeMetricFamily, "gen_throughput", "Generation throughput (token/s).", throughput
+        )
+        yield self._family(
+            GaugeMetricFamily,
+            "cache_hit_rate",
+            "Prefix cache hit rate: cached / prompt tokens of the requests admitted since the "
+            "previous scrape.",
+            hit_rate,
+        )
+        for field_name, (name, help_text) in _ENGINE_COUNTERS.items():
             if hasattr(stats, field_name):
-                c = CounterMetricFamily(PREFIX + suffix, help_text)
-                c.add_metric([], float(getattr(stats, field_name)))
-                yield c
+                yield self._family(CounterMetricFamily, name, help_text, getattr(stats, field_name))
 
 
 class ServerMetrics:
     """All metrics of one app. ``render()`` gives the text exposition format."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        labels = ["model_name"]
-        r = self.registry
-        self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prompt tokens of served requests.", labels, registry=r
-        )
-        self.cached_tokens = Counter(
-            PREFIX + "cached_tokens",
-            "Prompt tokens served from the prefix cache.",
-            labels,
-            registry=r,
-        )
-        self.generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Generated tokens of served requests.", labels, registry=r
-        )
-        self.requests = Counter(
-            PREFIX + "requests",
-            "Finished requests by finish reason (stop, length, abort, error).",
-            labels + ["finish_reason"],
-            registry=r,
-        )
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Time from request arrival to its first generated token.",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
-            "Time between consecutive generated tokens of a request.",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "Time from request arrival to its last token.",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.registry.register(EngineStatsCollector(engine))
+    def __init__(self, engine: Any, model_name: str, prefix: str = DEFAULT_PREFIX) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
+        p = prefix + ":"
+        labels = ["model_name"]
+
+        def counter(name: str, help_text: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(p + name, help_text, labels + list(extra), registry=r)
+
+        def histogram(name: str, help_text: str, buckets: tuple) -> Histogram:
+            return Histogram(p + name, help_text, labels, buckets=buckets, registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of served requests.")
+        self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the cache.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.num_requests = counter("num_requests", "Requests finished (any finish reason).")
+        self.num_aborted = counter(
+            "num_aborted_requests", "Requests aborted (client gone, shutdown), streams included."
+        )
+        self.requests = counter(
+            "requests",
+            "Requests that reached the engine, by finish reason (stop, length, abort, error: a "
+            "fault while serving it).",
+            ("finish_reason",),
+        )
+        self.client_errors = counter(
+            "num_client_errors", "Requests refused with a 4xx (bad input, unknown model ...)."
+        )
+        self.server_errors = counter(
+            "num_server_errors", "Requests answered with a 5xx (a fault on the server side)."
+        )
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to first token in seconds.", _LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Inter-token latency in seconds.", _LATENCY_BUCKETS
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+            _LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.queue_time = histogram(
+            "queue_time_seconds", "Time from arrival to first admission in seconds.",
+            _QUEUE_BUCKETS,
+        )  # fmt: skip
+        self.registry.register(EngineStatsCollector(engine, prefix, model_name))
 
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def count_error(self) -> None:
-        self.requests.labels(self.model_name, "error").inc()
+    def count_error(self, status: int = 400) -> None:
+        """One request refused with HTTP ``status`` before or instead of an engine result."""
+        (self.client_errors if status < 500 else self.server_errors).labels(self.model_name).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class RequestTimer:
-    """Per-request latency bookkeeping: ``observe(out)`` for every engine event, in order."""
+    """Per-request latency bookkeeping: ``observe(out)`` for every engine event, in order;
+    ``aborted()`` when the client went away before the final event."""
 
     __slots__ = ("metrics", "arrival", "last", "done", "counted_prompt")
 
@@ -152,6 +188,8 @@ class RequestTimer:
             self.counted_prompt = True
             m.prompt_tokens.labels(name).inc(out.prompt_tokens)
             m.cached_tokens.labels(name).inc(max(0, out.cached_tokens))
+            if out.queue_time is not None:
+                m.queue_time.labels(name).observe(out.queue_time)
         n = len(out.new_token_ids)
         if n:
             m.generation_tokens.labels(name).inc(n)
@@ -163,7 +201,20 @@ class RequestTimer:
                 for _ in range(n):
                     m.itl.labels(name).observe(gap)
             self.last = now
-        if out.finished and not self.done:
-            self.done = True
-            m.e2e.labels(name).observe(now - self.arrival)
-            m.requests.labels(name, out.finish_reason or "abort").inc()
+        if out.finished:
+            self._end(out.finish_reason or "abort", now)
+
+    def aborted(self) -> None:
+        """The client went away (a stream closed, a request given up): counted as aborted."""
+        self._end("abort", time.perf_counter())
+
+    def _end(self, reason: str, now: float) -> None:
+        if self.done:
+            return
+        self.done = True
+        m, name = self.metrics, self.metrics.model_name
+        m.e2e.labels(name).observe(now - self.arrival)
+        m.requests.labels(name, reason).inc()
+        m.num_requests.labels(name).inc()
+        if reason == "abort":
+            m.num_aborted.labels(name).inc()

@@ -31,7 +31,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 import mambaradix
-from mambaradix.server.jobs import Job, watch_disconnect
+from mambaradix.server.jobs import Job, abort_unfinished, first_error, watch_disconnect
 from mambaradix.server.native_protocol import (
     DetokenizeRequest,
     GenerateRequest,
@@ -97,6 +97,7 @@ def native_router(srv: Any) -> APIRouter:
     @router.post("/generate", response_model=None)
     async def generate(request: Request) -> Any:
         req = await _parse(request, GenerateRequest)
+        srv.check_admitting()
         req.check_fields()
         srv.check_model(req.model)
         prompts, batch = req.prompts()
@@ -120,6 +121,7 @@ def native_router(srv: Any) -> APIRouter:
         _submit(
             srv, [nj.job for nj in njobs], custom_rids=any(r is not None for r in req.rid_list())
         )
+        srv.active += 1  # graceful shutdown waits for it (server.lifecycle)
         if req.stream:
             return StreamingResponse(_stream(srv, njobs, multi), media_type="text/event-stream")
         jobs = [nj.job for nj in njobs]
@@ -127,10 +129,12 @@ def native_router(srv: Any) -> APIRouter:
         try:
             await asyncio.gather(*(_collect(nj) for nj in njobs))
         finally:
+            srv.active -= 1
             watcher.cancel()
-            for job in jobs:
-                if not job.finished:
-                    engine.abort(job.rid)
+            abort_unfinished(engine, jobs)
+        err = first_error(jobs)  # a request failed in the engine: a 500 with the reason
+        if err is not None:
+            raise err
         bodies = [nj.body() for nj in njobs]
         return bodies if multi else bodies[0]
 
@@ -252,6 +256,11 @@ async def _stream(srv: Any, njobs: list[_NativeJob], multi: bool) -> AsyncIterat
             if isinstance(out, BaseException):
                 yield _sse(error_body(f"engine error: {out}", type="server_error"))
                 return
+            if out.error is not None:  # this request failed in the engine
+                job.add(out)
+                yield _sse(error_body(f"engine error: {out.error}", type="server_error"))
+                yield "data: [DONE]\n\n"
+                return
             nj = by_job[id(job)]
             nj.add(out)
             if out.new_token_ids or out.new_text or out.finished:
@@ -263,11 +272,10 @@ async def _stream(srv: Any, njobs: list[_NativeJob], multi: bool) -> AsyncIterat
                 remaining -= 1
         yield "data: [DONE]\n\n"
     finally:
+        srv.active -= 1
         for t in tasks:
             t.cancel()
-        for nj in njobs:
-            if not nj.job.finished:
-                srv.engine.abort(nj.job.rid)
+        abort_unfinished(srv.engine, [nj.job for nj in njobs])
 
 
 def _model_info(srv: Any) -> dict[str, Any]:

@@ -233,18 +233,21 @@ class ReplicaSet:
         return code
 
     def stop(self) -> None:
-        """SIGTERM to every child, wait up to ``STOP_GRACE_S`` in all, SIGKILL the rest."""
+        """SIGTERM to every child, wait up to the replicas' graceful-shutdown timeout +
+        ``STOP_GRACE_S`` in all, SIGKILL the rest."""
         self._stopping = True
         procs = [p for p in [self.gateway] + [r.proc for r in self.replicas] if p is not None]
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
+        # a replica drains for --graceful-shutdown-timeout before it aborts what is left
+        grace = max(STOP_GRACE_S, self.scfg.graceful_shutdown_timeout + STOP_GRACE_S)
+        deadline = time.monotonic() + grace
         for p in procs:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                logger.warning("pid %d did not stop within %.0f s; killing it", p.pid, STOP_GRACE_S)
+                logger.warning("pid %d did not stop within %.0f s; killing it", p.pid, grace)
                 p.kill()
                 p.wait()
 
