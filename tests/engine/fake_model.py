@@ -116,17 +116,22 @@ class FakeModel(torch.nn.Module):
                     sums[layer] = int(vs[layer][prefix, 0, 0].double().sum().item())
             state = self._read_state(ctx, r.state_slot)
             snaps = dict(r.snapshots)
+            new_v: list[list[int]] = [[], []]
             for j, t in enumerate(r.input_ids):
                 pos = r.prefix_len + j
                 state = advance(state, t)
-                slot = r.kv_slots[pos]
                 for layer, v in enumerate(v_entries(pos, t)):
-                    ks[layer][slot, 0, 0] = pos
-                    vs[layer][slot, 0, 0] = v
+                    new_v[layer].append(v)
                     sums[layer] += v
                 if j + 1 in snaps:
                     self._write_state(ctx, snaps[j + 1], state)
                 if all_logits or r.all_logits or j == len(r.input_ids) - 1:
                     rows.append(logit_row(state, (sums[0], sums[1])))
+            if r.input_ids:  # this request's new K/V, one write per layer
+                new = r.kv_slots[r.prefix_len : r.prefix_len + len(r.input_ids)]
+                positions = torch.arange(r.prefix_len, r.prefix_len + len(r.input_ids))
+                for layer in range(2):
+                    ks[layer][new, 0, 0] = positions.to(ks[layer].dtype)
+                    vs[layer][new, 0, 0] = torch.tensor(new_v[layer], dtype=vs[layer].dtype)
             self._write_state(ctx, r.state_slot, state)
         return torch.stack(rows) if rows else torch.zeros(0, VOCAB)

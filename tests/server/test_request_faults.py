@@ -15,10 +15,10 @@ MARK_SEED = 424242
 def _patch_sampler(monkeypatch) -> None:
     real = runner_mod.sample
 
-    def sample(logits, params, gens):
+    def sample(logits, params, gens, states=None):
         if any(p.seed == MARK_SEED for p in params):
             raise RuntimeError("injected sampler fault")
-        return real(logits, params, gens)
+        return real(logits, params, gens, states)
 
     monkeypatch.setattr(runner_mod, "sample", sample)
 

@@ -31,7 +31,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 import mambaradix
-from mambaradix.server.jobs import Job, abort_unfinished, first_error, watch_disconnect
+from mambaradix.server.jobs import Choices, Job, abort_unfinished, first_error, watch_disconnect
 from mambaradix.server.native_protocol import (
     DetokenizeRequest,
     GenerateRequest,
@@ -73,7 +73,7 @@ class _NativeJob:
         }
         if self.return_logprob:
             meta["output_token_logprobs"] = [
-                [lp, t, job.tok.decode([t]) if self.with_text else None]
+                [lp, t, job.ch.tok.decode([t]) if self.with_text else None]
                 for lp, t in zip(job.logprobs, job.token_ids)
             ]
         return {
@@ -96,13 +96,14 @@ def native_router(srv: Any) -> APIRouter:
 
     @router.post("/generate", response_model=None)
     async def generate(request: Request) -> Any:
-        req = await _parse(request, GenerateRequest)
+        req = await _parse(srv, request, GenerateRequest)
         srv.check_admitting()
         req.check_fields()
         srv.check_model(req.model)
         prompts, batch = req.prompts()
         t0 = time.perf_counter()
         tok = engine.tokenizer
+        ch = Choices(chat=False, req=req, tok=tok, table=srv.table)  # text and token bookkeeping
         njobs: list[_NativeJob] = []
         for p_idx, (prompt, (sp, rid, want_lp)) in enumerate(
             zip(prompts, req.per_prompt(len(prompts)))
@@ -113,7 +114,7 @@ def native_router(srv: Any) -> APIRouter:
             max_new = srv.max_tokens_for(len(ids), limit)
             params = sp.to_params(max_new, bool(want_lp))
             for j in range(sp.n):
-                job = Job.make(len(njobs), ids, params, j, tok, prompt_key=p_idx)
+                job = Job.make(len(njobs), ids, params, j, ch, prompt_key=p_idx)
                 if rid is not None:
                     job.rid = rid if sp.n == 1 else f"{rid}-{j}"
                 njobs.append(_NativeJob(job, t0, bool(want_lp), req.return_text_in_logprobs, j))
@@ -166,7 +167,7 @@ def native_router(srv: Any) -> APIRouter:
     @router.post("/tokenize")
     @router.post("/v1/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        req = await _parse(request, TokenizeRequest)
+        req = await _parse(srv, request, TokenizeRequest)
         srv.check_model(req.model)
         texts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
         toks = [
@@ -182,7 +183,7 @@ def native_router(srv: Any) -> APIRouter:
     @router.post("/detokenize")
     @router.post("/v1/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        req = await _parse(request, DetokenizeRequest)
+        req = await _parse(srv, request, DetokenizeRequest)
         srv.check_model(req.model)
         one = not req.tokens or isinstance(req.tokens[0], int)
         seqs = [req.tokens] if one else list(req.tokens)
@@ -203,10 +204,21 @@ def native_router(srv: Any) -> APIRouter:
 # --------------------------------------------------------------------------- helpers
 
 
-async def _parse(request: Request, model: type) -> Any:
-    from mambaradix.server.app import _parse as parse  # one JSON body parser for all routes
+async def _parse(srv: Any, request: Request, model: type) -> Any:
+    """The body through the app's checks (size, UTF-8, JSON, depth, lone surrogates), then
+    SGLang's schema (``native_protocol``: its own table of fields accepted at defaults)."""
+    from pydantic import ValidationError
 
-    return await parse(request, model)
+    from mambaradix.server.guard import read_body
+    from mambaradix.server.validation import parse_json, pydantic_error
+
+    data = parse_json(await read_body(request, srv.max_body))
+    if not isinstance(data, dict):
+        raise APIError(f"the body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise pydantic_error(e.errors()) from None
 
 
 def _submit(srv: Any, jobs: list[Job], custom_rids: bool) -> None:
