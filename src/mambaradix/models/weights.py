@@ -36,13 +36,19 @@ _PATCH_LOCK = threading.Lock()
 
 
 def _torch_init_methods() -> list[tuple[type, str]]:
-    """``(class, method)`` for every torch.nn module class defining its own initialiser."""
-    out = []
-    for obj in vars(nn).values():
-        if isinstance(obj, type) and issubclass(obj, nn.Module):
+    """``(class, method)`` for every torch module class (private bases such as ``_ConvNd``
+    included) defining its own initialiser."""
+    out, todo, seen = [], [nn.Module], set()
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        todo.extend(cls.__subclasses__())
+        if cls.__module__.startswith("torch."):
             for meth in ("reset_parameters", "_reset_parameters"):
-                if meth in obj.__dict__:
-                    out.append((obj, meth))
+                if meth in cls.__dict__:
+                    out.append((cls, meth))
     return out
 
 
