@@ -29,7 +29,12 @@ class EngineConfig:
     model_path: str = opt(
         "", "Local Hugging Face checkpoint folder (or 'tiny:<arch>' for a built-in tiny model)."
     )
-    dtype: str = opt("float32", "Weight and activation dtype.", ["float32", "bfloat16", "float16"])
+    dtype: str = opt(
+        "auto",
+        "Weight and activation dtype; 'auto' takes the checkpoint's (config.json 'dtype' / "
+        "'torch_dtype'; float32 when it names none).",
+        ["auto", "float32", "bfloat16", "float16"],
+    )
     device: str = opt("cpu", "Torch device.")
     seed: int = opt(
         0, "Seed for model init of tiny models and for sampling without a per-request seed."
@@ -44,7 +49,16 @@ class EngineConfig:
         0, "Cap on running requests; 0 derives it from the state slots."
     )
     max_total_tokens: int = opt(0, "KV pool size in tokens; 0 sizes it from --mem-budget-gb.")
-    mem_budget_gb: float = opt(2.0, "Memory for KV + state pools when not sized explicitly.")
+    mem_budget_gb: float = opt(
+        0.0,
+        "Memory for KV + state pools when not sized explicitly; 0 takes "
+        "--mem-fraction-static of the memory free after loading.",
+    )
+    mem_fraction_static: float = opt(
+        0.5,
+        "Share of the memory available after loading the weights (MemAvailable on the CPU, "
+        "free device memory on a GPU) given to the KV + state pools when --mem-budget-gb is 0.",
+    )
     max_mamba_cache_size: int = opt(
         0, "State pool size in slots; 0 splits the budget by --mamba-full-memory-ratio."
     )
@@ -98,6 +112,10 @@ class EngineConfig:
             raise ValueError("--chunked-prefill-size must be -1 (off) or >= 1")
         if self.mamba_track_interval < 1:
             raise ValueError("--mamba-track-interval must be >= 1")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError("--mem-fraction-static must be in (0, 1]")
+        if self.mem_budget_gb < 0:
+            raise ValueError("--mem-budget-gb must be >= 0 (0: use --mem-fraction-static)")
         if not 0 < self.mamba_full_memory_ratio:
             raise ValueError("--mamba-full-memory-ratio must be > 0")
         if not self.watchdog_timeout > 0:

@@ -21,10 +21,10 @@ import torch
 
 from mambaradix.cache.kv_pool import KVPool
 from mambaradix.cache.req_slots import ReqSlots
-from mambaradix.cache.request_cache import EXTRA_BUFFER, RequestCache
+from mambaradix.cache.request_cache import RequestCache
 from mambaradix.cache.state_pool import StatePool
 from mambaradix.config import EngineConfig
-from mambaradix.core import FinishReason, SamplingParams, StateSpec
+from mambaradix.core import FinishReason, SamplingParams
 from mambaradix.engine.cpu_runtime import (
     keep_freed_memory,
     release_thread_pool,
@@ -41,6 +41,7 @@ from mambaradix.engine.outputs import (
     RequestHandle,
     RequestOutput,
 )
+from mambaradix.engine.pools import model_weight_bytes, plan_pools
 from mambaradix.engine.request import Req
 from mambaradix.engine.runner import ModelRunner
 from mambaradix.engine.scheduler import Scheduler
@@ -50,7 +51,6 @@ logger = logging.getLogger(__name__)
 
 ARRIVAL_WINDOW_S = 0.01  # waking from idle: how long a burst may take to arrive
 _FAIL_LOCK = threading.Lock()  # failing queued work may run on a caller's thread and the loop's
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def select_kernel_backend(cfg: EngineConfig) -> str:
@@ -79,31 +79,6 @@ def select_kernel_backend(cfg: EngineConfig) -> str:
     return backend
 
 
-def size_pools(
-    cfg: EngineConfig, kv_bytes_per_token: int, state_spec: StateSpec
-) -> tuple[int, int]:
-    """KV tokens and state slots: explicit flags, else a split of --mem-budget-gb by
-    --mamba-full-memory-ratio (state bytes : KV bytes)."""
-    budget = cfg.mem_budget_gb * (1 << 30)
-    ratio = cfg.mamba_full_memory_ratio
-    state_bytes = state_spec.slot_bytes()
-    if cfg.max_mamba_cache_size > 0:
-        slots = cfg.max_mamba_cache_size
-    else:
-        slots = int(budget * ratio / (1 + ratio) // max(1, state_bytes))
-        slots = max(16, min(slots, 4096))
-    if cfg.max_total_tokens > 0:
-        tokens = cfg.max_total_tokens
-    else:
-        rest = (
-            budget - slots * state_bytes if cfg.max_mamba_cache_size > 0 else budget / (1 + ratio)
-        )
-        tokens = int(max(rest, 0) // max(1, kv_bytes_per_token))
-        tokens = max(4096, min(tokens, 1 << 21))
-    tokens -= tokens % cfg.page_size
-    return tokens, slots
-
-
 class Engine:
     """Offline serving engine. ``Engine(model_path="tiny:qwen3_next", page_size=16)``."""
 
@@ -123,35 +98,33 @@ class Engine:
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         if model is None:
-            from mambaradix.models.loader import load_model, load_tokenizer, resolve_model_path
+            from mambaradix.models.loader import (
+                DTYPES,
+                load_model,
+                load_tokenizer,
+                resolve_model_path,
+            )
 
             path = resolve_model_path(cfg.model_path)
+            t0 = time.perf_counter()
             model = load_model(
-                path,
-                dtype=_DTYPES[cfg.dtype],
-                device=cfg.device,
-                ssm_dtype=_DTYPES[cfg.mamba_ssm_dtype],
+                path, dtype=cfg.dtype, device=cfg.device, ssm_dtype=DTYPES[cfg.mamba_ssm_dtype]
             )
+            logger.info("loaded the weights in %.2f s", time.perf_counter() - t0)
             tokenizer = load_tokenizer(path)
         self.model = model
         self.tokenizer = tokenizer
         model_ctx = int(getattr(model, "max_position_embeddings", 0) or 1 << 20)
         self.context_length = cfg.context_length or model_ctx
-        kv_tokens, state_slots = size_pools(cfg, model.kv_spec.bytes_per_token(), model.state_spec)
-        strategy = cfg.mamba_scheduler_strategy
-        strategy = EXTRA_BUFFER if strategy == "auto" else strategy
+        plan = plan_pools(
+            cfg, model.kv_spec.bytes_per_token(), model.state_spec, model_weight_bytes(model)
+        )
+        self.pool_plan = plan
+        kv_tokens, state_slots = plan.kv_tokens, plan.state_slots
+        strategy, max_running = plan.strategy, plan.max_running
+        enabled = not cfg.disable_radix_cache
         self.kv_pool = KVPool(model.kv_spec, kv_tokens, cfg.page_size, cfg.device)
         self.state_pool = StatePool(model.state_spec, state_slots, cfg.device)
-        enabled = not cfg.disable_radix_cache
-        per_req = 3 if (enabled and strategy == EXTRA_BUFFER) else 1
-        max_running = cfg.max_running_requests or max(
-            1, min(256, (state_slots * 3 // 4) // per_req)
-        )
-        if max_running * per_req > state_slots:
-            raise ValueError(
-                f"--max-running-requests {max_running} needs {max_running * per_req} state slots "
-                f"but the pool has {state_slots}; raise --max-mamba-cache-size or lower it"
-            )
         self.context_length = min(self.context_length, kv_tokens)
         req_slots = ReqSlots(max_running, self.context_length + cfg.page_size)
         self.cache = RequestCache(
@@ -191,14 +164,11 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="mambaradix-engine", daemon=True)
         self._thread.start()
         logger.info(
-            "engine ready: %d KV tokens, %d state slots (%d B each), %d running max, strategy %s, "
-            "%s kernels",
-            kv_tokens,
-            state_slots,
-            self.state_pool.slot_bytes,
-            max_running,
-            strategy,
+            "engine ready: %s, %s weights, %s kernels\n%s",
+            type(model).__name__,
+            model.kv_spec.dtype,
             self.kernel_backend,
+            plan.describe(),
         )
 
     # ------------------------------------------------------------------ public API

@@ -50,15 +50,18 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = int(head_dim * params["partial_rotary_factor"])
         self.interleaved = interleaved
         self.attention_scaling = 1.0
-        if params["rope_type"] == "default":
-            base = params["rope_theta"]
-            exps = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim
-            inv_freq = 1.0 / (base**exps)
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        # On the CPU explicitly: a model is built under loader.no_init, where tensors default to
+        # the meta device, and these frequencies are computed, not loaded.
+        with torch.device("cpu"):
+            if params["rope_type"] == "default":
+                base = params["rope_theta"]
+                exps = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim
+                inv_freq = 1.0 / (base**exps)
+            else:
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            init_fn = ROPE_INIT_FUNCTIONS[params["rope_type"]]
-            inv_freq, self.attention_scaling = init_fn(config, "cpu")
+                init_fn = ROPE_INIT_FUNCTIONS[params["rope_type"]]
+                inv_freq, self.attention_scaling = init_fn(config, "cpu")
         # A plain attribute, not a buffer: model.to(dtype) must not round the frequencies.
         self.inv_freq = inv_freq.float()
 

@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +21,16 @@ import torch
 from torch import nn
 
 from mambaradix.models.registry import get_model_class
+from mambaradix.models.weights import (  # noqa: F401  (re-exported for the model modules)
+    CheckpointError,
+    assign_weights,
+    merge_weights,
+    meta_tensors,
+    no_init,
+    read_safetensors,
+)
 
 logger = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder is missing a file or holds something malformed."""
 
 
 # --------------------------------------------------------------------------- paths
@@ -125,80 +129,9 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
+    """Every checkpoint tensor of the folder, one at a time, in its checkpoint dtype."""
     for f in weight_files(folder):
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():
-                yield name, fh.get_tensor(name)
-
-
-def assign_weights(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
-) -> None:
-    """Copy tensors into the model's parameters by name (already mapped to the model's names).
-
-    Raises CheckpointError listing missing parameters, shape mismatches and (when strict)
-    unexpected names.
-    """
-    params = dict(model.named_parameters())
-    seen: set[str] = set()
-    unexpected, bad_shape = [], []
-    with torch.no_grad():
-        for name, tensor in weights:
-            p = params.get(name)
-            if p is None:
-                unexpected.append(name)
-                continue
-            if tuple(p.shape) != tuple(tensor.shape):
-                bad_shape.append(f"{name}: checkpoint {tuple(tensor.shape)} vs {tuple(p.shape)}")
-                continue
-            p.copy_(tensor.to(dtype=p.dtype, device=p.device))
-            seen.add(name)
-    missing = sorted(set(params) - seen)
-    problems = []
-    if missing:
-        problems.append(f"missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    if bad_shape:
-        problems.append(f"shape mismatches: {bad_shape[:8]}")
-    if strict and unexpected:
-        problems.append(f"unexpected weights: {unexpected[:8]}")
-    if problems:
-        raise CheckpointError("checkpoint does not fit the model: " + "; ".join(problems))
-
-
-def merge_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], merges: dict[str, tuple[str, ...]]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Concatenate (dim 0) the weights (and biases) of sibling linears into one fused module.
-
-    ``merges`` maps a fused module name to its parts, e.g. ``{"gate_up_proj": ("gate_proj",
-    "up_proj")}``: ``X.gate_proj.weight`` + ``X.up_proj.weight`` -> ``X.gate_up_proj.weight``.
-    Names under ``.experts.<n>.`` are never merged. Incomplete groups pass through unchanged.
-    """
-    part_of = {part: (fused, parts) for fused, parts in merges.items() for part in parts}
-    pending: dict[tuple[str, str, str], dict[str, torch.Tensor]] = {}
-
-    def join(*names: str) -> str:
-        return ".".join(n for n in names if n)
-
-    for name, t in weights:
-        prefix, _, leaf = name.rpartition(".")
-        mod_prefix, _, mod = prefix.rpartition(".")
-        hit = part_of.get(mod) if leaf in ("weight", "bias") else None
-        if hit is None or (".experts." in name and mod_prefix.split(".")[-1].isdigit()):
-            yield name, t
-            continue
-        fused, parts = hit
-        key = (mod_prefix, fused, leaf)
-        group = pending.setdefault(key, {})
-        group[mod] = t
-        if len(group) == len(parts):
-            del pending[key]
-            yield join(mod_prefix, fused, leaf), torch.cat([group[p] for p in parts], dim=0)
-    for (mod_prefix, _, leaf), group in pending.items():
-        for mod, t in group.items():
-            yield join(mod_prefix, mod, leaf), t
+        yield from read_safetensors(f)
 
 
 # --------------------------------------------------------------------------- entry points
@@ -224,24 +157,71 @@ def _eos_ids(folder: Path, config: Any) -> list[int]:
     return ids
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def checkpoint_dtype(path: str) -> torch.dtype:
+    """The dtype the checkpoint's weights were saved in, from its config.json: ``dtype``
+    (transformers >= 5), ``torch_dtype`` (older), or the same in ``text_config``; float32 when
+    none is given. Dtypes the engine does not run (float64, fp8 ...) fall back to float32."""
+    folder = Path(resolve_model_path(path))
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{folder}/config.json is not valid JSON: {e}") from e
+    for cfg in (raw, raw.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            name = cfg.get(key)
+            if isinstance(name, str):
+                name = name.removeprefix("torch.")
+                if name in DTYPES:
+                    return DTYPES[name]
+                logger.warning("checkpoint dtype %r is not run here; using float32", name)
+                return torch.float32
+    return torch.float32
+
+
+def resolve_dtype(dtype: str | torch.dtype, path: str) -> torch.dtype:
+    """``auto`` -> the checkpoint's dtype; a name or a torch dtype -> that dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return checkpoint_dtype(path)
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose auto or one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
 def load_model(
     path: str,
-    dtype: torch.dtype = torch.float32,
+    dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     ssm_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """Build the registered model for the checkpoint at ``path`` (or ``tiny:<arch>``) and load
-    its weights. The model is in eval mode on ``device`` with parameters in ``dtype``."""
+    its weights. The model is in eval mode on ``device`` with parameters in ``dtype`` (``auto``:
+    the checkpoint's; modules that keep some parameters in float32 keep them).
+
+    The model is built without initialisation (``weights.no_init``: meta parameters) and each
+    parameter is materialised from the checkpoint tensor that fills it, one at a time; what is
+    still on the meta device afterwards (a tensor a module forgot to compute on a real device)
+    is an error, not a silent garbage value."""
     folder = Path(resolve_model_path(path))
     config = load_config(str(folder))
     cls = get_model_class(getattr(config, "architectures", None))
     files = weight_files(folder)  # fail on missing weights before building the model
-    model = cls(config, ssm_dtype=ssm_dtype)
-    model.load_weights(iter_weights(folder))
+    target = resolve_dtype(dtype, str(folder))
+    with no_init():
+        model = cls(config, ssm_dtype=ssm_dtype)
+    model.to(dtype=target)  # meta parameters take their target dtypes (overrides included)
+    model.load_weights(iter_weights(folder))  # materialised on the CPU, moved below
+    left = meta_tensors(model)
+    if left:
+        raise RuntimeError(f"{cls.__name__}: tensors left unmaterialised after loading: {left}")
     model.eos_token_ids = _eos_ids(folder, config) or list(getattr(model, "eos_token_ids", []))
-    model.to(device=device, dtype=dtype)
+    model.to(device=device)
     model.eval()
-    logger.info("loaded %s from %s (%d weight files)", cls.__name__, folder, len(files))
+    logger.info("loaded %s from %s (%d weight files, %s)", cls.__name__, folder, len(files), target)
     return model
 
 

@@ -199,8 +199,12 @@ class Qwen3NextForCausalLM(HybridCausalLM):
                     t = self.get_submodule(name[: -len(".in_proj.weight")]).regroup_in_proj(t)
                 yield name, t
 
+        def num_experts(prefix: str) -> int:
+            return self.get_submodule(prefix).gate_up_proj.shape[0]
+
         merges = {**GATE_UP_MERGE, **GDN_MERGES[self.gdn_layout], **ATTN_MERGE}
-        assign_weights(self, regrouped(merge_weights(stack_expert_weights(renamed()), merges)))
+        stacked = stack_expert_weights(renamed(), num_experts)
+        assign_weights(self, regrouped(merge_weights(stacked, merges)))
 
 
 @register_model("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
