@@ -132,7 +132,23 @@ def test_checkpoint_dtype_fields(tmp_path):
         resolve_dtype("int8", nested)
 
 
-def test_bf16_checkpoint_loads_as_bf16_by_default_with_checkpoint_values(moe_ckpt):
+def test_auto_computes_bf16_checkpoints_in_fp32_without_bf16_hardware(moe_ckpt, monkeypatch):
+    """On a CPU without bf16 matmuls (AVX2 only), auto takes float32 for a bf16 checkpoint;
+    with them, bf16; an explicit --dtype bfloat16 is kept either way."""
+    from mambaradix.kernels import cpu_features
+
+    folder = moe_ckpt / "bf16"
+    monkeypatch.setattr(cpu_features, "fast_bf16_matmul", lambda: False)
+    assert next(load_model(str(folder)).parameters()).dtype == torch.float32
+    assert next(load_model(str(folder), dtype="bfloat16").parameters()).dtype == torch.bfloat16
+    monkeypatch.setattr(cpu_features, "fast_bf16_matmul", lambda: True)
+    assert next(load_model(str(folder)).parameters()).dtype == torch.bfloat16
+
+
+def test_bf16_checkpoint_loads_as_bf16_by_default_with_checkpoint_values(moe_ckpt, monkeypatch):
+    from mambaradix.kernels import cpu_features
+
+    monkeypatch.setattr(cpu_features, "fast_bf16_matmul", lambda: True)  # bf16 hardware
     folder = moe_ckpt / "bf16"
     sd = dict(read_safetensors(folder / "model.safetensors"))
     model = load_model(str(folder))  # auto
@@ -170,7 +186,9 @@ def test_fp32_from_bf16_checkpoint_equals_transformers(moe_ckpt):
         ref = hf(input_ids=torch.tensor([TOKENS])).logits[0]
     assert torch.allclose(logits(model), ref, atol=1e-4)
     # control: the bf16-loaded model differs from that float32 reference
-    assert not torch.allclose(logits(load_model(str(folder))).float(), ref, atol=1e-4)
+    assert not torch.allclose(
+        logits(load_model(str(folder), dtype="bfloat16")).float(), ref, atol=1e-4
+    )
 
 
 def test_tied_embeddings_share_one_parameter(tmp_path):

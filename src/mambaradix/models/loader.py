@@ -211,6 +211,16 @@ def load_model(
     cls = get_model_class(getattr(config, "architectures", None))
     files = weight_files(folder)  # fail on missing weights before building the model
     target = resolve_dtype(dtype, str(folder))
+    if dtype == "auto" and target == torch.bfloat16 and str(device).startswith("cpu"):
+        from mambaradix.kernels.cpu_features import fast_bf16_matmul
+
+        if not fast_bf16_matmul():
+            logger.warning(
+                "the checkpoint is bf16 but this CPU has no bf16 matmuls in hardware (no "
+                "AVX512-BF16 / AMX): computing in float32, which is many times faster here; "
+                "--dtype bfloat16 forces bf16"
+            )
+            target = torch.float32
     with no_init():
         model = cls(config, ssm_dtype=ssm_dtype)
     model.to(dtype=target)  # meta parameters take their target dtypes (overrides included)
