@@ -116,10 +116,11 @@ class _Server:
             )
         return requested
 
-    def submit(self, jobs: list[Job]) -> None:
-        """Submit all jobs or none (a job the engine refuses aborts the ones before it)."""
+    def submit(self, jobs: list[Job], keep_rids: bool = False) -> None:
+        """Submit all jobs or none (a job the engine refuses aborts the ones before it); with
+        ``keep_rids``, one by one under the jobs' own rids (client-chosen ones)."""
         many = getattr(self.engine, "submit_many", None)
-        if len(jobs) > 1 and many is not None:
+        if len(jobs) > 1 and many is not None and not keep_rids:
             # one inbox item: the engine sees the batch arrive together (in-batch sharing)
             try:
                 handles = many([j.input_ids for j in jobs], [j.params for j in jobs])

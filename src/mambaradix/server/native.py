@@ -231,14 +231,7 @@ def _submit(srv: Any, jobs: list[Job], custom_rids: bool) -> None:
     clash = next((r for r in rids if r in live), None)
     if clash is not None or len(set(rids)) != len(rids):
         raise APIError(f"rid {clash or rids[0]!r} is already in use", param="rid")
-    for i, job in enumerate(jobs):
-        try:
-            job.handle = srv.engine.submit(job.input_ids, job.params, rid=job.rid)
-        except ValueError as e:
-            for prev in jobs[:i]:
-                srv.engine.abort(prev.rid)
-            raise APIError(str(e)) from None
-        job.timer = srv.metrics.timer()
+    srv.submit(jobs, keep_rids=True)
 
 
 async def _collect(nj: _NativeJob) -> None:
