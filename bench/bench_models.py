@@ -22,7 +22,8 @@ import torch
 
 from mambaradix.cache.kv_pool import KVPool
 from mambaradix.cache.state_pool import StatePool
-from mambaradix.core import ForwardContext, ForwardReq
+from mambaradix.core import ForwardReq
+from mambaradix.layout import ForwardContext
 from mambaradix.models.loader import load_model, resolve_model_path
 from mambaradix.models.tiny import tiny_archs
 

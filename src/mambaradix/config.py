@@ -14,6 +14,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from mambaradix.kernels.backend import backend_names
+
 T = TypeVar("T")
 
 
@@ -102,7 +104,7 @@ class EngineConfig:
         "Kernels: 'cpu' adds native C kernels for the decode hot spots (built on first use "
         "with the system C compiler), 'torch' uses the reference kernels only, 'auto' picks "
         "'cpu' on a CPU device when they build.",
-        ["auto", "cpu", "torch"],
+        ["auto", *backend_names()],
     )
 
     def validate(self) -> None:

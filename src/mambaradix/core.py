@@ -240,7 +240,8 @@ class ForwardReq:
 
 @dataclass(slots=True)
 class ForwardBatch:
-    """What the scheduler hands the runner: requests (prefills and decodes mixed) + state ops."""
+    """What the scheduler hands the runner: requests (prefills and decodes mixed) + state ops.
+    The runner turns it into a ``layout.ForwardLayout`` once per forward."""
 
     reqs: list[ForwardReq]
     state_ops: StateOps = field(default_factory=StateOps)
@@ -252,93 +253,3 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return sum(r.extend_len for r in self.reqs)
-
-
-@dataclass(slots=True)
-class ForwardContext:
-    """Per-forward metadata every layer reads (built once per forward, never a module global).
-
-    Tokens of all requests are packed in request order: request i owns rows
-    ``starts[i] : starts[i] + extend_lens[i]`` of every [T, ...] activation.
-    """
-
-    kv_pool: object  # cache.kv_pool.KVPool (duck-typed: .k[layer], .v[layer])
-    state_pool: object  # cache.state_pool.StatePool (.conv[layer], .temporal[layer])
-    reqs: list[ForwardReq]
-    input_ids: torch.Tensor  # [T] long
-    positions: torch.Tensor  # [T] long
-    out_kv_slots: torch.Tensor  # [T] long: where each new token's K/V is written
-    state_slots: torch.Tensor  # [B] long
-    prefix_lens: list[int]
-    extend_lens: list[int]
-    starts: list[int]
-    decode_table: torch.Tensor | None = None  # ForwardBatch.decode_table
-    # the runner's carry-over between forwards: metadata a layer may reuse when the next
-    # forward's batch allows it (the decode attention plan); None: nothing is carried
-    carry: dict | None = None
-
-    @classmethod
-    def build(
-        cls,
-        reqs: list[ForwardReq],
-        kv_pool: object,
-        state_pool: object,
-        device: str = "cpu",
-        decode_table: torch.Tensor | None = None,
-        carry: dict | None = None,
-    ) -> ForwardContext:
-        prefix_lens = [r.prefix_len for r in reqs]
-        extend_lens = [r.extend_len for r in reqs]
-        starts, pos = [], 0
-        for n in extend_lens:
-            starts.append(pos)
-            pos += n
-        ids = [t for r in reqs for t in r.input_ids]
-        positions = [p for r in reqs for p in range(r.prefix_len, r.seq_len)]
-        out: list[torch.Tensor] = []
-        first = 0
-        if decode_table is not None:  # the decodes' one new slot each, in one gather
-            first = decode_table.shape[0]
-            col = torch.tensor(prefix_lens[:first], dtype=torch.long, device=decode_table.device)
-            out.append(decode_table.gather(1, col[:, None])[:, 0])
-        out += [r.kv_slots[r.prefix_len : r.seq_len] for r in reqs[first:]]
-        if decode_table is not None:
-            decode_table = decode_table.to(device=device, dtype=torch.long)
-        return cls(
-            kv_pool=kv_pool,
-            state_pool=state_pool,
-            reqs=reqs,
-            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            out_kv_slots=torch.cat(out).to(device=device, dtype=torch.long)
-            if out
-            else torch.empty(0, dtype=torch.long, device=device),
-            state_slots=torch.tensor([r.state_slot for r in reqs], dtype=torch.long, device=device),
-            prefix_lens=prefix_lens,
-            extend_lens=extend_lens,
-            starts=starts,
-            decode_table=decode_table,
-            carry=carry,
-        )
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.reqs)
-
-    def logit_rows(self) -> torch.Tensor:
-        """Rows the model returns logits for, in request order: each request's last new token,
-        or all its new tokens where ``ForwardReq.all_logits`` is set."""
-        if not any(r.all_logits for r in self.reqs):
-            return self.last_token_rows()
-        rows: list[int] = []
-        for r, s, n in zip(self.reqs, self.starts, self.extend_lens):
-            rows.extend(range(s, s + n) if r.all_logits else (s + n - 1,))
-        return torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
-
-    def last_token_rows(self) -> torch.Tensor:
-        """Row of each request's last new token (where its next-token logits come from)."""
-        return torch.tensor(
-            [s + n - 1 for s, n in zip(self.starts, self.extend_lens)],
-            dtype=torch.long,
-            device=self.input_ids.device,
-        )

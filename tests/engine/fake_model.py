@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from mambaradix.core import ForwardContext, KVSpec, StateLayerSpec, StateSpec
+from mambaradix.core import KVSpec, StateLayerSpec, StateSpec
+from mambaradix.layout import ForwardContext
 
 VOCAB = 61
 MOD = 10007
@@ -105,7 +106,7 @@ class FakeModel(torch.nn.Module):
         self.forwards += 1
         ks, vs = ctx.kv_pool.k, ctx.kv_pool.v
         rows = []
-        for r in ctx.reqs:
+        for r in ctx.layout.reqs:
             prefix = r.kv_slots[: r.prefix_len]
             sums = [0, 0]
             if prefix.numel():

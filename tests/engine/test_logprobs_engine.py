@@ -8,7 +8,8 @@ import torch
 from engine_helpers import fake_engine, rand_tokens
 from fake_model import FakeModel
 
-from mambaradix.core import ForwardContext, ForwardReq, SamplingParams
+from mambaradix.core import ForwardReq, SamplingParams
+from mambaradix.layout import ForwardContext
 
 
 def _reference(prompt: list[int]) -> list[float]:

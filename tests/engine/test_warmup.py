@@ -55,7 +55,7 @@ def test_warmup_runs_decode_shapes(monkeypatch):
     forward = FakeModel.forward
 
     def recording(self, ctx, all_logits=False):
-        shapes.append([(r.prefix_len, len(r.input_ids)) for r in ctx.reqs])
+        shapes.append([(r.prefix_len, len(r.input_ids)) for r in ctx.layout.reqs])
         return forward(self, ctx, all_logits)
 
     monkeypatch.setattr(FakeModel, "forward", recording)

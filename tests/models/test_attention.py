@@ -235,23 +235,23 @@ def test_scheduler_decode_table_gives_the_same_slots_as_the_requests():
     """A batch may carry its decodes' slot rows as one table (the scheduler's single gather,
     with stale slots past each request's length); the context and the layout read the same
     new-token slots and the same per-request keys from it as from the requests themselves."""
-    from mambaradix.core import ForwardContext, ForwardReq
-    from mambaradix.layers.attention import BatchLayout
+    from mambaradix.core import ForwardReq
+    from mambaradix.layout import ForwardLayout
 
     torch.manual_seed(4)
     lens = [5, 9, 3]
     table = torch.randint(0, 500, (3, 12))  # entries past each length are stale slots
     reqs = [ForwardReq(n - 1, [7], table[b, :n], 10 + b) for b, n in enumerate(lens)]
     reqs.append(ForwardReq(2, [1, 2, 3], torch.tensor([600, 601, 602, 603, 604]), 20))
-    plain = ForwardContext.build(reqs, None, None)
-    given = ForwardContext.build(reqs, None, None, decode_table=table)
+    plain = ForwardLayout.build(reqs)
+    given = ForwardLayout.build(reqs, decode_table=table)
     assert torch.equal(given.out_kv_slots, plain.out_kv_slots)
     assert given.out_kv_slots[:3].tolist() == [table[b, n - 1].item() for b, n in enumerate(lens)]
-    t_plain, l_plain = BatchLayout.build(plain).decode_slot_table()
-    t_given, l_given = BatchLayout.build(given).decode_slot_table()
-    assert t_given is given.decode_table and torch.equal(l_given, l_plain)
+    t_plain, l_plain = plain.decode.kv_table, plain.decode.seq_lens
+    t_given, l_given = given.decode.kv_table, given.decode.seq_lens
+    assert t_given is table and torch.equal(l_given, l_plain)
     for b, n in enumerate(lens):
         assert torch.equal(t_given[b, :n], t_plain[b, :n])
     # control: a table whose rows do not match the requests is visible in the slots read
-    shifted = ForwardContext.build(reqs, None, None, decode_table=table.roll(1, dims=0))
+    shifted = ForwardLayout.build(reqs, decode_table=table.roll(1, dims=0))
     assert not torch.equal(shifted.out_kv_slots, plain.out_kv_slots)

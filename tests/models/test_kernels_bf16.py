@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from mambaradix.kernels import cpu, norm, rope
+from mambaradix.kernels.cpu_backend import CpuBackend
+from mambaradix.kernels.torch_backend import TorchBackend
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None, reason="no C compiler: the native kernels cannot be built here"
@@ -224,14 +226,14 @@ def test_attention_decode_bf16_pools(hq, hkv, d, sizes, monkeypatch):
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from test_kernels_cpu import _decode_case
 
-    from mambaradix.kernels import attention, get_kernel
+    from mambaradix.kernels import attention
 
     q, k_pool, v_pool, table, lens = _decode_case(d + hq, hq, hkv, d, d, sizes, 90, size=2048)
     q, k_pool, v_pool = q.bfloat16(), k_pool.bfloat16(), v_pool.bfloat16()
     scale = d**-0.5
-    ref = get_kernel("attention_decode", "torch")(q, k_pool, v_pool, table, lens, scale)
+    ref = TorchBackend.attention_decode(q, k_pool, v_pool, table, lens, scale)
     monkeypatch.setattr(attention, "attention_decode", None)  # no fallback allowed
-    out = get_kernel("attention_decode", "cpu")(q, k_pool, v_pool, table, lens, scale)
+    out = CpuBackend.attention_decode(q, k_pool, v_pool, table, lens, scale)
     monkeypatch.undo()
     assert out.dtype == torch.bfloat16 and out.shape == (len(lens), hq, d)
     r = hq // hkv
@@ -258,7 +260,7 @@ def test_moe_pad_unpad_bf16(T, K, E, H, monkeypatch):
     Granite 32 top-4): bf16 rows placed exactly as the reference places them; the weighted
     sum back in fp32 (bf16 expert outputs, fp32 router weights) within one rounding of a
     float64 sum, no fallback."""
-    from mambaradix.kernels import get_kernel, moe
+    from mambaradix.kernels import moe
 
     g = torch.Generator().manual_seed(E + K)
     x = torch.randn(T, H + 8, generator=g).bfloat16()[:, :H]  # strided rows
@@ -266,17 +268,17 @@ def test_moe_pad_unpad_bf16(T, K, E, H, monkeypatch):
     ref_buf, ref_pos = moe.moe_pad(x, ids, E)
     monkeypatch.setattr(moe, "moe_pad", None)
     monkeypatch.setattr(moe, "moe_unpad", None)
-    buf, pos = get_kernel("moe_pad", "cpu")(x, ids, E)
+    buf, pos = CpuBackend.moe_pad(x, ids, E)
     assert buf.dtype == torch.bfloat16
     assert torch.equal(pos, ref_pos) and torch.equal(buf, ref_buf)
     y = torch.randn(E, buf.shape[1], H, generator=g).bfloat16()
     w = torch.softmax(torch.randn(T, K, generator=g), -1)
-    out = get_kernel("moe_unpad", "cpu")(y, ids, pos, w)
+    out = CpuBackend.moe_unpad(y, ids, pos, w)
     assert out.dtype == torch.float32  # bf16 outputs x fp32 weights: fp32, as in torch
     picked = y[ids.reshape(-1), pos].view(T, K, H).double()
     truth = (picked * w.double()[..., None]).sum(1)
     assert (out.double() - truth).abs().max() <= 1e-5 * truth.abs().max()
-    out16 = get_kernel("moe_unpad", "cpu")(y, ids, pos, w.bfloat16())
+    out16 = CpuBackend.moe_unpad(y, ids, pos, w.bfloat16())
     truth16 = (picked * w.bfloat16().double()[..., None]).sum(1)
     assert out16.dtype == torch.bfloat16
     assert ulps(out16, truth16, floor=truth16.abs().mean()).max() <= 1.0

@@ -7,7 +7,9 @@ import shutil
 import pytest
 import torch
 
-from mambaradix.kernels import get_kernel, native
+from mambaradix.kernels import native
+from mambaradix.kernels.cpu_backend import CpuBackend
+from mambaradix.kernels.torch_backend import TorchBackend
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None, reason="no C compiler: the native kernels cannot be built here"
@@ -48,10 +50,10 @@ def test_gated_delta_decode_matches_reference_in_place(hk, hv, dk, dv, width, ac
     b = torch.randn(conv_dim, generator=g) if bias else None
     slots = torch.tensor([7, 0, 11, 3, 5])
     ref_conv, ref_ssm = conv.clone(), ssm.clone()
-    ref = get_kernel("gated_delta_decode", "torch")(
+    ref = TorchBackend.gated_delta_step(
         x, ref_conv, ref_ssm, slots, weight, b, *gates, hk, activation
     )
-    out = get_kernel("gated_delta_decode", "cpu")(
+    out = CpuBackend.gated_delta_step(
         x, conv, ssm, slots, weight, b, *gates, hk, activation
     )
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -74,8 +76,8 @@ def test_gated_delta_decode_falls_back_for_other_dtypes():
     gates += (torch.zeros(hv), torch.ones(hv))
     slots = torch.tensor([4, 1, 2])
     args = (slots, weight.bfloat16(), None, *gates, hk, "silu")
-    ref = get_kernel("gated_delta_decode", "torch")(x, conv.clone(), ssm.clone(), *args)
-    out = get_kernel("gated_delta_decode", "cpu")(x, conv, ssm, *args)
+    ref = TorchBackend.gated_delta_step(x, conv.clone(), ssm.clone(), *args)
+    out = CpuBackend.gated_delta_step(x, conv, ssm, *args)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref)
 
@@ -92,10 +94,10 @@ def test_gated_delta_decode_silu_over_a_wide_range():
     gates = (torch.zeros(B, hv), torch.zeros(B, hv), torch.zeros(hv), torch.ones(hv))
     slots = torch.arange(B)
     ref_conv, ref_ssm = conv.clone(), ssm.clone()
-    ref = get_kernel("gated_delta_decode", "torch")(
+    ref = TorchBackend.gated_delta_step(
         x, ref_conv, ref_ssm, slots, weight, None, *gates, hk, "silu"
     )
-    out = get_kernel("gated_delta_decode", "cpu")(x, conv, ssm, slots, weight, None, *gates, hk)
+    out = CpuBackend.gated_delta_step(x, conv, ssm, slots, weight, None, *gates, hk)
     assert torch.isfinite(out).all() and torch.isfinite(ssm).all()
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(ssm, ref_ssm, atol=1e-4, rtol=1e-5)
@@ -106,7 +108,7 @@ def test_gated_delta_decode_rejects_mismatched_shapes():
     g, conv, ssm, weight = _pools(4, hk, hv, dk, dv, width, seed=1)
     x = torch.randn(2, conv.shape[1] + 8, generator=g)
     with pytest.raises(ValueError, match="key heads"):
-        get_kernel("gated_delta_decode", "cpu")(
+        CpuBackend.gated_delta_step(
             x, conv, ssm, torch.tensor([0, 1]), weight, None, torch.zeros(2, hv),
             torch.zeros(2, hv), torch.zeros(hv), torch.zeros(hv), hk,
         )  # fmt: skip
@@ -120,13 +122,13 @@ def test_rms_norm_matches_reference_on_dense_and_strided_rows(zero_centered):
     # the query half of a [T, heads, 2 * d] projection: rows of 32 with a row stride of 64
     strided = torch.randn(9, 4, 64, generator=g)[..., :32]
     for x in (dense, strided, dense[0, 0]):
-        ref = get_kernel("rms_norm", "torch")(x, weight, 1e-6, zero_centered)
-        out = get_kernel("rms_norm", "cpu")(x, weight, 1e-6, zero_centered)
+        ref = TorchBackend.rms_norm(x, weight, 1e-6, zero_centered)
+        out = CpuBackend.rms_norm(x, weight, 1e-6, zero_centered)
         assert out.shape == x.shape
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # negative control: a different eps moves the result
-    far = get_kernel("rms_norm", "cpu")(dense * 1e-3, weight, 1e-2, zero_centered)
-    near = get_kernel("rms_norm", "torch")(dense * 1e-3, weight, 1e-6, zero_centered)
+    far = CpuBackend.rms_norm(dense * 1e-3, weight, 1e-2, zero_centered)
+    near = TorchBackend.rms_norm(dense * 1e-3, weight, 1e-6, zero_centered)
     assert (far - near).abs().max() > 1e-2
 
 
@@ -135,8 +137,8 @@ def test_rms_norm_falls_back_for_bf16_and_unmergeable_views():
     weight = torch.randn(16, generator=g)
     x = torch.randn(6, 16, generator=g)
     for inp, w in ((x.bfloat16(), weight.bfloat16()), (x.t().contiguous().t(), weight)):
-        ref = get_kernel("rms_norm", "torch")(inp, w, 1e-6, False)
-        torch.testing.assert_close(get_kernel("rms_norm", "cpu")(inp, w, 1e-6, False), ref)
+        ref = TorchBackend.rms_norm(inp, w, 1e-6, False)
+        torch.testing.assert_close(CpuBackend.rms_norm(inp, w, 1e-6, False), ref)
 
 
 def test_rms_norm_gated_matches_reference_for_dense_and_strided_gates():
@@ -149,14 +151,14 @@ def test_rms_norm_gated_matches_reference_for_dense_and_strided_gates():
     strided = torch.randn(9, 4, 80, generator=g)[..., 16:48]
     assert not strided.is_contiguous()
     for gate in (dense, strided):
-        ref = get_kernel("rms_norm_gated", "torch")(x, gate, weight, 1e-6)
-        out = get_kernel("rms_norm_gated", "cpu")(x, gate, weight, 1e-6)
+        ref = TorchBackend.rms_norm_gated(x, gate, weight, 1e-6)
+        out = CpuBackend.rms_norm_gated(x, gate, weight, 1e-6)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # the gate is applied: a zero gate gives zeros (silu(0) = 0)
-    zero = get_kernel("rms_norm_gated", "cpu")(x, torch.zeros_like(x), weight, 1e-6)
+    zero = CpuBackend.rms_norm_gated(x, torch.zeros_like(x), weight, 1e-6)
     assert torch.equal(zero, torch.zeros_like(x))
-    half = get_kernel("rms_norm_gated", "cpu")(x.bfloat16(), dense.bfloat16(), weight, 1e-6)
-    ref = get_kernel("rms_norm_gated", "torch")(x.bfloat16(), dense.bfloat16(), weight, 1e-6)
+    half = CpuBackend.rms_norm_gated(x.bfloat16(), dense.bfloat16(), weight, 1e-6)
+    ref = TorchBackend.rms_norm_gated(x.bfloat16(), dense.bfloat16(), weight, 1e-6)
     assert half.dtype == torch.bfloat16 and torch.equal(half, ref)
 
 
@@ -191,8 +193,8 @@ def test_attention_decode_matches_reference(hq, hkv, d, dv, sizes, own_max):
     """Own keys read in place and merged in C with the shared pieces == the torch cascade and
     a plain softmax over each request's keys."""
     q, k_pool, v_pool, table, lens = _decode_case(len(sizes) + d, hq, hkv, d, dv, sizes, own_max)
-    ref = get_kernel("attention_decode", "torch")(q, k_pool, v_pool, table, lens, 0.3)
-    out = get_kernel("attention_decode", "cpu")(q, k_pool, v_pool, table, lens, 0.3)
+    ref = TorchBackend.attention_decode(q, k_pool, v_pool, table, lens, 0.3)
+    out = CpuBackend.attention_decode(q, k_pool, v_pool, table, lens, 0.3)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
     r = hq // hkv
     for b in range(len(lens)):  # independent of the cascade: one softmax per request
@@ -207,7 +209,7 @@ def test_attention_decode_reads_only_each_requests_keys():
     """Negative controls: changing a key past a request's length (the padding slot of a
     shorter row) leaves its output alone, and changing one of its own keys moves it."""
     q, k_pool, v_pool, table, lens = _decode_case(3, 4, 2, 8, 8, [(4, 40), (2, 0)], 20)
-    kernel = get_kernel("attention_decode", "cpu")
+    kernel = CpuBackend.attention_decode
     out = kernel(q, k_pool, v_pool, table, lens, 0.5)
     short = int(torch.argmin(lens))
     unused = sorted(set(range(k_pool.shape[0])) - set(table[short, : lens[short]].tolist()))
@@ -224,8 +226,8 @@ def test_attention_decode_falls_back_and_checks_lengths():
     """fp16 pools (not covered; bf16 is, see test_kernels_bf16.py) go to the reference; a
     seq_len beyond the table is refused, not read."""
     q, k_pool, v_pool, table, lens = _decode_case(5, 4, 2, 8, 8, [(3, 40)], 10)
-    kernel = get_kernel("attention_decode", "cpu")
-    ref = get_kernel("attention_decode", "torch")
+    kernel = CpuBackend.attention_decode
+    ref = TorchBackend.attention_decode
     half = (q.half(), k_pool.half(), v_pool.half(), table, lens, 0.5)
     assert torch.equal(kernel(*half), ref(*half))
     bad = lens.clone()
@@ -241,22 +243,22 @@ def test_moe_pad_and_unpad_match_reference():
     T, K, E, H = 37, 3, 6, 24
     x = torch.randn(T, H + 5, generator=g)[:, 2 : 2 + H]
     ids = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(T)])  # E-1 unused
-    ref_buf, ref_pos = get_kernel("moe_pad", "torch")(x, ids, E)
-    buf, pos = get_kernel("moe_pad", "cpu")(x, ids, E)
+    ref_buf, ref_pos = TorchBackend.moe_pad(x, ids, E)
+    buf, pos = CpuBackend.moe_pad(x, ids, E)
     assert torch.equal(pos, ref_pos) and torch.equal(buf, ref_buf)
     counts = torch.bincount(ids.reshape(-1), minlength=E)
     assert buf.shape[1] == int(counts.max()) and counts[E - 1] == 0
     assert not buf[0, : counts[0]].eq(0).all()
     y = torch.randn(E, buf.shape[1], H, generator=g)
     w = torch.rand(T, K, generator=g)
-    ref = get_kernel("moe_unpad", "torch")(y, ids, pos, w)
-    out = get_kernel("moe_unpad", "cpu")(y, ids, pos, w)
+    ref = TorchBackend.moe_unpad(y, ids, pos, w)
+    out = CpuBackend.moe_unpad(y, ids, pos, w)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
     # the cpu pad's blocks are a strided view: unpad of a bmm over them still matches
     wts = torch.randn(E, H, H, generator=g)
     torch.testing.assert_close(
-        get_kernel("moe_unpad", "cpu")(torch.bmm(buf, wts), ids, pos, w),
-        get_kernel("moe_unpad", "torch")(torch.bmm(ref_buf, wts), ids, ref_pos, w),
+        CpuBackend.moe_unpad(torch.bmm(buf, wts), ids, pos, w),
+        TorchBackend.moe_unpad(torch.bmm(ref_buf, wts), ids, ref_pos, w),
         atol=1e-5,
         rtol=1e-5,
     )
@@ -265,13 +267,13 @@ def test_moe_pad_and_unpad_match_reference():
 def test_moe_pad_rejects_bad_ids_and_falls_back_for_bf16():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="outside 0..3"):
-        get_kernel("moe_pad", "cpu")(x, torch.tensor([[0, 1], [2, 4], [1, 3], [0, 2]]), 4)
+        CpuBackend.moe_pad(x, torch.tensor([[0, 1], [2, 4], [1, 3], [0, 2]]), 4)
     # an expert listed twice by every token would need more rows than its block has
     with pytest.raises(ValueError, match="repeats within a token"):
-        get_kernel("moe_pad", "cpu")(x, torch.tensor([[1, 1], [1, 1], [1, 1], [1, 1]]), 4)
+        CpuBackend.moe_pad(x, torch.tensor([[1, 1], [1, 1], [1, 1], [1, 1]]), 4)
     ids = torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2]])
-    buf, pos = get_kernel("moe_pad", "cpu")(x.bfloat16(), ids, 4)
-    ref_buf, ref_pos = get_kernel("moe_pad", "torch")(x.bfloat16(), ids, 4)
+    buf, pos = CpuBackend.moe_pad(x.bfloat16(), ids, 4)
+    ref_buf, ref_pos = TorchBackend.moe_pad(x.bfloat16(), ids, 4)
     assert buf.dtype == torch.bfloat16 and torch.equal(buf, ref_buf) and torch.equal(pos, ref_pos)
 
 
@@ -286,11 +288,11 @@ def test_rms_norm_rope_matches_reference_on_strided_heads(zero_centered, rd):
     w = torch.randn(D, generator=g) * 0.2
     ang = torch.rand(T, rd // 2, generator=g) * 6
     cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-    ref = get_kernel("rms_norm_rope", "torch")(x, w, 1e-6, zero_centered, cos, sin)
-    out = get_kernel("rms_norm_rope", "cpu")(x, w, 1e-6, zero_centered, cos, sin)
+    ref = TorchBackend.rms_norm_rope(x, w, 1e-6, zero_centered, cos, sin)
+    out = CpuBackend.rms_norm_rope(x, w, 1e-6, zero_centered, cos, sin)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # the rotation is real: with cos=1, sin=0 the result is the plain norm, which differs
-    plain = get_kernel("rms_norm", "torch")(x, w, 1e-6, zero_centered)
-    no_turn = get_kernel("rms_norm_rope", "cpu")(x, w, 1e-6, zero_centered, cos * 0 + 1, sin * 0)
+    plain = TorchBackend.rms_norm(x, w, 1e-6, zero_centered)
+    no_turn = CpuBackend.rms_norm_rope(x, w, 1e-6, zero_centered, cos * 0 + 1, sin * 0)
     torch.testing.assert_close(no_turn, plain, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(out, plain, atol=1e-3)

@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qn
 
-from mambaradix.kernels import get_backend, get_kernel, list_kernels, register_kernel, set_backend
 from mambaradix.kernels.conv import causal_conv1d, causal_conv1d_update, conv_state_after
 from mambaradix.kernels.gated_delta import (
     chunk_gated_delta_rule,
@@ -115,32 +114,6 @@ def test_conv_update_steps_equal_prefill_and_state_after():
         assert torch.allclose(y[0], full[t], atol=1e-6)
         assert torch.allclose(state[0], conv_state_after(x, s0, t + 1), atol=0)
     assert torch.equal(conv_state_after(x, s0, 1)[:, :2], s0[:, 1:])  # carried-in inputs kept
-
-
-def test_registry_backends_and_fallback():
-    before = get_backend()  # an engine made earlier in this process may have picked "cpu"
-    assert "chunk_gated_delta_rule" in list_kernels()
-    calls = []
-
-    @register_kernel("causal_conv1d_update", backend="fake_test_backend")
-    def fake(*args, **kwargs):
-        calls.append(1)
-        return causal_conv1d_update(*args, **kwargs)
-
-    try:
-        set_backend("fake_test_backend")
-        assert get_kernel("causal_conv1d_update") is fake
-        # operations the backend lacks fall back to the torch reference
-        assert get_kernel("chunk_gated_delta_rule") is chunk_gated_delta_rule
-        set_backend("torch")
-        assert get_backend() == "torch"
-        assert get_kernel("causal_conv1d_update") is causal_conv1d_update
-    finally:
-        set_backend(before)
-    with pytest.raises(ValueError, match="unknown kernel backend"):
-        set_backend("no_such_backend")
-    with pytest.raises(KeyError, match="unknown kernel"):
-        get_kernel("no_such_op")
 
 
 def test_states_at_any_position_equal_the_token_loop():

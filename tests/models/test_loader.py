@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from mambaradix.cache.kv_pool import KVPool
 from mambaradix.cache.state_pool import StatePool
-from mambaradix.core import ForwardContext, ForwardReq
+from mambaradix.core import ForwardReq
+from mambaradix.layout import ForwardContext
 from mambaradix.models.loader import (
     CheckpointError,
     load_model,

@@ -26,7 +26,8 @@ TOKENS = list(range(3, 200, 7))
 def logits(model) -> torch.Tensor:
     from mambaradix.cache.kv_pool import KVPool
     from mambaradix.cache.state_pool import StatePool
-    from mambaradix.core import ForwardContext, ForwardReq
+    from mambaradix.core import ForwardReq
+    from mambaradix.layout import ForwardContext
 
     kv = KVPool(model.kv_spec, 64)
     st = StatePool(model.state_spec, 2)

@@ -45,7 +45,7 @@ from mambaradix.engine.pools import model_weight_bytes, plan_pools
 from mambaradix.engine.request import Req
 from mambaradix.engine.runner import ModelRunner
 from mambaradix.engine.scheduler import Scheduler
-from mambaradix.kernels import list_kernels, native, set_backend
+from mambaradix.kernels.backend import KernelBackend, backend_class
 
 logger = logging.getLogger(__name__)
 
@@ -53,29 +53,30 @@ ARRIVAL_WINDOW_S = 0.01  # waking from idle: how long a burst may take to arrive
 _FAIL_LOCK = threading.Lock()  # failing queued work may run on a caller's thread and the loop's
 
 
-def select_kernel_backend(cfg: EngineConfig) -> str:
-    """Make ``cfg.kernel_backend`` the active kernel backend (``auto``: the native ``cpu``
-    kernels on a CPU device when they build here, else ``torch``); returns its name."""
-    backend = cfg.kernel_backend
-    if backend == "auto":
-        backend = "cpu" if cfg.device == "cpu" and native.available() else "torch"
-    elif backend == "cpu" and not native.available():
+def create_kernel_backend(cfg: EngineConfig) -> KernelBackend:
+    """The engine's kernel backend for ``cfg.kernel_backend`` (``auto``: the native ``cpu``
+    backend on a CPU device when its kernels build here, else the ``torch`` reference)."""
+    name = cfg.kernel_backend
+    if name == "auto":
+        name = "cpu" if cfg.device == "cpu" and backend_class("cpu").available() else "torch"
+    cls = backend_class(name)
+    if not cls.available():
         raise ValueError(
-            "--kernel-backend cpu: the native kernels did not build here (the log says why: "
-            "no C compiler, or a failed build); use --kernel-backend torch or auto"
+            f"--kernel-backend {name}: its kernels are not available here (the log says why: "
+            "for cpu, no C compiler or a failed build); use --kernel-backend torch or auto"
         )
-    set_backend(backend)
-    if backend != "torch":
-        ops = list_kernels()
-        native_ops = sorted(n for n, bes in ops.items() if backend in bes)
-        reference = sorted(n for n, bes in ops.items() if backend not in bes)
+    backend = cls(cfg.device)
+    native_ops = backend.native_ops()
+    if native_ops:
         logger.info(
-            "kernel backend %s: native %s; torch reference for %s (native ops that fall back "
-            "for this model's dtypes or shapes are named when they first do, in the warm-up)",
-            backend,
+            "kernel backend %s: native %s; the torch reference for the rest (native ops that "
+            "fall back for this model's dtypes or shapes are named when they first do, in the "
+            "warm-up)",
+            name,
             ", ".join(native_ops),
-            ", ".join(reference),
         )
+    else:
+        logger.info("kernel backend %s", name)
     return backend
 
 
@@ -130,8 +131,9 @@ class Engine:
         self.cache = RequestCache(
             self.kv_pool, self.state_pool, req_slots, enabled=enabled, strategy=strategy
         )
-        self.kernel_backend = select_kernel_backend(cfg)
-        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, cfg.device)
+        self.backend = create_kernel_backend(cfg)
+        self.kernel_backend = self.backend.name
+        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, cfg.device, self.backend)
         if not cfg.skip_warmup:
             per_request = cfg.chunked_prefill_size
             if per_request < 1:

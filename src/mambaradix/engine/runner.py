@@ -13,8 +13,10 @@ import torch
 
 from mambaradix.cache.kv_pool import KVPool
 from mambaradix.cache.state_pool import StatePool
-from mambaradix.core import ForwardBatch, ForwardContext, ForwardReq, SamplingParams, StateOps
+from mambaradix.core import ForwardBatch, ForwardReq, SamplingParams, StateOps
 from mambaradix.engine.sampler import TopLogprobs, sample, top_logprobs
+from mambaradix.kernels.backend import KernelBackend, reference_backend
+from mambaradix.layout import ForwardContext, ForwardLayout
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +58,23 @@ class RunResult:
 
 class ModelRunner:
     """Contract: ``run(batch)`` resolves placeholder tokens from earlier batches, applies
-    ``batch.forward.state_ops`` (copies, then clears) before any layer reads a state, runs the
-    model and samples the rows in ``sample_rows``."""
+    ``batch.forward.state_ops`` (copies, then clears) before any layer reads a state, builds the
+    forward's layout once (``ForwardLayout.build``) and lets the backend prepare it, runs the
+    model and samples the rows in ``sample_rows``. The model is bound to ``backend`` here."""
 
     def __init__(
-        self, model: torch.nn.Module, kv_pool: KVPool, state_pool: StatePool, device: str = "cpu"
+        self,
+        model: torch.nn.Module,
+        kv_pool: KVPool,
+        state_pool: StatePool,
+        device: str = "cpu",
+        backend: KernelBackend | None = None,
     ) -> None:
         self.model = model
+        self.backend = backend or reference_backend()
+        if hasattr(model, "use_backend"):
+            model.use_backend(self.backend)
+        self._with_kv = bool(getattr(kv_pool, "k", None))
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.device = device
@@ -89,10 +101,11 @@ class ModelRunner:
         self.state_pool.apply(fb.state_ops)
         result = RunResult(batch.batch_id, [], [])
         if fb.reqs:
-            ctx = ForwardContext.build(
-                fb.reqs, self.kv_pool, self.state_pool, self.device, fb.decode_table, self._carry
+            layout = ForwardLayout.build(
+                fb.reqs, self.device, fb.decode_table, with_kv=self._with_kv, carry=self._carry
             )
-            logits = self.model.forward(ctx)
+            self.backend.prepare(layout)
+            logits = self.model.forward(ForwardContext(layout, self.kv_pool, self.state_pool))
             sample_rows = batch.sample_rows
             first_row: list[int] = []
             if batch.prompt_rows:  # some requests return logits for all their new tokens

@@ -10,10 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from mambaradix.kernels.attention_plan import DecodePlan, decode_plan, pool_rows
-from mambaradix.kernels.registry import register_kernel
 
 
-@register_kernel("attention_prefill")
 def attention_prefill(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -40,7 +38,6 @@ def attention_prefill(
     return out[0].transpose(0, 1).to(q.dtype)
 
 
-@register_kernel("attention_prefill_shared")
 def attention_prefill_shared(
     qs: list[torch.Tensor],
     k_pool: torch.Tensor,
@@ -156,7 +153,6 @@ def attend_shared(
     return torch.cat(outs), torch.cat(lses)
 
 
-@register_kernel("attention_decode")
 def attention_decode(
     q: torch.Tensor,
     k_pool: torch.Tensor,

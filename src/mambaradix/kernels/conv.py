@@ -10,8 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mambaradix.kernels.registry import register_kernel
-
 
 def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation is None or activation == "identity":
@@ -21,7 +19,6 @@ def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
     raise ValueError(f"unsupported conv activation {activation!r} (use 'silu' or None)")
 
 
-@register_kernel("causal_conv1d")
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -59,7 +56,6 @@ def causal_conv1d(
     return _activate(out.t(), activation)
 
 
-@register_kernel("causal_conv1d_update")
 def causal_conv1d_update(
     x: torch.Tensor,
     conv_states: torch.Tensor,

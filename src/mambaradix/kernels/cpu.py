@@ -1,10 +1,10 @@
-"""The ``"cpu"`` kernel backend: native C kernels (``kernels.native``) for the decode hot spots.
+"""Native C kernels (``kernels.native``) for the decode hot spots, as the primitives of the
+``"cpu"`` backend (``kernels.cpu_backend``).
 
 Each function has the signature of the torch reference it replaces and falls back to it for
 inputs the C code does not cover (another device or dtype, an unusual layout, or no compiler
-here), so the backend can always be active on CPU. Operations this backend lacks use the torch
-reference through the registry. Each fallback is logged once per operation and input dtypes
-(the warm-up runs every path at engine start, so the start-up log names them).
+here), so the backend can always be active on CPU. Each fallback is logged once per operation
+and input dtypes (the warm-up runs every path at engine start, so the start-up log names them).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from mambaradix.kernels import attention, attention_plan, gated_delta, moe, native, norm, rope
-from mambaradix.kernels.registry import register_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +53,6 @@ def _cpu_rows(t: torch.Tensor, dtype: torch.dtype) -> bool:
     return t.device.type == "cpu" and t.dtype == dtype and t.dim() == 2 and t.stride(1) == 1
 
 
-@register_kernel("gated_delta_decode", backend="cpu")
 def gated_delta_decode(
     x: torch.Tensor,
     conv_pool: torch.Tensor,
@@ -113,7 +111,6 @@ def gated_delta_decode(
     return out
 
 
-@register_kernel("rms_norm", backend="cpu")
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
 ) -> torch.Tensor:
@@ -136,7 +133,6 @@ def rms_norm(
     return out.view(x.shape)
 
 
-@register_kernel("rms_norm_gated", backend="cpu")
 def rms_norm_gated(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
@@ -162,7 +158,6 @@ def rms_norm_gated(
     return out.view(x.shape)
 
 
-@register_kernel("attention_decode", backend="cpu")
 def attention_decode(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -220,7 +215,6 @@ def attention_decode(
     return out if dt == torch.float32 else out.to(dt)
 
 
-@register_kernel("moe_pad", backend="cpu")
 def moe_pad(
     x: torch.Tensor, ids: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,7 +240,6 @@ def moe_pad(
     return buf[:, :cap], pos
 
 
-@register_kernel("moe_unpad", backend="cpu")
 def moe_unpad(
     y: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
@@ -287,7 +280,6 @@ def moe_unpad(
     return out
 
 
-@register_kernel("rms_norm_rope", backend="cpu")
 def rms_norm_rope(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from mambaradix.kernels.conv import causal_conv1d_update
-from mambaradix.kernels.registry import register_kernel
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -49,7 +48,6 @@ def _prepare_qk(
     return q, k
 
 
-@register_kernel("chunk_gated_delta_rule")
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -145,7 +143,6 @@ def chunk_gated_delta_rule(
     return out.to(out_dtype), state
 
 
-@register_kernel("recurrent_gated_delta_step")
 def recurrent_gated_delta_step(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -181,7 +178,6 @@ def gdn_gates(
     return g, torch.sigmoid(b)
 
 
-@register_kernel("gated_delta_decode")
 def gated_delta_decode(
     x: torch.Tensor,
     conv_pool: torch.Tensor,

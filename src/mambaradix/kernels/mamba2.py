@@ -22,8 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mambaradix.kernels.registry import register_kernel
-
 __all__ = ["ChunkPlan", "mamba2_chunk_scan", "mamba2_step", "process_dt"]
 
 
@@ -117,7 +115,6 @@ def _segsum(cs: torch.Tensor) -> torch.Tensor:
     return out.masked_fill_(upper, float("-inf"))
 
 
-@register_kernel("mamba2_chunk_scan")
 def mamba2_chunk_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -200,7 +197,6 @@ def mamba2_chunk_scan(
     return y, cur, snaps
 
 
-@register_kernel("mamba2_step")
 def mamba2_step(
     state: torch.Tensor,
     x: torch.Tensor,

@@ -10,10 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mambaradix.kernels.registry import register_kernel
 
-
-@register_kernel("moe_pad")
 def moe_pad(
     x: torch.Tensor, ids: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,7 +27,6 @@ def moe_pad(
     return buf, pos
 
 
-@register_kernel("moe_unpad")
 def moe_unpad(
     y: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:

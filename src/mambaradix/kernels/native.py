@@ -3,8 +3,8 @@
 A decode step of a hybrid model is many small operations. Where the torch reference needs
 several passes over a tensor (gather the states of the batch, update them in five elementwise
 and matmul ops, scatter them back), a C kernel reads and writes each state once, in place in
-the pool. These kernels are registered under the ``"cpu"`` backend (see ``kernels.registry``);
-the engine makes that backend active on CPU when they build (``--kernel-backend auto``).
+the pool. These kernels are the primitives of the ``"cpu"`` backend (``kernels.cpu_backend``),
+which the engine picks on CPU when they build (``--kernel-backend auto``).
 
 Build: the system C compiler (``$CC``, else ``cc``) with ``-O3 -march=native``, into a cache
 folder (``$MAMBARADIX_KERNEL_CACHE``, else ``~/.cache/mambaradix/kernels``) under a name that

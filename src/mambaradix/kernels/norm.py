@@ -5,15 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mambaradix.kernels.registry import register_kernel
-
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
 
 
-@register_kernel("rms_norm")
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
 ) -> torch.Tensor:
@@ -25,7 +22,6 @@ def rms_norm(
     return weight * y.to(x.dtype)
 
 
-@register_kernel("rms_norm_gated")
 def rms_norm_gated(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from mambaradix.kernels.norm import rms_norm
-from mambaradix.kernels.registry import register_kernel
 
 
 def apply_rope(
@@ -30,7 +29,6 @@ def apply_rope(
     return torch.cat([out, x[..., rd:]], dim=-1)
 
 
-@register_kernel("rms_norm_rope")
 def rms_norm_rope(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mambaradix.kernels import get_kernel
+from mambaradix.kernels.backend import KernelBackend, reference_backend
 from mambaradix.layers.mlp import GatedMLP, activation
+from mambaradix.layers.ops import KernelUser
 
 
 def route_topk(
@@ -51,16 +52,17 @@ def experts_forward(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     act,
+    ops: KernelBackend | None = None,
 ) -> torch.Tensor:
     """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``, grouping tokens by expert.
 
     ``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]``. Few tokens per expert (decode): one
     batched GEMM over all experts, each padded to the busiest one's count; otherwise one GEMM
-    per expert with tokens."""
+    per expert with tokens. ``ops``: the backend (default the torch reference)."""
     T, K = ids.shape
     E = gate_up.shape[0]
     if T * K <= PADDED_MAX_PER_EXPERT * E:
-        return _padded_experts(x, weights, ids, gate_up, down, act)
+        return _padded_experts(x, weights, ids, gate_up, down, act, ops or reference_backend())
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=E)
@@ -88,16 +90,17 @@ def _padded_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     act,
+    ops: KernelBackend,
 ) -> torch.Tensor:
     """``experts_forward`` as ``[E, cap, *]`` bmm's, ``cap`` the largest count: the pairs are
     laid out by ``moe_pad`` and summed back by ``moe_unpad`` (padding rows are never read)."""
-    buf, pos = get_kernel("moe_pad")(x, ids, gate_up.shape[0])
+    buf, pos = ops.moe_pad(x, ids, gate_up.shape[0])
     g, u = torch.bmm(buf, gate_up.transpose(1, 2)).chunk(2, dim=-1)
     y = torch.bmm(act(g) * u, down.transpose(1, 2))
-    return get_kernel("moe_unpad")(y, ids, pos, weights)
+    return ops.moe_unpad(y, ids, pos, weights)
 
 
-class Experts(nn.Module):
+class Experts(KernelUser, nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu"):
         super().__init__()
         self.gate_up_proj = expert_weights(num_experts, 2 * intermediate, hidden)
@@ -105,7 +108,9 @@ class Experts(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return experts_forward(x, weights, ids, self.gate_up_proj, self.down_proj, self.act)
+        return experts_forward(
+            x, weights, ids, self.gate_up_proj, self.down_proj, self.act, self.ops
+        )
 
 
 class TopKRouter(nn.Module):

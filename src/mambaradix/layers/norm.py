@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mambaradix.kernels import get_kernel
 from mambaradix.kernels.norm import rms_normalize
+from mambaradix.layers.ops import KernelUser
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(KernelUser, nn.Module):
     """``zero_centered``: weight stored as an offset from 1 (initialised to 0) and the product is
     taken in fp32 before casting back; otherwise ``w * x.to(dtype)`` (Llama convention)."""
 
@@ -22,10 +22,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return get_kernel("rms_norm")(x, self.weight, self.eps, self.zero_centered)
+        return self.ops.rms_norm(x, self.weight, self.eps, self.zero_centered)
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(KernelUser, nn.Module):
     """``norm_before_gate``: ``w * norm(x) * silu(gate)`` (Gated DeltaNet); otherwise
     ``w * norm(x * silu(gate))`` (Mamba2). ``group_size`` normalises each group separately."""
 
@@ -53,7 +53,7 @@ class GatedRMSNorm(nn.Module):
         dtype = x.dtype
         whole = self.group_size is None or self.group_size == x.shape[-1]
         if self.norm_before_gate and whole:
-            return get_kernel("rms_norm_gated")(x, gate, self.weight, self.eps)
+            return self.ops.rms_norm_gated(x, gate, self.weight, self.eps)
         if self.norm_before_gate:
             y = self.weight * self._norm(x).to(dtype)
             return (y * F.silu(gate.float())).to(dtype)

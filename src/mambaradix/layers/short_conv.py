@@ -15,12 +15,11 @@ import torch
 from torch import nn
 
 from mambaradix.core import StateLayerSpec
-from mambaradix.kernels.conv import conv_state_after
-from mambaradix.kernels.registry import get_kernel
-from mambaradix.layers.attention import BatchLayout
+from mambaradix.layers.ops import KernelUser
+from mambaradix.layout import ForwardContext
 
 
-class ShortConv(nn.Module):
+class ShortConv(KernelUser, nn.Module):
     """One LFM2 conv layer; ``state_index`` is its position among the recurrent layers."""
 
     def __init__(self, hidden_size: int, kernel: int, state_index: int, bias: bool = False) -> None:
@@ -45,70 +44,19 @@ class ShortConv(nn.Module):
         """Conv state only (``ssm_dtype`` is accepted for a uniform mixer interface)."""
         return StateLayerSpec(conv_shape=(self.hidden_size, self.kernel - 1), conv_dtype=conv_dtype)
 
-    def forward(self, hidden: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        """``hidden [T, hidden_size]`` packed as in ``layout.ctx`` -> ``[T, hidden_size]``.
-
-        Decodes take the batched single-step update, prefills the packed varlen conv.
-        """
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``hidden [T, hidden_size]`` packed as in ``ctx.layout`` -> ``[T, hidden_size]``:
+        the backend's conv over the prefill segments and one step for the decodes."""
+        layout, ops = ctx.layout, self.ops
+        pool = ctx.state_pool.conv[self.state_index]
+        weight, bias = self.conv.weight.squeeze(1), self.conv.bias
         b, c, x = self.in_proj(hidden).chunk(3, dim=-1)
         u = b * x
-        if layout.all_decode:
-            v = self._step(layout, u)
-        else:
-            v = torch.empty_like(u)
-            self._prefill(layout, u, v)
-            if layout.decode_reqs:
-                rows = layout.decode_rows
-                v.index_copy_(0, rows, self._step(layout, u.index_select(0, rows)))
+        v = torch.empty_like(u)
+        for part, conv_op in (
+            (layout.prefill, ops.conv1d_prefill),
+            (layout.decode, ops.conv1d_decode),
+        ):
+            if part is not None:
+                v = part.rows.put(v, conv_op(part.rows.take(u), weight, bias, pool, layout, None))
         return self.out_proj(c * v)
-
-    def _step(self, layout: BatchLayout, u: torch.Tensor) -> torch.Tensor:
-        ctx = layout.ctx
-        pool = ctx.state_pool.conv[self.state_index]
-        slots = layout.decode_slots
-        v, new = get_kernel("causal_conv1d_update")(
-            u, pool.index_select(0, slots), self.conv.weight.squeeze(1), self.conv.bias, None
-        )
-        pool.index_copy_(0, slots, new.to(pool.dtype))
-        src = [k for k, i in enumerate(layout.decode_reqs) for _ in ctx.reqs[i].snapshots]
-        if src:  # a snapshot after the only new token is the final state
-            dst = [s for i in layout.decode_reqs for _, s in ctx.reqs[i].snapshots]
-            idx = torch.tensor(src, device=u.device)
-            pool.index_copy_(
-                0, torch.tensor(dst, device=u.device), new.index_select(0, idx).to(pool.dtype)
-            )
-        return v
-
-    def _prefill(self, layout: BatchLayout, u: torch.Tensor, v: torch.Tensor) -> None:
-        ctx = layout.ctx
-        pool = ctx.state_pool.conv[self.state_index]
-        idx = layout.prefill_reqs
-        lens = [ctx.extend_lens[i] for i in idx]
-        if len(idx) == ctx.num_reqs:
-            rows, slots, u_p = None, ctx.state_slots, u
-        else:
-            rows = torch.cat(
-                [torch.arange(ctx.starts[i], ctx.starts[i] + ctx.extend_lens[i]) for i in idx]
-            ).to(u.device)
-            slots, u_p = ctx.state_slots[idx], u.index_select(0, rows)
-        states = pool.index_select(0, slots)
-        out = get_kernel("causal_conv1d")(
-            u_p, self.conv.weight.squeeze(1), self.conv.bias, states, lens, None
-        )
-        if rows is None:
-            v.copy_(out)
-        else:
-            v.index_copy_(0, rows, out)
-        new_states, snap_states, snap_slots = [], [], []
-        start = 0
-        for k, (i, n_new) in enumerate(zip(idx, lens)):
-            seg = u_p[start : start + n_new]
-            new_states.append(conv_state_after(seg, states[k], n_new))
-            for n, slot in ctx.reqs[i].snapshots:
-                snap_states.append(conv_state_after(seg, states[k], n))
-                snap_slots.append(slot)
-            start += n_new
-        pool.index_copy_(0, slots, torch.stack(new_states).to(pool.dtype))
-        if snap_slots:
-            dst = torch.tensor(snap_slots, device=u.device)
-            pool.index_copy_(0, dst, torch.stack(snap_states).to(pool.dtype))

@@ -2,44 +2,96 @@
 
 A model is an ``nn.Module`` built from a Hugging Face config. It declares what memory it needs
 (``kv_spec`` for its attention layers, ``state_spec`` for its recurrent layers, both in layer
-order) and computes one forward over a ``ForwardContext``:
+order) and computes one forward over a ``ForwardContext`` (layout + pools):
 
 - attention layer ``i`` (i-th attention layer of the model) writes the new tokens' K/V into
-  ``ctx.kv_pool.k[i][ctx.out_kv_slots]`` and reads each request's K/V through
-  ``req.kv_slots``;
+  ``ctx.kv_pool.k[i]`` at ``layout.out_kv_slots`` and reads each request's K/V through its KV
+  slots;
 - recurrent layer ``j`` starts each request from ``ctx.state_pool.conv[j][state_slot]`` /
   ``temporal[j][state_slot]``, leaves its final state there, and for every ``(n, slot)`` in
   ``req.snapshots`` also writes the state after n new tokens into ``slot``.
 
-It returns next-token logits at ``ctx.logit_rows()``: each request's last new token, or all
-its new tokens where ``ForwardReq.all_logits`` is set (prompt logprobs); ``[num_tokens,
-vocab]`` for every new token when the ``all_logits`` argument is true.
+It returns fp32 next-token logits at ``layout.logit_rows``: each request's last new token, or
+all its new tokens where ``ForwardReq.all_logits`` is set (prompt logprobs); ``[num_tokens,
+vocab]`` for every new token when the ``all_logits`` argument is true. Layers call their ops on
+the backend the model is bound to (``use_backend``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
-from mambaradix.core import ForwardContext, KVSpec, StateSpec
-
-
-class HybridModel(Protocol):
-    kv_spec: KVSpec
-    state_spec: StateSpec
-    vocab_size: int
-
-    def forward(self, ctx: ForwardContext, all_logits: bool = False) -> torch.Tensor: ...
+from mambaradix.core import KVSpec, StateSpec
+from mambaradix.kernels.backend import KernelBackend
+from mambaradix.layers.ops import KernelUser
+from mambaradix.layout import ForwardContext
 
 
 class HybridCausalLM(torch.nn.Module):
-    """Shared plumbing of the model classes: the attributes of the contract above, and the two
-    memory specs derived from the model's attention layers and recurrent mixers.
+    """The one head of every model class (embed -> decoder body -> the logit rows -> final
+    norm -> ``lm_head``), the attributes of the contract above, and the two memory specs derived
+    from the model's attention layers and recurrent mixers.
 
-    A subclass calls ``_init_common`` first, and ``_init_memory`` once its layers exist. Every
-    recurrent mixer has ``state_layer_spec(conv_dtype, ssm_dtype) -> StateLayerSpec``.
+    A subclass calls ``_init_common`` first, and ``_init_memory`` once its layers exist; it
+    provides ``embedding`` and ``final_norm`` (its own modules, named as in its checkpoints),
+    ``lm_head`` and ``body(x, ctx)``; Granite-style scalars go in ``embedding_multiplier`` and
+    ``logits_scaling``. Every recurrent mixer has ``state_layer_spec(conv_dtype, ssm_dtype)``.
     """
+
+    embedding_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    tie_word_embeddings: bool = False
+
+    @property
+    def embedding(self) -> torch.nn.Embedding:
+        raise NotImplementedError
+
+    @property
+    def final_norm(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def body(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The decoder layers over the packed hidden states ``[T, hidden]``."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def forward(self, ctx: ForwardContext, all_logits: bool = False) -> torch.Tensor:
+        layout = ctx.layout
+        x = self.embedding(layout.input_ids)
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
+        x = self.body(x, ctx)
+        if not all_logits and layout.logit_rows is not None:
+            x = x.index_select(0, layout.logit_rows)
+        logits = self.lm_head(self.final_norm(x)).float()
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        return logits
+
+    def use_backend(self, backend: KernelBackend) -> None:
+        """Bind every module that calls kernel ops to ``backend`` (the engine's)."""
+        self.backend = backend
+        for module in self.modules():
+            if isinstance(module, KernelUser):
+                module.bind_ops(backend)
+
+    def tie_lm_head(self, tied: bool) -> None:
+        """Share ``lm_head``'s weight with the input embedding (``tie_word_embeddings``)."""
+        self.tie_word_embeddings = bool(tied)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embedding.weight
+
+    def without_tied_head(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors less ``lm_head.weight`` when it is tied (some checkpoints
+        store the shared tensor twice)."""
+        for name, t in weights:
+            if not (self.tie_word_embeddings and name == "lm_head.weight"):
+                yield name, t
 
     def _init_common(self, config: Any, ssm_dtype: torch.dtype) -> None:
         self.config = config

@@ -17,13 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from mambaradix.core import ForwardContext
-from mambaradix.layers.attention import BatchLayout, pooled_attention
+from mambaradix.layers.attention import pooled_attention
 from mambaradix.layers.mamba2 import Mamba2Mixer
 from mambaradix.layers.mlp import activation
 from mambaradix.layers.moe import expert_weights, experts_forward
 from mambaradix.layers.norm import RMSNorm
+from mambaradix.layers.ops import KernelUser
 from mambaradix.layers.rotary import RotaryEmbedding
+from mambaradix.layout import ForwardContext
 from mambaradix.models.base import HybridCausalLM, pool_layer_indices
 from mambaradix.models.loader import assign_weights
 from mambaradix.models.registry import register_model
@@ -41,7 +42,7 @@ def layer_kinds(config: Any) -> list[str]:
     return [_LEGACY_TYPES.get(k, k) for k in kinds]
 
 
-class ProjAttention(nn.Module):
+class ProjAttention(KernelUser, nn.Module):
     """Grouped-query attention with ``q_proj/k_proj/v_proj/o_proj`` over the pooled KV.
 
     ``attn_index`` is this layer's index among the model's attention layers (its KV pool layer);
@@ -70,7 +71,7 @@ class ProjAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        layout: BatchLayout,
+        ctx: ForwardContext,
         rotary: RotaryEmbedding | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
@@ -80,7 +81,7 @@ class ProjAttention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if rotary is not None and cos_sin is not None:
             q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
-        out = pooled_attention(layout, self.attn_index, q, k, v, self.scale)
+        out = pooled_attention(self.ops, ctx, self.attn_index, q, k, v, self.scale)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -115,7 +116,7 @@ class _Router(nn.Module):
         self.layer = nn.Linear(hidden, num_experts, bias=False)
 
 
-class GraniteMoE(nn.Module):
+class GraniteMoE(KernelUser, nn.Module):
     """Top-k routed gated experts: softmax over the k largest router logits."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, act: str):
@@ -130,7 +131,13 @@ class GraniteMoE(nn.Module):
         top_logits, top_idx = self.router.layer(x).float().topk(self.top_k, dim=-1)
         top_w = torch.softmax(top_logits, dim=-1).to(x.dtype)
         return experts_forward(
-            x, top_w, top_idx, self.input_linear.weight, self.output_linear.weight, self.act
+            x,
+            top_w,
+            top_idx,
+            self.input_linear.weight,
+            self.output_linear.weight,
+            self.act,
+            self.ops,
         )
 
 
@@ -182,12 +189,12 @@ class GraniteHybridLayer(nn.Module):
         )
         self.shared_mlp = GraniteSharedMLP(h, config.shared_intermediate_size, config.hidden_act)
 
-    def forward(self, h, layout, rotary, cos_sin) -> torch.Tensor:
+    def forward(self, h, ctx: ForwardContext, rotary, cos_sin) -> torch.Tensor:
         x = self.input_layernorm(h)
         if self.kind == MAMBA:
-            x = self.mamba(x, layout)
+            x = self.mamba(x, ctx)
         else:
-            x = self.self_attn(x, layout, rotary, cos_sin)
+            x = self.self_attn(x, ctx, rotary, cos_sin)
         h = h + x * self.residual_multiplier
         x = self.post_attention_layernorm(h)
         y = self.shared_mlp(x)
@@ -217,8 +224,7 @@ class GraniteHybridForCausalLM(HybridCausalLM):
         self._init_common(config, ssm_dtype)
         self.model = _GraniteBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_lm_head(getattr(config, "tie_word_embeddings", False))
         self.embedding_multiplier = float(config.embedding_multiplier)
         self.logits_scaling = float(config.logits_scaling)
         attn = [m.self_attn for m in self.model.layers if m.kind == ATTENTION]
@@ -231,21 +237,22 @@ class GraniteHybridForCausalLM(HybridCausalLM):
             else None
         )
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        tied = getattr(self.config, "tie_word_embeddings", False)
-        assign_weights(self, ((n, t) for n, t in weights if not (tied and n == "lm_head.weight")))
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.model.embed_tokens
 
-    @torch.no_grad()
-    def forward(self, ctx: ForwardContext, all_logits: bool = False) -> torch.Tensor:
-        layout = BatchLayout.build(ctx)
-        h = self.model.embed_tokens(ctx.input_ids) * self.embedding_multiplier
-        cos_sin = self.rotary(ctx.positions) if self.rotary is not None else None
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.model.norm
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        assign_weights(self, self.without_tied_head(weights))
+
+    def body(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        cos_sin = self.rotary(ctx.layout.positions) if self.rotary is not None else None
         for layer in self.model.layers:
-            h = layer(h, layout, self.rotary, cos_sin)
-        if not all_logits:
-            h = h.index_select(0, ctx.logit_rows())
-        h = self.model.norm(h)
-        return self.lm_head(h) / self.logits_scaling
+            h = layer(h, ctx, self.rotary, cos_sin)
+        return h
 
 
 # --------------------------------------------------------------------------- tiny checkpoints

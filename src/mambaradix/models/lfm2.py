@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mambaradix.core import ForwardContext
-from mambaradix.layers.attention import BatchLayout, pooled_attention
+from mambaradix.layers.attention import pooled_attention
 from mambaradix.layers.norm import RMSNorm
+from mambaradix.layers.ops import KernelUser
 from mambaradix.layers.rotary import RotaryEmbedding
 from mambaradix.layers.short_conv import ShortConv
+from mambaradix.layout import ForwardContext
 from mambaradix.models.base import HybridCausalLM, pool_layer_indices
 from mambaradix.models.loader import assign_weights
 from mambaradix.models.registry import register_model
@@ -52,7 +53,7 @@ class Lfm2FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class Lfm2Attention(nn.Module):
+class Lfm2Attention(KernelUser, nn.Module):
     """GQA with per-head RMSNorm on q and k before RoPE, over the pooled KV."""
 
     def __init__(self, config: Any, attn_index: int) -> None:
@@ -71,7 +72,7 @@ class Lfm2Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        layout: BatchLayout,
+        ctx: ForwardContext,
         rotary: RotaryEmbedding,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
@@ -80,7 +81,7 @@ class Lfm2Attention(nn.Module):
         k = self.k_layernorm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
-        out = pooled_attention(layout, self.attn_index, q, k, v, self.head_dim**-0.5)
+        out = pooled_attention(self.ops, ctx, self.attn_index, q, k, v, self.head_dim**-0.5)
         return self.out_proj(out.reshape(t, -1))
 
 
@@ -97,12 +98,12 @@ class Lfm2Layer(nn.Module):
         self.operator_norm = RMSNorm(h, config.norm_eps)
         self.ffn_norm = RMSNorm(h, config.norm_eps)
 
-    def forward(self, h, layout, rotary, cos_sin) -> torch.Tensor:
+    def forward(self, h, ctx: ForwardContext, rotary, cos_sin) -> torch.Tensor:
         x = self.operator_norm(h)
         if self.is_attention:
-            x = self.self_attn(x, layout, rotary, cos_sin)
+            x = self.self_attn(x, ctx, rotary, cos_sin)
         else:
-            x = self.conv(x, layout)
+            x = self.conv(x, ctx)
         h = h + x
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -129,29 +130,29 @@ class Lfm2ForCausalLM(HybridCausalLM):
         kinds = list(config.layer_types)
         self.model = _Lfm2Body(config, kinds)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_lm_head(getattr(config, "tie_word_embeddings", False))
         attn = [m.self_attn for m in self.model.layers if m.is_attention]
         head_dim = attn[0].head_dim if attn else 1
         convs = [m.conv for m in self.model.layers if not m.is_attention]
         self._init_memory(len(attn), config.num_key_value_heads, head_dim, convs)
         self.rotary = RotaryEmbedding(config, head_dim) if attn else None
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        tied = getattr(self.config, "tie_word_embeddings", False)
-        assign_weights(self, ((n, t) for n, t in weights if not (tied and n == "lm_head.weight")))
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.model.embed_tokens
 
-    @torch.no_grad()
-    def forward(self, ctx: ForwardContext, all_logits: bool = False) -> torch.Tensor:
-        layout = BatchLayout.build(ctx)
-        h = self.model.embed_tokens(ctx.input_ids)
-        cos_sin = self.rotary(ctx.positions) if self.rotary is not None else None
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.model.embedding_norm
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        assign_weights(self, self.without_tied_head(weights))
+
+    def body(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        cos_sin = self.rotary(ctx.layout.positions) if self.rotary is not None else None
         for layer in self.model.layers:
-            h = layer(h, layout, self.rotary, cos_sin)
-        if not all_logits:
-            h = h.index_select(0, ctx.logit_rows())
-        h = self.model.embedding_norm(h)
-        return self.lm_head(h)
+            h = layer(h, ctx, self.rotary, cos_sin)
+        return h
 
 
 # --------------------------------------------------------------------------- tiny checkpoints

@@ -16,11 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mambaradix.core import ForwardContext
-from mambaradix.layers.attention import BatchLayout
 from mambaradix.layers.mamba2 import Mamba2Mixer
 from mambaradix.layers.mlp import activation
 from mambaradix.layers.norm import RMSNorm
+from mambaradix.layout import ForwardContext
 from mambaradix.models.base import HybridCausalLM, pool_layer_indices
 from mambaradix.models.granite_hybrid import ATTENTION, MAMBA, ProjAttention, layer_kinds
 from mambaradix.models.loader import assign_weights
@@ -170,12 +169,12 @@ class NemotronBlock(nn.Module):
         else:
             raise ValueError(f"unknown NemotronH block type {kind!r}")
 
-    def forward(self, h: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.norm(h)
         if self.kind == MAMBA:
-            x = self.mixer(x, layout)
+            x = self.mixer(x, ctx)
         elif self.kind == ATTENTION:
-            x = self.mixer(x, layout, None, None)
+            x = self.mixer(x, ctx, None, None)
         else:
             x = self.mixer(x)
         return h + x
@@ -202,38 +201,35 @@ class NemotronHForCausalLM(HybridCausalLM):
         kinds = [_PATTERN.get(k, k) for k in layer_kinds(config)]
         self.backbone = _Backbone(config, kinds)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.backbone.embeddings.weight
+        self.tie_lm_head(getattr(config, "tie_word_embeddings", False))
         attn = [b.mixer for b in self.backbone.layers if b.kind == ATTENTION]
         mambas = [b.mixer for b in self.backbone.layers if b.kind == MAMBA]
         head_dim = attn[0].head_dim if attn else 1
         self._init_memory(len(attn), config.num_key_value_heads, head_dim, mambas)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        tied = getattr(self.config, "tie_word_embeddings", False)
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.backbone.embeddings
 
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.backbone.norm_f
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:
             for name, t in weights:
                 if name.startswith("model."):  # transformers' in-memory prefix
                     name = "backbone." + name[len("model.") :]
-                if tied and name == "lm_head.weight":
-                    continue
                 if name.startswith("mtp."):  # multi-token-prediction head: unused
                     continue
                 yield name, t
 
-        assign_weights(self, renamed())
+        assign_weights(self, self.without_tied_head(renamed()))
 
-    @torch.no_grad()
-    def forward(self, ctx: ForwardContext, all_logits: bool = False) -> torch.Tensor:
-        layout = BatchLayout.build(ctx)
-        h = self.backbone.embeddings(ctx.input_ids)
+    def body(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         for block in self.backbone.layers:
-            h = block(h, layout)
-        if not all_logits:
-            h = h.index_select(0, ctx.logit_rows())
-        h = self.backbone.norm_f(h)
-        return self.lm_head(h).float()
+            h = block(h, ctx)
+        return h
 
 
 # --------------------------------------------------------------------------- tiny checkpoints

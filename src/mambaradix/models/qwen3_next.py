@@ -16,14 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from mambaradix.core import ForwardContext
-from mambaradix.kernels import get_kernel
-from mambaradix.layers.attention import BatchLayout, pooled_attention
+from mambaradix.layers.attention import pooled_attention
 from mambaradix.layers.gated_delta_net import GDN_MERGES, GatedDeltaNet
 from mambaradix.layers.mlp import GATE_UP_MERGE, GatedMLP
 from mambaradix.layers.moe import SparseMoeBlock, stack_expert_weights
 from mambaradix.layers.norm import RMSNorm
+from mambaradix.layers.ops import KernelUser
 from mambaradix.layers.rotary import RotaryEmbedding
+from mambaradix.layout import ForwardContext
 from mambaradix.models.base import HybridCausalLM
 from mambaradix.models.loader import assign_weights, merge_weights
 from mambaradix.models.registry import register_model
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 ATTN_MERGE = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(KernelUser, nn.Module):
     """Full attention whose output is gated by ``sigmoid(gate)``; ``q_proj`` yields, per head,
     the query and the gate (``[H, 2*D]``). q/k get a zero-centred RMSNorm over the head dim,
     then rotate-half RoPE with the model's ``(cos, sin)``, in one op (``rms_norm_rope``)."""
@@ -53,7 +53,7 @@ class GatedAttention(nn.Module):
         self.attn_layer = attn_layer
         self.scale = self.d**-0.5
 
-    def forward(self, x: torch.Tensor, layout: BatchLayout, cos_sin) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, cos_sin) -> torch.Tensor:
         T = x.shape[0]
         hq, hk = 2 * self.h * self.d, self.hkv * self.d
         qg, k, v = self.qkv_proj(x).split([hq, hk, hk], dim=-1)
@@ -62,11 +62,11 @@ class GatedAttention(nn.Module):
         k = k.reshape(T, self.hkv, self.d)
         v = v.reshape(T, self.hkv, self.d)
         cos, sin = cos_sin
-        norm_rope = get_kernel("rms_norm_rope")
+        norm_rope = self.ops.rms_norm_rope
         qn, kn = self.q_norm, self.k_norm
         q = norm_rope(q, qn.weight, qn.eps, qn.zero_centered, cos, sin)
         k = norm_rope(k, kn.weight, kn.eps, kn.zero_centered, cos, sin)
-        o = pooled_attention(layout, self.attn_layer, q, k, v, self.scale)
+        o = pooled_attention(self.ops, ctx, self.attn_layer, q, k, v, self.scale)
         o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(T, self.h * self.d))
 
@@ -83,12 +83,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(hidden, eps, zero_centered=True)
 
-    def forward(self, x: torch.Tensor, layout: BatchLayout, cos_sin) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, cos_sin) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.mixer_kind == "attn":
-            h = self.self_attn(h, layout, cos_sin)
+            h = self.self_attn(h, ctx, cos_sin)
         else:
-            h = self.linear_attn(h, layout)
+            h = self.linear_attn(h, ctx)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -135,12 +135,10 @@ class Qwen3NextForCausalLM(HybridCausalLM):
         self.num_attn_layers, self.num_state_layers = n_attn, n_state
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_word_embeddings = bool(
+        self.tie_lm_head(
             getattr(cfg, "tie_word_embeddings", False)
             or getattr(config, "tie_word_embeddings", False)
         )
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
         gdn = [layer.linear_attn for layer in self.layers if layer.mixer_kind == "gdn"]
         self._init_memory(n_attn, cfg.num_key_value_heads, head_dim, gdn)
 
@@ -162,16 +160,19 @@ class Qwen3NextForCausalLM(HybridCausalLM):
 
     # ------------------------------------------------------------------ forward
 
-    @torch.inference_mode()
-    def forward(self, ctx: ForwardContext, all_logits: bool = False) -> torch.Tensor:
-        layout = BatchLayout.build(ctx)
-        x = self.embed_tokens(ctx.input_ids)
-        cos_sin = self.rotary(ctx.positions) if self.num_attn_layers else None
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.norm
+
+    def body(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        cos_sin = self.rotary(ctx.layout.positions) if self.num_attn_layers else None
         for layer in self.layers:
-            x = layer(x, layout, cos_sin)
-        if not all_logits and not layout.all_decode:
-            x = x.index_select(0, ctx.logit_rows())
-        return self.lm_head(self.norm(x))
+            x = layer(x, ctx, cos_sin)
+        return x
 
     # ------------------------------------------------------------------ weights
 
@@ -189,8 +190,6 @@ class Qwen3NextForCausalLM(HybridCausalLM):
                         break
                 if name.startswith("language_model.lm_head."):
                     name = name[len("language_model.") :]
-                if self.tie_word_embeddings and name == "lm_head.weight":
-                    continue
                 yield name, t
 
         def regrouped(weights):  # GDN in_proj rows in the order the layer reads them
@@ -203,7 +202,7 @@ class Qwen3NextForCausalLM(HybridCausalLM):
             return self.get_submodule(prefix).gate_up_proj.shape[0]
 
         merges = {**GATE_UP_MERGE, **GDN_MERGES[self.gdn_layout], **ATTN_MERGE}
-        stacked = stack_expert_weights(renamed(), num_experts)
+        stacked = stack_expert_weights(self.without_tied_head(renamed()), num_experts)
         assign_weights(self, regrouped(merge_weights(stacked, merges)))
 
 

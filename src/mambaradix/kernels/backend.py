@@ -1,0 +1,190 @@
+"""The kernel-backend contract: what a backend must do, and the one registry of backends.
+
+A backend is an object the engine owns (two engines in one process may use different ones). The
+model is bound to it once (``HybridCausalLM.use_backend``); the runner calls ``prepare(layout)``
+once per forward, where the backend builds its own per-forward tensors (index plans, device
+copies) into ``layout.meta``. Layers then call the ops below with their activations and pools;
+every op reads the batch's structure from the layout, never rebuilds it.
+
+State ops (conv, Gated DeltaNet, Mamba2) read each request's state from its working slot in the
+pool and write back the state after its new tokens; for every snapshot the layout lists they
+also write the state after that many new tokens into the snapshot slot. Prefill ops take the
+prefill part of the batch (``layout.prefill``: varlen segments, ``cu_seqlens``), decode ops
+the decode part (``layout.decode``: one token per request).
+
+``capabilities`` tells the planner what the backend can do (``BackendCapabilities``). The
+``torch`` backend is the reference: every other backend passes the contract tests against it
+(``tests/models/test_backend_contract.py``; ``docs/backends.md``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar, TypeVar
+
+import torch
+
+from mambaradix.kernels.capabilities import BackendCapabilities
+from mambaradix.layout import ForwardLayout
+
+Tensor = torch.Tensor
+
+
+class KernelBackend(ABC):
+    name: ClassVar[str]
+    capabilities: BackendCapabilities = BackendCapabilities()
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether this backend's kernels can run here (e.g. they built)."""
+        return True
+
+    def native_ops(self) -> list[str]:
+        """The ops this backend runs in its own code rather than the torch reference's."""
+        return []
+
+    @abstractmethod
+    def prepare(self, layout: ForwardLayout) -> None:
+        """Build this backend's per-forward tensors into ``layout.meta``."""
+
+    # ------------------------------------------------------------ attention over the KV pool
+    @abstractmethod
+    def store_kv(self, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor,
+                 layout: ForwardLayout) -> None:  # fmt: skip
+        """Write the new tokens' ``k``/``v`` ``[T, Hkv, D]`` at ``layout.out_kv_slots``."""
+
+    @abstractmethod
+    def paged_attention_prefill(self, q: Tensor, k_pool: Tensor, v_pool: Tensor,
+                                layout: ForwardLayout, scale: float) -> Tensor:  # fmt: skip
+        """Causal attention of the prefill queries ``q`` ``[Tp, Hq, D]`` (segments as in
+        ``layout.prefill``) over each segment's keys ``kv_slots[p]`` (already stored).
+        Returns ``[Tp, Hq, Dv]``."""
+
+    @abstractmethod
+    def paged_attention_decode(self, q: Tensor, k_pool: Tensor, v_pool: Tensor,
+                               layout: ForwardLayout, scale: float) -> Tensor:  # fmt: skip
+        """One query per decode ``q`` ``[D, Hq, D]`` over ``kv_table[i, :seq_lens[i]]``."""
+
+    # ------------------------------------------------------------ causal depthwise conv
+    @abstractmethod
+    def conv1d_prefill(self, x: Tensor, weight: Tensor, bias: Tensor | None, conv_pool: Tensor,
+                       layout: ForwardLayout, activation: str | None) -> Tensor:  # fmt: skip
+        """Conv over the prefill segments ``x`` ``[Tp, C]`` (weight ``[C, K]``) carrying the
+        conv state ``[C, K-1]`` (the last K-1 inputs) from and to each segment's slot, and
+        into its snapshot slots. Returns ``[Tp, C]`` (activated)."""
+
+    @abstractmethod
+    def conv1d_decode(self, x: Tensor, weight: Tensor, bias: Tensor | None, conv_pool: Tensor,
+                      layout: ForwardLayout, activation: str | None) -> Tensor:  # fmt: skip
+        """One conv step for the decodes ``x`` ``[D, C]``, states updated in the pool."""
+
+    # ------------------------------------------------------------ Gated DeltaNet
+    @abstractmethod
+    def gdn_prefill(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                    ssm_pool: Tensor, layout: ForwardLayout) -> Tensor:  # fmt: skip
+        """Chunked gated delta rule over the prefill segments (q, k ``[Tp, Hk, Dk]`` after the
+        conv, v ``[Tp, Hv, Dv]``, g / beta ``[Tp, Hv]``; q, k L2-normalised inside), the delta
+        state ``[Hv, Dk, Dv]`` from and to each segment's slot and into its snapshot slots.
+        Returns ``[Tp, Hv, Dv]``."""
+
+    @abstractmethod
+    def gdn_decode(self, x: Tensor, a: Tensor, b: Tensor, conv_pool: Tensor, ssm_pool: Tensor,
+                   layout: ForwardLayout, conv_weight: Tensor, conv_bias: Tensor | None,
+                   A_log: Tensor, dt_bias: Tensor, num_k_heads: int,
+                   activation: str | None) -> Tensor:  # fmt: skip
+        """One fused decode step of the decodes (``x`` ``[D, conv_dim]`` = q|k|v before the
+        conv, ``a`` / ``b`` ``[D, Hv]`` raw gates): conv, gates, delta rule; both states
+        updated in the pool. Returns ``[D, Hv, Dv]``."""
+
+    # ------------------------------------------------------------ Mamba2
+    @abstractmethod
+    def mamba2_prefill(self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                       D: Tensor | None, ssm_pool: Tensor,
+                       layout: ForwardLayout) -> Tensor:  # fmt: skip
+        """Chunked selective scan over the prefill segments (``x`` ``[Tp, H, P]``, ``dt``
+        ``[Tp, H]`` processed, ``B``/``C`` ``[Tp, G, N]``), state ``[H, P, N]`` from and to each
+        segment's slot and into its snapshot slots. Returns ``[Tp, H, P]`` fp32."""
+
+    @abstractmethod
+    def mamba2_decode(self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                      D: Tensor | None, ssm_pool: Tensor,
+                      layout: ForwardLayout) -> Tensor:  # fmt: skip
+        """One scan step of the decodes; returns ``[D, H, P]`` fp32."""
+
+    # ------------------------------------------------------------ per-token ops
+    @abstractmethod
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, zero_centered: bool) -> Tensor:
+        """RMSNorm over the last dim (``zero_centered``: weight stored as an offset from 1)."""
+
+    @abstractmethod
+    def rms_norm_gated(self, x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """``weight * rms_norm(x) * silu(gate)``."""
+
+    @abstractmethod
+    def rms_norm_rope(self, x: Tensor, weight: Tensor, eps: float, zero_centered: bool,
+                      cos: Tensor, sin: Tensor) -> Tensor:  # fmt: skip
+        """Per-head RMSNorm of ``x`` ``[T, H, D]`` then rotate-half RoPE of its first
+        ``cos.shape[-1]`` dims."""
+
+    @abstractmethod
+    def moe_pad(self, x: Tensor, ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+        """Lay the (token, expert) pairs out per expert: ``(buf [E, cap, H], pos [T*K])``."""
+
+    @abstractmethod
+    def moe_unpad(self, y: Tensor, ids: Tensor, pos: Tensor, weights: Tensor) -> Tensor:
+        """Sum each token's expert outputs ``y`` ``[E, cap, H]`` by its routing weights."""
+
+
+# --------------------------------------------------------------------------- the registry
+
+B = TypeVar("B", bound=type[KernelBackend])
+
+REFERENCE_BACKEND = "torch"
+_BACKENDS: dict[str, type[KernelBackend]] = {}
+
+
+def register_backend(name: str) -> Callable[[B], B]:
+    """Class decorator: make a backend available to ``create_backend`` by ``name``."""
+
+    def deco(cls: B) -> B:
+        cls.name = name
+        _BACKENDS[name] = cls
+        return cls
+
+    return deco
+
+
+def _import_backends() -> None:
+    from mambaradix.kernels import cpu_backend, torch_backend  # noqa: F401  (they register)
+
+
+def backend_names() -> list[str]:
+    _import_backends()
+    return sorted(_BACKENDS)
+
+
+def backend_class(name: str) -> type[KernelBackend]:
+    _import_backends()
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; registered: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]
+
+
+def create_backend(name: str, device: str | torch.device = "cpu") -> KernelBackend:
+    """A new backend object of the registered class ``name`` for ``device``."""
+    return backend_class(name)(device)
+
+
+def reference_backend() -> KernelBackend:
+    """The torch reference on CPU: what a model runs on before an engine binds it."""
+    global _REFERENCE
+    if _REFERENCE is None:
+        _REFERENCE = create_backend(REFERENCE_BACKEND)
+    return _REFERENCE
+
+
+_REFERENCE: KernelBackend | None = None

@@ -1,0 +1,31 @@
+"""The ``"cpu"`` backend: the torch reference with native C primitives (``kernels.cpu``) for
+the decode hot spots and the per-token ops. Each primitive falls back to the reference for
+inputs its C code does not cover, so this backend gives the reference's results everywhere."""
+
+from __future__ import annotations
+
+from mambaradix.kernels import cpu, native
+from mambaradix.kernels.backend import register_backend
+from mambaradix.kernels.torch_backend import TorchBackend
+
+
+@register_backend("cpu")
+class CpuBackend(TorchBackend):
+    gated_delta_step = staticmethod(cpu.gated_delta_decode)
+    attention_decode = staticmethod(cpu.attention_decode)
+    rms_norm = staticmethod(cpu.rms_norm)
+    rms_norm_gated = staticmethod(cpu.rms_norm_gated)
+    rms_norm_rope = staticmethod(cpu.rms_norm_rope)
+    moe_pad = staticmethod(cpu.moe_pad)
+    moe_unpad = staticmethod(cpu.moe_unpad)
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether the native kernels built here (else every op runs the reference)."""
+        return native.available()
+
+    def native_ops(self) -> list[str]:
+        return [
+            "gdn_decode", "paged_attention_decode", "rms_norm", "rms_norm_gated",
+            "rms_norm_rope", "moe_pad", "moe_unpad",
+        ]  # fmt: skip

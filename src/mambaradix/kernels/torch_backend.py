@@ -1,0 +1,292 @@
+"""The ``torch`` backend: the reference every other backend is tested against (CPU or any
+device torch runs on).
+
+Its per-forward plan (``TorchPlan``, built in ``prepare``) holds the index tensors the reference
+kernels need beyond the layout: equal-chunk-count buckets of prefill segments for the chunked
+delta rule, the Mamba2 chunk plan, the rows of every final and snapshot conv state, the shared
+prefixes of prefills and the decode attention plan. Parts that depend on a layer's shape (conv
+width, KV heads) are built by the first layer that asks and reused by every later layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mambaradix.kernels import attention, attention_plan, conv, gated_delta, mamba2, moe, norm, rope
+from mambaradix.kernels.backend import KernelBackend, register_backend
+from mambaradix.layout import DecodeRows, ForwardLayout, PrefillSegments
+
+Tensor = torch.Tensor
+CHUNK_SIZE = 64  # the chunked scans' chunk (tokens)
+
+
+@dataclass(slots=True)
+class GdnBucket:
+    """Prefill segments with the same chunk count, run as one right-padded batch."""
+
+    members: torch.Tensor  # segment indices [B]
+    rows: torch.Tensor  # [B, W] rows of the segments' tokens; Tp (a zero row) pads
+    keep: torch.Tensor  # [B*W] bool: a real token
+    dest: torch.Tensor  # their rows in segment order
+    states_at: list[tuple[int, int]]  # (row in the bucket, offset) per snapshot in it
+    snapshots: list[int]  # which snapshot each states_at entry is
+
+
+class TorchPlan:
+    """Per-forward index plans of the reference kernels, each built once on first use."""
+
+    __slots__ = ("layout", "backend", "_memo")
+
+    def __init__(self, layout: ForwardLayout, backend: KernelBackend) -> None:
+        self.layout = layout
+        self.backend = backend
+        self._memo: dict = {}
+
+    def get(self, key: tuple, build: Callable[[], object]):
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+
+@register_backend("torch")
+class TorchBackend(KernelBackend):
+    # the per-call primitives; a subclass replaces those it has native code for
+    gated_delta_step = staticmethod(gated_delta.gated_delta_decode)
+    attention_decode = staticmethod(attention.attention_decode)
+    rms_norm = staticmethod(norm.rms_norm)
+    rms_norm_gated = staticmethod(norm.rms_norm_gated)
+    rms_norm_rope = staticmethod(rope.rms_norm_rope)
+    moe_pad = staticmethod(moe.moe_pad)
+    moe_unpad = staticmethod(moe.moe_unpad)
+
+    def prepare(self, layout: ForwardLayout) -> None:
+        layout.meta = TorchPlan(layout, self)
+
+    def _plan(self, layout: ForwardLayout) -> TorchPlan:
+        plan = layout.meta
+        if not isinstance(plan, TorchPlan) or plan.backend is not self:
+            self.prepare(layout)  # a layout no runner prepared (a test driving a model)
+            plan = layout.meta
+        return plan
+
+    # ------------------------------------------------------------------ attention
+
+    def store_kv(self, k, v, k_pool, v_pool, layout) -> None:
+        k_pool.index_copy_(0, layout.out_kv_slots, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, layout.out_kv_slots, v.to(v_pool.dtype))
+
+    def paged_attention_prefill(self, q, k_pool, v_pool, layout, scale) -> Tensor:
+        seg, cu = layout.prefill, layout.prefill.cu_list
+        out = q.new_empty(q.shape[0], q.shape[1], v_pool.shape[-1])
+        grouped: set[int] = set()
+        groups = self._plan(layout).get(("prefill_groups",), lambda: _prefill_groups(seg))
+        for members, shared_len in groups:
+            outs = attention.attention_prefill_shared(
+                [q[cu[p] : cu[p + 1]] for p in members],
+                k_pool,
+                v_pool,
+                [seg.kv_slots[p] for p in members],
+                [seg.prefix_lens[p] for p in members],
+                shared_len,
+                scale,
+            )
+            for p, o in zip(members, outs):
+                out[cu[p] : cu[p + 1]] = o
+            grouped.update(members)
+        for p in range(len(seg.lens)):
+            if p not in grouped:
+                out[cu[p] : cu[p + 1]] = attention.attention_prefill(
+                    q[cu[p] : cu[p + 1]], k_pool, v_pool, seg.kv_slots[p], seg.prefix_lens[p],
+                    scale,
+                )  # fmt: skip
+        return out
+
+    def paged_attention_decode(self, q, k_pool, v_pool, layout, scale) -> Tensor:
+        dec = layout.decode
+        heads = k_pool.shape[1]
+        plan = self._plan(layout).get(("decode_plan", heads), lambda: _decode_plan(layout, heads))
+        return self.attention_decode(q, k_pool, v_pool, dec.kv_table, dec.seq_lens, scale, plan)
+
+    # ------------------------------------------------------------------ conv
+
+    def conv1d_prefill(self, x, weight, bias, conv_pool, layout, activation) -> Tensor:
+        seg = layout.prefill
+        init = conv_pool.index_select(0, seg.state_slots)
+        y = conv.causal_conv1d(x, weight, bias, init, seg.lens, activation)
+        self._store_conv_states(x, init, conv_pool, layout)
+        return y
+
+    def _store_conv_states(self, x, init, conv_pool, layout) -> None:
+        """Write every segment's final conv state and every snapshot's from ``x`` (the conv
+        inputs) and the carried-in states ``init``, in one gather."""
+        seg = layout.prefill
+        k1 = init.shape[-1]
+        if k1 == 0:
+            return
+        rows, dest = self._plan(layout).get(("conv_rows", k1), lambda: _conv_rows(seg, k1))
+        carried = init.to(x.dtype).transpose(1, 2).reshape(-1, init.shape[1])
+        src = torch.cat([carried, x])
+        states = src.index_select(0, rows).view(-1, k1, x.shape[1]).transpose(1, 2)
+        conv_pool.index_copy_(0, dest, states.to(conv_pool.dtype))
+
+    def conv1d_decode(self, x, weight, bias, conv_pool, layout, activation) -> Tensor:
+        dec = layout.decode
+        states = conv_pool.index_select(0, dec.state_slots)
+        y, new = conv.causal_conv1d_update(x, states, weight, bias, activation)
+        _store_decode_states(conv_pool, dec, new)
+        return y
+
+    # ------------------------------------------------------------------ Gated DeltaNet
+
+    def gdn_prefill(self, q, k, v, g, beta, ssm_pool, layout) -> Tensor:
+        seg = layout.prefill
+        init = ssm_pool.index_select(0, seg.state_slots).float()
+        final = torch.empty_like(init)
+        out = v.new_empty(v.shape)
+        snaps: list[Tensor | None] = [None] * seg.num_snapshots
+        buckets = self._plan(layout).get(("gdn_buckets",), lambda: _gdn_buckets(seg, self.device))
+        for b in buckets:
+            o, new_state, picked = gated_delta.chunk_gated_delta_rule(
+                _take(q, b.rows), _take(k, b.rows), _take(v, b.rows), _take(g, b.rows),
+                _take(beta, b.rows), init.index_select(0, b.members), CHUNK_SIZE,
+                states_at=b.states_at,
+            )  # fmt: skip
+            out.index_copy_(0, b.dest, o.reshape(-1, *o.shape[2:])[b.keep].to(out.dtype))
+            final.index_copy_(0, b.members, new_state)
+            for k_, st in zip(b.snapshots, picked):
+                snaps[k_] = st
+        ssm_pool.index_copy_(0, seg.state_slots, final.to(ssm_pool.dtype))
+        if snaps:
+            ssm_pool.index_copy_(0, seg.snapshot_slots, torch.stack(snaps).to(ssm_pool.dtype))
+        return out
+
+    def gdn_decode(self, x, a, b, conv_pool, ssm_pool, layout, conv_weight, conv_bias, A_log,
+                   dt_bias, num_k_heads, activation) -> Tensor:  # fmt: skip
+        dec = layout.decode
+        out = self.gated_delta_step(
+            x, conv_pool, ssm_pool, dec.state_slots, conv_weight, conv_bias, a, b, A_log,
+            dt_bias, num_k_heads, activation,
+        )  # fmt: skip
+        if dec.num_snapshots:  # a decode's snapshot is its state after its one token
+            for pool in (conv_pool, ssm_pool):
+                pool.index_copy_(0, dec.snapshot_slots, pool.index_select(0, dec.snapshot_src))
+        return out
+
+    # ------------------------------------------------------------------ Mamba2
+
+    def mamba2_prefill(self, x, dt, A, B, C, D, ssm_pool, layout) -> Tensor:
+        seg = layout.prefill
+        plan = self._plan(layout).get(("mamba2_plan",), lambda: _mamba2_plan(seg, self.device))
+        init = ssm_pool.index_select(0, seg.state_slots)
+        y, final, snaps = mamba2.mamba2_chunk_scan(x, dt, A, B, C, D, init, plan)
+        ssm_pool.index_copy_(0, seg.state_slots, final.to(ssm_pool.dtype))
+        if seg.num_snapshots:
+            ssm_pool.index_copy_(0, seg.snapshot_slots, snaps.to(ssm_pool.dtype))
+        return y
+
+    def mamba2_decode(self, x, dt, A, B, C, D, ssm_pool, layout) -> Tensor:
+        dec = layout.decode
+        y, new = mamba2.mamba2_step(ssm_pool.index_select(0, dec.state_slots), x, dt, A, B, C, D)
+        _store_decode_states(ssm_pool, dec, new)
+        return y
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def _store_decode_states(pool: Tensor, dec: DecodeRows, new: Tensor) -> None:
+    """The decodes' new states into their working slots and their snapshot slots."""
+    pool.index_copy_(0, dec.state_slots, new.to(pool.dtype))
+    if dec.num_snapshots:
+        pool.index_copy_(
+            0, dec.snapshot_slots, new.index_select(0, dec.snapshot_rows).to(pool.dtype)
+        )
+
+
+def _conv_rows(seg: PrefillSegments, k1: int) -> tuple[Tensor, Tensor]:
+    """Rows of ``[carried-in states (K-1 rows per segment) | prefill rows]`` holding every
+    segment's final conv state then every snapshot's (K-1 consecutive inputs each), and the
+    slots they go to."""
+    ns = seg.lens + seg.snapshot_offsets
+    owners = list(range(len(seg.lens))) + seg.snapshot_seqs
+    t = torch.arange(k1)
+    pos = torch.tensor(ns)[:, None] - k1 + t[None, :]  # position among the owner's new tokens
+    own = torch.tensor(owners)
+    from_seg = len(seg.lens) * k1 + torch.tensor(seg.cu_list[:-1])[own][:, None] + pos
+    from_init = own[:, None] * k1 + k1 + pos
+    rows = torch.where(pos >= 0, from_seg, from_init).reshape(-1)
+    dest = torch.cat([seg.state_slots, seg.snapshot_slots])
+    return rows.to(seg.state_slots.device), dest
+
+
+def _gdn_buckets(seg: PrefillSegments, device: torch.device) -> list[GdnBucket]:
+    """Group the segments by chunk count (padding tokens with g = beta = 0 leave the state
+    unchanged, so a segment padded to its bucket's width ends in the same state)."""
+    by_count: dict[int, list[int]] = {}
+    for p, n in enumerate(seg.lens):
+        by_count.setdefault(-(-n // CHUNK_SIZE), []).append(p)
+    pad = seg.num_tokens
+    buckets = []
+    for members in by_count.values():
+        row_of = {p: r for r, p in enumerate(members)}
+        width = max(seg.lens[p] for p in members)
+        t = torch.arange(width)
+        starts = torch.tensor([seg.cu_list[p] for p in members])
+        lens = torch.tensor([seg.lens[p] for p in members])
+        rows = torch.where(t[None, :] < lens[:, None], starts[:, None] + t[None, :], pad)
+        picks = [(k, s, n) for k, (s, n) in enumerate(zip(seg.snapshot_seqs, seg.snapshot_offsets))
+                 if s in row_of]  # fmt: skip
+        dest = torch.cat([torch.arange(seg.cu_list[p], seg.cu_list[p + 1]) for p in members])
+        buckets.append(
+            GdnBucket(
+                members=torch.tensor(members, device=device),
+                rows=rows.to(device),
+                keep=(rows.reshape(-1) < pad).to(device),
+                dest=dest.to(device),
+                states_at=[(row_of[s], n) for _, s, n in picks],
+                snapshots=[k for k, _, _ in picks],
+            )
+        )
+    return buckets
+
+
+def _take(x: Tensor, rows: Tensor) -> Tensor:
+    """``x[rows]`` for ``rows`` ``[B, W]`` where the index ``len(x)`` reads zeros."""
+    padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+    return padded.index_select(0, rows.reshape(-1)).view(*rows.shape, *x.shape[1:])
+
+
+def _mamba2_plan(seg: PrefillSegments, device: torch.device) -> mamba2.ChunkPlan:
+    offsets = [seg.snapshot_offsets_of(p) for p in range(len(seg.lens))]
+    return mamba2.ChunkPlan.build(seg.lens, offsets, CHUNK_SIZE, device)
+
+
+def _prefill_groups(seg: PrefillSegments) -> list[tuple[list[int], int]]:
+    """Prefills whose cached prefixes start with the same KV slots, as ``(segments, shared
+    length)`` (``attention_plan.shared_prefixes`` over the cached parts)."""
+    cand = [p for p, n in enumerate(seg.prefix_lens) if n >= attention_plan.MIN_SHARED]
+    if len(cand) < 2:
+        return []
+    rows = [seg.kv_slots[p][: seg.prefix_lens[p]] for p in cand]
+    table = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
+    # length prefix_len + 1: a shared part never goes past a member's cached prefix
+    lens = torch.tensor([len(x) + 1 for x in rows])
+    return [
+        ([cand[j] for j in members.tolist()], shared_len)
+        for members, shared_len in attention_plan.shared_prefixes(table.to(torch.long), lens)
+    ]
+
+
+def _decode_plan(layout: ForwardLayout, heads: int) -> attention_plan.DecodePlan:
+    """The decodes' attention plan; the previous forward's (in ``layout.carry``) is reused
+    when it still fits (a decode step after a decode step)."""
+    dec, carry = layout.decode, layout.carry
+    key = ("decode_plan", heads)
+    previous = carry.get(key) if carry is not None else None
+    plan = attention_plan.decode_plan(dec.kv_table, dec.seq_lens, heads, previous=previous)
+    if carry is not None:
+        carry[key] = plan
+    return plan

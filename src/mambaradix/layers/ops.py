@@ -1,0 +1,21 @@
+"""How a layer reaches its kernel backend: ``self.ops``.
+
+A module that calls kernel ops derives from ``KernelUser``. The model binds every such module
+to the engine's backend once (``HybridCausalLM.use_backend``); before that, ``ops`` is the torch
+reference on CPU, so a model built in a test runs as is.
+"""
+
+from __future__ import annotations
+
+from mambaradix.kernels.backend import KernelBackend, reference_backend
+
+
+class KernelUser:
+    _ops: KernelBackend | None = None
+
+    @property
+    def ops(self) -> KernelBackend:
+        return self._ops if self._ops is not None else reference_backend()
+
+    def bind_ops(self, backend: KernelBackend) -> None:
+        object.__setattr__(self, "_ops", backend)
