@@ -28,7 +28,6 @@ from mambaradix.layout import ForwardContext
 from mambaradix.models.base import HybridCausalLM, pool_layer_indices
 from mambaradix.models.loader import assign_weights
 from mambaradix.models.registry import register_model
-from mambaradix.models.tiny import register_tiny
 
 logger = logging.getLogger(__name__)
 
@@ -253,59 +252,3 @@ class GraniteHybridForCausalLM(HybridCausalLM):
         for layer in self.model.layers:
             h = layer(h, ctx, self.rotary, cos_sin)
         return h
-
-
-# --------------------------------------------------------------------------- tiny checkpoints
-
-_MAMBA_DIMS = {  # size -> (mamba heads, head dim, d_state, layers)
-    "tiny": (4, 32, 16, 5),
-    "small": (8, 64, 64, 8),
-    "mid": (32, 64, 128, 12),
-}
-
-
-def _granite_kinds(n_layers: int) -> list[str]:
-    """Mostly Mamba with an attention layer at index 1 and every fourth layer after it."""
-    return ["attention" if i % 4 == 1 else "mamba" for i in range(n_layers)]
-
-
-def _tiny_granite(size: str = "tiny", moe: bool = False, **overrides: Any):
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
-
-    from mambaradix.models.tiny import size_dims
-
-    d = size_dims(size)
-    heads, head_dim, d_state, n_layers = _MAMBA_DIMS[size]
-    kw: dict[str, Any] = dict(
-        vocab_size=d["vocab"],
-        hidden_size=d["hidden"],
-        num_hidden_layers=n_layers,
-        layer_types=_granite_kinds(n_layers),
-        num_attention_heads=d["heads"],
-        num_key_value_heads=d["kv_heads"],
-        intermediate_size=d["intermediate"] // 4,
-        shared_intermediate_size=d["intermediate"],
-        num_local_experts=8 if moe else 0,
-        num_experts_per_tok=2,
-        mamba_n_heads=heads,
-        mamba_d_head=head_dim,
-        mamba_d_state=d_state,
-        mamba_n_groups=1,
-        mamba_d_conv=4,
-        mamba_chunk_size=64,
-        # the dense variant uses RoPE, the MoE one no positional encoding (as Granite-4.0-H)
-        position_embedding_type=None if moe else "rope",
-        embedding_multiplier=2.0,
-        residual_multiplier=0.5,
-        attention_multiplier=(d["hidden"] // d["heads"]) ** -0.5,
-        logits_scaling=2.0,
-        max_position_embeddings=4096,
-        initializer_range=0.1 if size == "tiny" else 0.05,
-        tie_word_embeddings=False,
-    )
-    kw.update(overrides)
-    return GraniteMoeHybridConfig(**kw), GraniteMoeHybridForCausalLM
-
-
-register_tiny("granite_hybrid", _tiny_granite)
-register_tiny("granite_hybrid_moe", lambda size="tiny", **kw: _tiny_granite(size, moe=True, **kw))

@@ -24,7 +24,6 @@ from mambaradix.layout import ForwardContext
 from mambaradix.models.base import HybridCausalLM, pool_layer_indices
 from mambaradix.models.loader import assign_weights
 from mambaradix.models.registry import register_model
-from mambaradix.models.tiny import register_tiny
 
 logger = logging.getLogger(__name__)
 
@@ -153,38 +152,3 @@ class Lfm2ForCausalLM(HybridCausalLM):
         for layer in self.model.layers:
             h = layer(h, ctx, self.rotary, cos_sin)
         return h
-
-
-# --------------------------------------------------------------------------- tiny checkpoints
-
-_LAYERS = {"tiny": 5, "small": 8, "mid": 12}
-
-
-def _tiny_lfm2(size: str = "tiny", **overrides: Any):
-    from transformers import Lfm2Config
-    from transformers import Lfm2ForCausalLM as HFModel
-
-    from mambaradix.models.tiny import size_dims
-
-    d = size_dims(size)
-    n = _LAYERS[size]
-    kw: dict[str, Any] = dict(
-        vocab_size=d["vocab"],
-        hidden_size=d["hidden"],
-        intermediate_size=d["intermediate"],
-        num_hidden_layers=n,
-        # conv-heavy like LFM2: attention at index 2 and every third layer after it
-        layer_types=["full_attention" if i % 3 == 2 else "conv" for i in range(n)],
-        num_attention_heads=d["heads"],
-        num_key_value_heads=d["kv_heads"],
-        conv_L_cache=3,
-        block_multiple_of=32,
-        max_position_embeddings=4096,
-        # the default 0.02 makes the conv branch too weak to show in the logits
-        initializer_range=0.1 if size == "tiny" else 0.05,
-    )
-    kw.update(overrides)
-    return Lfm2Config(**kw), HFModel
-
-
-register_tiny("lfm2", _tiny_lfm2)

@@ -24,7 +24,6 @@ from mambaradix.models.base import HybridCausalLM, pool_layer_indices
 from mambaradix.models.granite_hybrid import ATTENTION, MAMBA, ProjAttention, layer_kinds
 from mambaradix.models.loader import assign_weights
 from mambaradix.models.registry import register_model
-from mambaradix.models.tiny import register_tiny
 
 logger = logging.getLogger(__name__)
 
@@ -230,56 +229,3 @@ class NemotronHForCausalLM(HybridCausalLM):
         for block in self.backbone.layers:
             h = block(h, ctx)
         return h
-
-
-# --------------------------------------------------------------------------- tiny checkpoints
-
-_PATTERNS = {"tiny": "ME*M-M", "small": "M-M*ME-M", "mid": "M-M*ME-M*ME-"}
-_DIMS = {  # size -> (mamba heads, head dim, d_state, n_groups)
-    "tiny": (4, 32, 16, 2),
-    "small": (8, 64, 64, 2),
-    "mid": (32, 64, 128, 4),
-}
-
-
-def _tiny_nemotron_h(size: str = "tiny", **overrides: Any):
-    from transformers import NemotronHConfig
-    from transformers import NemotronHForCausalLM as HFModel
-
-    from mambaradix.models.tiny import size_dims
-
-    d = size_dims(size)
-    heads, head_dim, d_state, groups = _DIMS[size]
-    kw: dict[str, Any] = dict(
-        vocab_size=d["vocab"],
-        hidden_size=d["hidden"],
-        layers_block_type=[_PATTERN[c] for c in _PATTERNS[size]],
-        num_attention_heads=d["heads"],
-        num_key_value_heads=d["kv_heads"],
-        head_dim=d["head_dim"],
-        intermediate_size=d["intermediate"],
-        mamba_num_heads=heads,
-        mamba_head_dim=head_dim,
-        ssm_state_size=d_state,
-        n_groups=groups,
-        conv_kernel=4,
-        chunk_size=64,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        moe_intermediate_size=d["intermediate"] // 4,
-        moe_shared_expert_intermediate_size=d["intermediate"] // 4,
-        # transformers' chunked path clamps dt at time_step_min (its decode does not): keep the
-        # floor tiny so the clamp cannot matter and transformers agrees with itself
-        time_step_min=1e-4,
-        time_step_max=0.5,
-        max_position_embeddings=4096,
-        initializer_range=0.1 if size == "tiny" else 0.05,
-        tie_word_embeddings=False,
-    )
-    kw.update(overrides)
-    return NemotronHConfig(**kw), HFModel
-
-
-register_tiny("nemotron_h", _tiny_nemotron_h)

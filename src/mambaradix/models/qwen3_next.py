@@ -27,7 +27,6 @@ from mambaradix.layout import ForwardContext
 from mambaradix.models.base import HybridCausalLM
 from mambaradix.models.loader import assign_weights, merge_weights
 from mambaradix.models.registry import register_model
-from mambaradix.models.tiny import register_tiny, size_dims
 
 logger = logging.getLogger(__name__)
 
@@ -230,67 +229,3 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
 
 
 register_model("Qwen3NextForCausalLM")(Qwen3NextForCausalLM)
-
-
-# --------------------------------------------------------------------------- tiny builders
-
-
-def _gdn_dims(size: str, moe: bool) -> dict[str, Any]:
-    """Config fields shared by the Qwen3-Next / Qwen3.5 tiny builders."""
-    d = size_dims(size)
-    kw: dict[str, Any] = dict(
-        vocab_size=d["vocab"],
-        hidden_size=d["hidden"],
-        intermediate_size=d["intermediate"],
-        num_hidden_layers=d["layers"],
-        num_attention_heads=d["heads"],
-        num_key_value_heads=d["kv_heads"],
-        head_dim=d["head_dim"],
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=d["head_dim"],
-        linear_value_head_dim=d["head_dim"],
-        linear_num_key_heads=d["kv_heads"],
-        linear_num_value_heads=d["heads"],
-        max_position_embeddings=4096,
-        initializer_range=0.05,
-        full_attention_interval=2 if size == "tiny" else 4,
-    )
-    if moe:
-        kw.update(
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=d["intermediate"] // 4,
-            shared_expert_intermediate_size=d["intermediate"] // 4,
-        )
-    return kw
-
-
-def _tiny_qwen3_next(size: str = "tiny", moe: bool = True, **overrides: Any):
-    from transformers import Qwen3NextConfig
-    from transformers import Qwen3NextForCausalLM as HFModel
-
-    kw = _gdn_dims(size, moe)
-    kw.update(num_experts=kw.get("num_experts", 0), decoder_sparse_step=1)
-    kw.update(overrides)
-    return Qwen3NextConfig(**kw), HFModel
-
-
-def _tiny_qwen3_5(size: str = "tiny", **overrides: Any):
-    from transformers import Qwen3_5ForCausalLM as HFModel
-    from transformers import Qwen3_5TextConfig
-
-    return Qwen3_5TextConfig(**{**_gdn_dims(size, moe=False), **overrides}), HFModel
-
-
-def _tiny_qwen3_5_moe(size: str = "tiny", **overrides: Any):
-    from transformers import Qwen3_5MoeForCausalLM as HFModel
-    from transformers import Qwen3_5MoeTextConfig
-
-    kw = _gdn_dims(size, moe=True)
-    del kw["intermediate_size"]  # every layer is sparse
-    return Qwen3_5MoeTextConfig(**{**kw, **overrides}), HFModel
-
-
-register_tiny("qwen3_next", _tiny_qwen3_next)
-register_tiny("qwen3_5_moe", _tiny_qwen3_5_moe)
-register_tiny("qwen3_5", _tiny_qwen3_5)

@@ -1,6 +1,6 @@
 """Seeded random checkpoints ("tiny models") made through transformers, plus a local tokenizer.
 
-Each model module registers a builder for its architecture: ``register_tiny("qwen3_next",
+``models/tiny_configs.py`` registers a builder per architecture: ``register_tiny("qwen3_next",
 builder)`` where ``builder(size: str, **overrides) -> (hf_config, hf_model_class)``; the class is
 a transformers ``*ForCausalLM`` (or ``AutoModelForCausalLM``). ``make_tiny_checkpoint`` seeds
 torch, instantiates it in fp32, saves it with ``save_pretrained`` and writes a byte-level BPE
@@ -39,10 +39,9 @@ def register_tiny(arch: str, builder: TinyBuilder) -> None:
 
 
 def tiny_archs() -> list[str]:
-    """Names of every architecture with a tiny builder (imports all model modules first)."""
-    from mambaradix.models.registry import import_model_modules
+    """Names of every architecture with a tiny builder."""
+    from mambaradix.models import tiny_configs  # noqa: F401  (registers the builders)
 
-    import_model_modules()
     return sorted(_BUILDERS)
 
 

@@ -1,0 +1,211 @@
+"""The tiny-config builders of each architecture (``models.tiny``): ``builder(size,
+**overrides) -> (hf_config, hf_model_class)``, transformers' configuration and class, with the
+dimensions of ``tiny.size_dims``. Kept apart from the model files, which only run checkpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mambaradix.models.nemotron_h import _PATTERN
+from mambaradix.models.tiny import register_tiny, size_dims
+
+# --------------------------------------------------------------------------- qwen3_next
+
+
+def _gdn_dims(size: str, moe: bool) -> dict[str, Any]:
+    """Config fields shared by the Qwen3-Next / Qwen3.5 tiny builders."""
+    d = size_dims(size)
+    kw: dict[str, Any] = dict(
+        vocab_size=d["vocab"],
+        hidden_size=d["hidden"],
+        intermediate_size=d["intermediate"],
+        num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"],
+        num_key_value_heads=d["kv_heads"],
+        head_dim=d["head_dim"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=d["head_dim"],
+        linear_value_head_dim=d["head_dim"],
+        linear_num_key_heads=d["kv_heads"],
+        linear_num_value_heads=d["heads"],
+        max_position_embeddings=4096,
+        initializer_range=0.05,
+        full_attention_interval=2 if size == "tiny" else 4,
+    )
+    if moe:
+        kw.update(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=d["intermediate"] // 4,
+            shared_expert_intermediate_size=d["intermediate"] // 4,
+        )
+    return kw
+
+
+def _tiny_qwen3_next(size: str = "tiny", moe: bool = True, **overrides: Any):
+    from transformers import Qwen3NextConfig
+    from transformers import Qwen3NextForCausalLM as HFModel
+
+    kw = _gdn_dims(size, moe)
+    kw.update(num_experts=kw.get("num_experts", 0), decoder_sparse_step=1)
+    kw.update(overrides)
+    return Qwen3NextConfig(**kw), HFModel
+
+
+def _tiny_qwen3_5(size: str = "tiny", **overrides: Any):
+    from transformers import Qwen3_5ForCausalLM as HFModel
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(**{**_gdn_dims(size, moe=False), **overrides}), HFModel
+
+
+def _tiny_qwen3_5_moe(size: str = "tiny", **overrides: Any):
+    from transformers import Qwen3_5MoeForCausalLM as HFModel
+    from transformers import Qwen3_5MoeTextConfig
+
+    kw = _gdn_dims(size, moe=True)
+    del kw["intermediate_size"]  # every layer is sparse
+    return Qwen3_5MoeTextConfig(**{**kw, **overrides}), HFModel
+
+
+register_tiny("qwen3_next", _tiny_qwen3_next)
+register_tiny("qwen3_5_moe", _tiny_qwen3_5_moe)
+register_tiny("qwen3_5", _tiny_qwen3_5)
+
+
+# --------------------------------------------------------------------------- granite_hybrid
+
+_MAMBA_DIMS = {  # size -> (mamba heads, head dim, d_state, layers)
+    "tiny": (4, 32, 16, 5),
+    "small": (8, 64, 64, 8),
+    "mid": (32, 64, 128, 12),
+}
+
+
+def _granite_kinds(n_layers: int) -> list[str]:
+    """Mostly Mamba with an attention layer at index 1 and every fourth layer after it."""
+    return ["attention" if i % 4 == 1 else "mamba" for i in range(n_layers)]
+
+
+def _tiny_granite(size: str = "tiny", moe: bool = False, **overrides: Any):
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    d = size_dims(size)
+    heads, head_dim, d_state, n_layers = _MAMBA_DIMS[size]
+    kw: dict[str, Any] = dict(
+        vocab_size=d["vocab"],
+        hidden_size=d["hidden"],
+        num_hidden_layers=n_layers,
+        layer_types=_granite_kinds(n_layers),
+        num_attention_heads=d["heads"],
+        num_key_value_heads=d["kv_heads"],
+        intermediate_size=d["intermediate"] // 4,
+        shared_intermediate_size=d["intermediate"],
+        num_local_experts=8 if moe else 0,
+        num_experts_per_tok=2,
+        mamba_n_heads=heads,
+        mamba_d_head=head_dim,
+        mamba_d_state=d_state,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_chunk_size=64,
+        # the dense variant uses RoPE, the MoE one no positional encoding (as Granite-4.0-H)
+        position_embedding_type=None if moe else "rope",
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=(d["hidden"] // d["heads"]) ** -0.5,
+        logits_scaling=2.0,
+        max_position_embeddings=4096,
+        initializer_range=0.1 if size == "tiny" else 0.05,
+        tie_word_embeddings=False,
+    )
+    kw.update(overrides)
+    return GraniteMoeHybridConfig(**kw), GraniteMoeHybridForCausalLM
+
+
+register_tiny("granite_hybrid", _tiny_granite)
+register_tiny("granite_hybrid_moe", lambda size="tiny", **kw: _tiny_granite(size, moe=True, **kw))
+
+
+# --------------------------------------------------------------------------- nemotron_h
+
+_PATTERNS = {"tiny": "ME*M-M", "small": "M-M*ME-M", "mid": "M-M*ME-M*ME-"}
+_DIMS = {  # size -> (mamba heads, head dim, d_state, n_groups)
+    "tiny": (4, 32, 16, 2),
+    "small": (8, 64, 64, 2),
+    "mid": (32, 64, 128, 4),
+}
+
+
+def _tiny_nemotron_h(size: str = "tiny", **overrides: Any):
+    from transformers import NemotronHConfig
+    from transformers import NemotronHForCausalLM as HFModel
+
+    d = size_dims(size)
+    heads, head_dim, d_state, groups = _DIMS[size]
+    kw: dict[str, Any] = dict(
+        vocab_size=d["vocab"],
+        hidden_size=d["hidden"],
+        layers_block_type=[_PATTERN[c] for c in _PATTERNS[size]],
+        num_attention_heads=d["heads"],
+        num_key_value_heads=d["kv_heads"],
+        head_dim=d["head_dim"],
+        intermediate_size=d["intermediate"],
+        mamba_num_heads=heads,
+        mamba_head_dim=head_dim,
+        ssm_state_size=d_state,
+        n_groups=groups,
+        conv_kernel=4,
+        chunk_size=64,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        moe_intermediate_size=d["intermediate"] // 4,
+        moe_shared_expert_intermediate_size=d["intermediate"] // 4,
+        # transformers' chunked path clamps dt at time_step_min (its decode does not): keep the
+        # floor tiny so the clamp cannot matter and transformers agrees with itself
+        time_step_min=1e-4,
+        time_step_max=0.5,
+        max_position_embeddings=4096,
+        initializer_range=0.1 if size == "tiny" else 0.05,
+        tie_word_embeddings=False,
+    )
+    kw.update(overrides)
+    return NemotronHConfig(**kw), HFModel
+
+
+register_tiny("nemotron_h", _tiny_nemotron_h)
+
+
+# --------------------------------------------------------------------------- lfm2
+
+_LAYERS = {"tiny": 5, "small": 8, "mid": 12}
+
+
+def _tiny_lfm2(size: str = "tiny", **overrides: Any):
+    from transformers import Lfm2Config
+    from transformers import Lfm2ForCausalLM as HFModel
+
+    d = size_dims(size)
+    n = _LAYERS[size]
+    kw: dict[str, Any] = dict(
+        vocab_size=d["vocab"],
+        hidden_size=d["hidden"],
+        intermediate_size=d["intermediate"],
+        num_hidden_layers=n,
+        # conv-heavy like LFM2: attention at index 2 and every third layer after it
+        layer_types=["full_attention" if i % 3 == 2 else "conv" for i in range(n)],
+        num_attention_heads=d["heads"],
+        num_key_value_heads=d["kv_heads"],
+        conv_L_cache=3,
+        block_multiple_of=32,
+        max_position_embeddings=4096,
+        # the default 0.02 makes the conv branch too weak to show in the logits
+        initializer_range=0.1 if size == "tiny" else 0.05,
+    )
+    kw.update(overrides)
+    return Lfm2Config(**kw), HFModel
+
+
+register_tiny("lfm2", _tiny_lfm2)
