@@ -1,0 +1,284 @@
+"""The kernel-backend contract (docs/backends.md): every registered backend against the torch
+reference, op by op, on one forward's layout that mixes decodes (one with a snapshot) and
+prefills of several chunk counts (cached prefixes, two sharing their KV, snapshots inside a
+chunk, on a chunk boundary and at the end), at real head shapes, in fp32 and bf16.
+
+Two checks per state op: the backend's outputs and *whole pools* (so a stray write shows) equal
+the reference's; and every snapshot slot holds the state after that many tokens, computed
+independently by running the same op over the segment cut to that length. A backend that drops
+snapshot states fails (negative control).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from mambaradix.core import ForwardReq
+from mambaradix.kernels.backend import backend_names, create_backend
+from mambaradix.kernels.gated_delta import gdn_gates
+from mambaradix.kernels.mamba2 import process_dt
+from mambaradix.kernels.torch_backend import TorchBackend
+from mambaradix.layers.moe import experts_forward
+from mambaradix.layout import ForwardLayout
+
+SLOTS = 24
+# (prefix_len, new tokens, snapshots as (n, slot)); decodes first, as the scheduler orders them
+REQUESTS = [
+    (9, 1, [(1, 20)]),
+    (40, 1, []),
+    (0, 5, [(3, 21)]),
+    (40, 70, [(64, 22), (70, 23)]),  # shares its 40 cached KV slots with the next one
+    (40, 130, [(1, 18), (100, 19)]),
+]
+KV_LEN = 400
+
+
+@dataclass
+class Case:
+    dtype: torch.dtype
+    atol: float
+
+
+CASES = {"fp32": Case(torch.float32, 2e-4), "bf16": Case(torch.bfloat16, 3e-2)}
+
+
+def _layout(requests=REQUESTS) -> ForwardLayout:
+    shared = torch.arange(40)
+    reqs, next_kv = [], 40
+    for slot, (prefix, n, snaps) in enumerate(requests):
+        own = torch.arange(next_kv, next_kv + prefix + n)
+        next_kv += prefix + n
+        kv = torch.cat([shared, own[prefix:]]) if prefix == 40 else own
+        reqs.append(ForwardReq(prefix, [1] * n, kv, slot, list(snaps)))
+    return ForwardLayout.build(reqs)
+
+
+def _truncated(layout: ForwardLayout, p: int, n: int) -> ForwardLayout:
+    """The layout of prefill segment ``p`` alone, cut to its first ``n`` tokens."""
+    r = layout.reqs[layout.prefill.reqs[p]]
+    cut = ForwardReq(r.prefix_len, r.input_ids[:n], r.kv_slots[: r.prefix_len + n], r.state_slot)
+    if n == 1:
+        cut.input_ids = cut.input_ids * 2  # a prefill of 2 tokens, the state after the first
+        cut.kv_slots = r.kv_slots[: r.prefix_len + 2]
+        cut.snapshots = [(1, SLOTS - 1)]
+    return ForwardLayout.build([cut])
+
+
+def _rand(g: torch.Generator, *shape: int, dtype=torch.float32, scale: float = 1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+class _Ops:
+    """Random inputs of every op at real head shapes, and how to run each op on a backend."""
+
+    def __init__(self, case: Case) -> None:
+        g = torch.Generator().manual_seed(0)
+        dt = case.dtype
+        self.case = case
+        self.layout = _layout()
+        Tp, Td = self.layout.prefill.num_tokens, self.layout.decode.rows.count
+        # Gated DeltaNet: 2 key heads, 4 value heads of 128 (Qwen3.5's head dims)
+        self.hk, self.hv, self.dk, self.dv, K = 2, 4, 128, 128, 4
+        C = 2 * self.hk * self.dk + self.hv * self.dv
+        self.gdn = dict(
+            conv_pool=_rand(g, SLOTS, C, K - 1, dtype=dt),
+            ssm_pool=_rand(g, SLOTS, self.hv, self.dk, self.dv, scale=0.1),
+        )
+        self.conv_w, self.conv_b = _rand(g, C, K, dtype=dt, scale=0.5), _rand(g, C, dtype=dt)
+        self.x_pre = _rand(g, Tp, C, dtype=dt)
+        self.x_dec = _rand(g, Td, C, dtype=dt)
+        self.ab_pre = [_rand(g, Tp, self.hv, dtype=dt) for _ in "ab"]
+        self.ab_dec = [_rand(g, Td, self.hv, dtype=dt) for _ in "ab"]
+        self.A_log, self.dt_bias = _rand(g, self.hv, dtype=dt), _rand(g, self.hv, dtype=dt)
+        # Mamba2: 8 heads of 64, state 128, 1 group (Granite-4.0-H's head shapes)
+        H, P, N = 8, 64, 128
+        self.m2 = dict(ssm_pool=_rand(g, SLOTS, H, P, N, scale=0.1))
+        self.m2_in = [
+            (_rand(g, n, H, P, dtype=dt), _rand(g, n, H), _rand(g, n, 1, N, dtype=dt),
+             _rand(g, n, 1, N, dtype=dt)) for n in (Tp, Td)
+        ]  # fmt: skip
+        self.m2_A, self.m2_D = -torch.rand(H, generator=g) - 0.1, _rand(g, H, dtype=dt)
+        # attention: 8 query heads, 2 KV heads of 128 (GQA 4)
+        self.kv = dict(
+            k_pool=_rand(g, KV_LEN, 2, 128, dtype=dt), v_pool=_rand(g, KV_LEN, 2, 128, dtype=dt)
+        )
+        T = self.layout.num_tokens
+        self.q, self.k, self.v = (_rand(g, T, h, 128, dtype=dt) for h in (8, 2, 2))
+
+    # each returns (outputs, pools) after running on fresh copies of the pools
+    def conv_prefill(self, be, layout=None):
+        pools = {"conv_pool": self.gdn["conv_pool"].clone()}
+        y = be.conv1d_prefill(self._pre(self.x_pre, layout), self.conv_w, self.conv_b,
+                              pools["conv_pool"], layout or self.layout, "silu")  # fmt: skip
+        return [y], pools
+
+    def conv_decode(self, be):
+        pools = {"conv_pool": self.gdn["conv_pool"].clone()}
+        y = be.conv1d_decode(self.x_dec, self.conv_w, self.conv_b, pools["conv_pool"],
+                             self.layout, "silu")  # fmt: skip
+        return [y], pools
+
+    def gdn_prefill(self, be, layout=None):
+        pools = {"ssm_pool": self.gdn["ssm_pool"].clone()}
+        x = self._pre(self.x_pre, layout).float()
+        kd = self.hk * self.dk
+        q, k, v = x.split([kd, kd, self.hv * self.dv], dim=-1)
+        n = x.shape[0]
+        a, b = (self._pre(t, layout) for t in self.ab_pre)
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
+        layout = layout or self.layout
+        dt = self.case.dtype
+        y = be.gdn_prefill(
+            q.reshape(n, self.hk, self.dk).to(dt), k.reshape(n, self.hk, self.dk).to(dt),
+            v.reshape(n, self.hv, self.dv).to(dt), g, beta.to(dt), pools["ssm_pool"], layout,
+        )  # fmt: skip
+        return [y], pools
+
+    def gdn_decode(self, be):
+        pools = {k: v.clone() for k, v in self.gdn.items()}
+        y = be.gdn_decode(
+            self.x_dec, *self.ab_dec, pools["conv_pool"],
+            pools["ssm_pool"], self.layout, self.conv_w, self.conv_b, self.A_log, self.dt_bias,
+            self.hk, "silu",
+        )  # fmt: skip
+        return [y], pools
+
+    def mamba2_prefill(self, be, layout=None):
+        pools = {"ssm_pool": self.m2["ssm_pool"].clone()}
+        x, dt, B, C = (self._pre(t, layout) for t in self.m2_in[0])
+        y = be.mamba2_prefill(x, process_dt(dt, torch.zeros(8)), self.m2_A, B, C, self.m2_D,
+                              pools["ssm_pool"], layout or self.layout)  # fmt: skip
+        return [y], pools
+
+    def mamba2_decode(self, be):
+        pools = {"ssm_pool": self.m2["ssm_pool"].clone()}
+        x, dt, B, C = self.m2_in[1]
+        y = be.mamba2_decode(x, process_dt(dt, torch.zeros(8)), self.m2_A, B, C, self.m2_D,
+                             pools["ssm_pool"], self.layout)  # fmt: skip
+        return [y], pools
+
+    def attention(self, be):
+        pools = {k: v.clone() for k, v in self.kv.items()}
+        lay = self.layout
+        be.store_kv(self.k, self.v, pools["k_pool"], pools["v_pool"], lay)
+        pre, dec = lay.prefill.rows, lay.decode.rows
+        yp = be.paged_attention_prefill(pre.take(self.q), *pools.values(), lay, 128**-0.5)
+        yd = be.paged_attention_decode(dec.take(self.q), *pools.values(), lay, 128**-0.5)
+        return [yp, yd], pools
+
+    def per_token(self, be):
+        g = torch.Generator().manual_seed(1)
+        dt = self.case.dtype
+        x, gate, w = (
+            _rand(g, 37, 256, dtype=dt),
+            _rand(g, 37, 256, dtype=dt),
+            _rand(g, 256, dtype=dt),
+        )
+        heads = _rand(g, 37, 4, 128, dtype=dt)
+        cos, sin = torch.cos(_rand(g, 37, 64)), torch.sin(_rand(g, 37, 64))
+        ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(37)])
+        weights = torch.softmax(_rand(g, 37, 2), -1).to(dt)
+        gate_up, down = (
+            _rand(g, 8, 64, 256, dtype=dt, scale=0.1),
+            _rand(g, 8, 256, 32, dtype=dt, scale=0.1),
+        )
+        outs = [
+            be.rms_norm(x, w, 1e-6, False),
+            be.rms_norm(x, w, 1e-6, True),
+            be.rms_norm_gated(x, gate, w, 1e-6),
+            be.rms_norm_rope(heads, w[:128], 1e-6, True, cos, sin),
+            experts_forward(x, weights, ids, gate_up, down, torch.nn.functional.silu, be),
+        ]
+        return outs, {}
+
+    def _pre(self, t: torch.Tensor, layout: ForwardLayout | None) -> torch.Tensor:
+        """Prefill inputs of ``layout`` (a truncated one reads the first rows of its segment)."""
+        if layout is None or layout is self.layout:
+            return t
+        r = layout.reqs[0]
+        p = [self.layout.reqs[i].state_slot for i in self.layout.prefill.reqs].index(r.state_slot)
+        start = self.layout.prefill.cu_list[p]
+        return t[start : start + layout.prefill.num_tokens]
+
+
+STATE_OPS = ["conv_prefill", "conv_decode", "gdn_prefill", "gdn_decode", "mamba2_prefill",
+             "mamba2_decode", "attention", "per_token"]  # fmt: skip
+PREFILL_OPS = {"conv_prefill": "conv_pool", "gdn_prefill": "ssm_pool", "mamba2_prefill": "ssm_pool"}
+
+
+def contract_failures(backend, case: Case) -> list[str]:
+    """Every way ``backend`` departs from the contract on this case (empty: it passes)."""
+    ops, ref = _Ops(case), TorchBackend()
+    failures = []
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and torch.allclose(
+            a.float(), b.float(), atol=case.atol, rtol=case.atol
+        )
+
+    for name in STATE_OPS:
+        got_out, got_pools = getattr(ops, name)(backend)
+        want_out, want_pools = getattr(ops, name)(ref)
+        for i, (a, b) in enumerate(zip(got_out, want_out)):
+            if not close(a, b):
+                failures.append(f"{name}: output {i} differs from the reference")
+        for key in want_pools:
+            if not close(got_pools[key], want_pools[key]):
+                failures.append(f"{name}: {key} differs from the reference")
+    # snapshots: the state after n tokens, from the same op over the segment cut to n tokens
+    seg = ops.layout.prefill
+    for name, key in PREFILL_OPS.items():
+        _, pools = getattr(ops, name)(backend)
+        for p, n, slot in zip(seg.snapshot_seqs, seg.snapshot_offsets, seg.snapshot_slots.tolist()):
+            cut = _truncated(ops.layout, p, n)
+            _, alone = getattr(ops, name)(ref, cut)
+            where = cut.prefill.snapshot_slots[0] if n == 1 else cut.prefill.state_slots[0]
+            if not close(pools[key][slot], alone[key][where]):
+                failures.append(f"{name}: snapshot after {n} tokens of segment {p} is wrong")
+    dec = ops.layout.decode
+    for name, key in (
+        ("conv_decode", "conv_pool"),
+        ("gdn_decode", "ssm_pool"),
+        ("mamba2_decode", "ssm_pool"),
+    ):
+        _, pools = getattr(ops, name)(backend)
+        for src, dst in zip(dec.snapshot_src.tolist(), dec.snapshot_slots.tolist()):
+            if not torch.equal(pools[key][dst], pools[key][src]):
+                failures.append(f"{name}: a decode's snapshot is not its state after its token")
+    return failures
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=str)
+@pytest.mark.parametrize("name", backend_names())
+def test_backend_passes_the_contract(name: str, case: str) -> None:
+    assert contract_failures(create_backend(name), CASES[case]) == []
+
+
+class _DropsSnapshots(TorchBackend):
+    """Writes final states but loses every snapshot (the bug the contract must catch)."""
+
+    def gdn_prefill(self, q, k, v, g, beta, ssm_pool, layout):
+        before = ssm_pool.clone()
+        out = super().gdn_prefill(q, k, v, g, beta, ssm_pool, layout)
+        _restore(ssm_pool, before, layout.prefill.snapshot_slots)
+        return out
+
+    def mamba2_prefill(self, x, dt, A, B, C, D, ssm_pool, layout):
+        before = ssm_pool.clone()
+        out = super().mamba2_prefill(x, dt, A, B, C, D, ssm_pool, layout)
+        _restore(ssm_pool, before, layout.prefill.snapshot_slots)
+        return out
+
+
+def _restore(pool: torch.Tensor, before: torch.Tensor, slots: torch.Tensor) -> None:
+    pool[slots] = before[slots]
+
+
+def test_a_backend_that_drops_snapshots_fails_the_contract() -> None:
+    failures = contract_failures(_DropsSnapshots(), CASES["fp32"])
+    assert any("gdn_prefill: snapshot" in f for f in failures), failures
+    assert any("mamba2_prefill: snapshot" in f for f in failures), failures
+    assert any("ssm_pool differs" in f for f in failures), failures
