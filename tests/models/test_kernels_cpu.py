@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from mambaradix.kernels import native
+from mambaradix.kernels import cpu, native
 from mambaradix.kernels.cpu_backend import CpuBackend
 from mambaradix.kernels.torch_backend import TorchBackend
 
@@ -296,3 +296,43 @@ def test_rms_norm_rope_matches_reference_on_strided_heads(zero_centered, rd):
     no_turn = CpuBackend.rms_norm_rope(x, w, 1e-6, zero_centered, cos * 0 + 1, sin * 0)
     torch.testing.assert_close(no_turn, plain, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(out, plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_conv_and_mamba2_steps_match_the_reference_in_place(dtype):
+    """The ``cpu`` backend's conv and Mamba2 decode primitives run natively (no fallback) on
+    row-strided views of a conv output, update only their slots, and match the reference."""
+    from mambaradix.kernels.conv import causal_conv1d_update
+    from mambaradix.kernels.mamba2 import mamba2_step
+
+    if not native.available():
+        pytest.skip("no C compiler here: the cpu backend runs the reference")
+    g = torch.Generator().manual_seed(3)
+    H, P, G, N = 8, 64, 2, 32
+    pool = torch.randn(6, H, P, N, generator=g)
+    before = pool.clone()
+    slots = torch.tensor([4, 1])
+    xbc = torch.randn(2, H * P + 2 * G * N, generator=g).to(dtype)
+    x = xbc[:, : H * P].view(2, H, P)
+    B = xbc[:, H * P : H * P + G * N].view(2, G, N)
+    C = xbc[:, H * P + G * N :].view(2, G, N)
+    dt, A = torch.rand(2, H, generator=g), -torch.rand(H, generator=g)
+    D = torch.randn(H, generator=g).to(dtype)
+    want_y, want_state = mamba2_step(pool[slots].clone(), x, dt, A, B, C, D)
+    y = cpu.mamba2_step(pool, slots, x, dt, A, B, C, D)
+    assert y is not None
+    assert torch.allclose(y, want_y, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(pool[slots], want_state, atol=1e-5)
+    others = [0, 2, 3, 5]
+    assert torch.equal(pool[others], before[others])
+    assert not torch.equal(pool[slots], before[slots])
+
+    conv_pool = torch.randn(6, 40, 3, generator=g).to(dtype)
+    w, bias = torch.randn(40, 4, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
+    xc = torch.randn(2, 40, generator=g).to(dtype)
+    want, want_conv = causal_conv1d_update(xc, conv_pool[slots].clone(), w, bias, "silu")
+    got = cpu.conv1d_update(xc, conv_pool, slots, w, bias, "silu")
+    assert got is not None
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+    assert torch.equal(conv_pool[slots], want_conv)

@@ -312,3 +312,89 @@ def rms_norm_rope(
         int(zero_centered), cos.data_ptr(), sin.data_ptr(), rd, out.data_ptr(),
     )  # fmt: skip
     return out
+
+
+def conv1d_update(
+    x: torch.Tensor,
+    conv_pool: torch.Tensor,
+    slots: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+) -> torch.Tensor | None:
+    """One conv step of B requests in place on ``conv_pool`` at ``slots`` (C, one pass per
+    state): ``kernels.conv.causal_conv1d_update`` with the gather and scatter fused. Returns
+    the output ``[B, C]``, or None where the C code does not cover the inputs (the caller runs
+    the reference)."""
+    dt = x.dtype
+    fn = _native_fn(native.load("ssm_decode"), "conv1d_update", dt)
+    fits = (
+        fn is not None
+        and activation in _SILU
+        and _cpu_rows(x, dt)
+        and all(_cpu_dense(t, dt) for t in (conv_pool, weight))
+        and (bias is None or _cpu_dense(bias, dt))
+        and slots.device.type == "cpu"
+        and tuple(conv_pool.shape[1:]) == (x.shape[1], weight.shape[1] - 1)
+    )
+    if not fits:
+        _fallback("conv1d_update", x, conv_pool, weight)
+        return None
+    slots = slots.to(torch.int64).contiguous()
+    B, C = x.shape
+    out = torch.empty(B, C, dtype=dt)
+    fn(
+        B, slots.data_ptr(), x.data_ptr(), x.stride(0), conv_pool.data_ptr(), weight.data_ptr(),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), C, weight.shape[1],
+        _SILU[activation],
+    )  # fmt: skip
+    return out
+
+
+def mamba2_step(
+    ssm_pool: torch.Tensor,
+    slots: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """One Mamba2 scan step of the requests in place on ``ssm_pool`` at ``slots`` (C, fp32
+    state read and written once): ``kernels.mamba2.mamba2_step`` with the gather and scatter
+    fused. ``x`` ``[S, H, P]``, ``B`` / ``C`` ``[S, G, N]`` may be row-strided views. Returns
+    ``y`` ``[S, H, P]`` fp32, or None where the C code does not cover the inputs."""
+    xd = x.dtype
+    fn = _native_fn(native.load("ssm_decode"), "mamba2_step", xd)
+    S, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+
+    def rows(t: torch.Tensor, inner: tuple[int, ...]) -> bool:  # dense but for the row stride
+        return t.device.type == "cpu" and t.dtype == xd and t.stride()[1:] == inner
+
+    fits = (
+        fn is not None
+        and _cpu_dense(ssm_pool, torch.float32)
+        and tuple(ssm_pool.shape[1:]) == (H, P, N)
+        and rows(x, (P, 1))
+        and rows(B, (N, 1))
+        and rows(C, (N, 1))
+        and B.stride(0) == C.stride(0)
+        and H % G == 0
+        and (D is None or _cpu_dense(D, xd))
+        and slots.device.type == "cpu"
+    )
+    if not fits:
+        _fallback("mamba2_step", x, ssm_pool, B)
+        return None
+    slots = slots.to(torch.int64).contiguous()
+    dt = dt.float().contiguous()
+    A = A.float().contiguous()
+    y = torch.empty(S, H, P, dtype=torch.float32)
+    fn(
+        S, slots.data_ptr(), ssm_pool.data_ptr(), x.data_ptr(), x.stride(0), dt.data_ptr(),
+        A.data_ptr(), B.data_ptr(), C.data_ptr(), B.stride(0),
+        None if D is None else D.data_ptr(), y.data_ptr(), H, P, G, N,
+    )  # fmt: skip
+    return y

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from mambaradix.kernels import cpu, native
 from mambaradix.kernels.backend import register_backend
-from mambaradix.kernels.torch_backend import TorchBackend
+from mambaradix.kernels.torch_backend import TorchBackend, _copy_decode_snapshots
 
 
 @register_backend("cpu")
@@ -26,6 +26,22 @@ class CpuBackend(TorchBackend):
 
     def native_ops(self) -> list[str]:
         return [
-            "gdn_decode", "paged_attention_decode", "rms_norm", "rms_norm_gated",
-            "rms_norm_rope", "moe_pad", "moe_unpad",
+            "gdn_decode", "paged_attention_decode", "conv1d_decode", "mamba2_decode",
+            "rms_norm", "rms_norm_gated", "rms_norm_rope", "moe_pad", "moe_unpad",
         ]  # fmt: skip
+
+    def conv1d_decode(self, x, weight, bias, conv_pool, layout, activation):
+        dec = layout.decode
+        y = cpu.conv1d_update(x, conv_pool, dec.state_slots, weight, bias, activation)
+        if y is None:
+            return super().conv1d_decode(x, weight, bias, conv_pool, layout, activation)
+        _copy_decode_snapshots(conv_pool, dec)
+        return y
+
+    def mamba2_decode(self, x, dt, A, B, C, D, ssm_pool, layout):
+        dec = layout.decode
+        y = cpu.mamba2_step(ssm_pool, dec.state_slots, x, dt, A, B, C, D)
+        if y is None:
+            return super().mamba2_decode(x, dt, A, B, C, D, ssm_pool, layout)
+        _copy_decode_snapshots(ssm_pool, dec)
+        return y

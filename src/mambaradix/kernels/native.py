@@ -50,6 +50,26 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _INT, _INT,            # silu, l2norm
         ],
     },
+    "ssm_decode": {
+        "conv1d_update": [
+            _I64, _PTR,            # B, slots
+            _PTR, _I64,            # x, its row stride
+            _PTR,                  # conv pool
+            _PTR, _PTR,            # weight, bias (nullable)
+            _PTR,                  # out [B, C]
+            _I64, _I64, _INT,      # C, kernel width, silu
+        ],
+        "mamba2_step": [
+            _I64, _PTR,            # B, slots
+            _PTR,                  # ssm pool (fp32)
+            _PTR, _I64,            # x, its row stride
+            _PTR, _PTR,            # dt [B, H] fp32, A [H] fp32
+            _PTR, _PTR, _I64,      # B, C, their row stride
+            _PTR,                  # D (nullable)
+            _PTR,                  # y [B, H, P] fp32
+            _I64, _I64, _I64, _I64,  # H, P, G, N
+        ],
+    },
     "attention_decode": {
         "attention_decode": [
             _I64, _I64, _I64, _I64, _I64,  # B, Hq, Hkv, D, Dv
@@ -108,6 +128,8 @@ for _lib, _name in (
     ("gated_delta_decode", "gated_delta_decode"),
     ("attention_decode", "attention_decode"),  # bf16 pools; q, shared piece and out fp32
     ("moe", "moe_pad"),
+    ("ssm_decode", "conv1d_update"),
+    ("ssm_decode", "mamba2_step"),  # bf16 x, B, C, D; the state, dt and y fp32
 ):
     SIGNATURES[_lib][_name + "_bf16"] = SIGNATURES[_lib][_name]
 SIGNATURES["moe"]["moe_unpad_bf16"] = [*SIGNATURES["moe"]["moe_unpad"], _INT]  # + out is bf16

@@ -170,9 +170,8 @@ class TorchBackend(KernelBackend):
             x, conv_pool, ssm_pool, dec.state_slots, conv_weight, conv_bias, a, b, A_log,
             dt_bias, num_k_heads, activation,
         )  # fmt: skip
-        if dec.num_snapshots:  # a decode's snapshot is its state after its one token
-            for pool in (conv_pool, ssm_pool):
-                pool.index_copy_(0, dec.snapshot_slots, pool.index_select(0, dec.snapshot_src))
+        for pool in (conv_pool, ssm_pool):
+            _copy_decode_snapshots(pool, dec)
         return out
 
     # ------------------------------------------------------------------ Mamba2
@@ -195,6 +194,12 @@ class TorchBackend(KernelBackend):
 
 
 # --------------------------------------------------------------------------- plans
+
+
+def _copy_decode_snapshots(pool: Tensor, dec: DecodeRows) -> None:
+    """After an in-place decode step: a decode's snapshot is its state after its one token."""
+    if dec.num_snapshots:
+        pool.index_copy_(0, dec.snapshot_slots, pool.index_select(0, dec.snapshot_src))
 
 
 def _store_decode_states(pool: Tensor, dec: DecodeRows, new: Tensor) -> None:

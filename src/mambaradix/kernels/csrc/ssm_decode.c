@@ -1,0 +1,112 @@
+/* Decode steps of the conv and of the Mamba2 scan for B requests, in place on the state pools.
+ *
+ * conv_update: per request b (slot s = slots[b]) and channel c, window = [conv_pool[s][c][0 ..
+ *   K-2], x[b][c]]; out[b][c] = act(sum_k w[c][k] window[k] + bias[c]); conv_pool[s][c] <-
+ *   window[1 .. K-1]. One read and one write of each state instead of the reference's gather,
+ *   stack and scatter. act: SiLU or none.
+ * mamba2_step: per request b and head h (group g = h / (H / G)), S = ssm_pool[slots[b]][h]
+ *   ([P][N], fp32): S = exp(dt A) S + dt x B^T;  y = S C + D x, all in fp32; y fp32.
+ *   x, B and C rows are addressed with their own row strides (views of the conv output).
+ *
+ * The `_bf16` variants read and write the model's bf16 tensors (x, the conv pool and weights,
+ * B, C, D, the conv output) and round where the torch reference holds a bf16 tensor (each
+ * window product and the sum, the bias add, the activation). Requests (and heads) run in
+ * parallel (OpenMP); two requests must not share a slot.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "vec_math.h"
+
+static inline float ld(const void *p, int64_t i, int bf)
+{
+    return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void st(void *p, int64_t i, float v, int bf)
+{
+    if (bf)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+static inline float rnd(float v, int bf)
+{
+    return bf ? round_bf16(v) : v;
+}
+
+static inline __attribute__((always_inline)) void conv_update(
+    int64_t B, const int64_t *slots, const void *x, int64_t x_stride, void *conv_pool,
+    const void *weight, const void *bias, void *out, int64_t C, int64_t kernel, int silu,
+    const int bf)
+{
+    const int64_t k1 = kernel - 1;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t c = 0; c < C; c++) {
+            const int64_t s0 = (slots[b] * C + c) * k1, w = c * kernel;
+            const float xc = ld(x, b * x_stride + c, bf);
+            float acc = 0.0f;
+            for (int64_t j = 0; j < k1; j++)
+                acc += rnd(ld(weight, w + j, bf) * ld(conv_pool, s0 + j, bf), bf);
+            acc = rnd(acc + rnd(ld(weight, w + k1, bf) * xc, bf), bf);
+            for (int64_t j = 0; j + 1 < k1; j++)
+                st(conv_pool, s0 + j, ld(conv_pool, s0 + j + 1, bf), bf);
+            if (k1 > 0)
+                st(conv_pool, s0 + k1 - 1, xc, bf);
+            if (bias)
+                acc = rnd(acc + ld(bias, c, bf), bf);
+            st(out, b * C + c, silu ? acc / (1.0f + expf(-acc)) : acc, bf);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void m2_step(
+    int64_t B, const int64_t *slots, float *ssm_pool, const void *x, int64_t x_stride,
+    const float *dt, const float *A, const void *Bm, const void *Cm, int64_t bc_stride,
+    const void *D, float *y, int64_t H, int64_t P, int64_t G, int64_t N, const int bf)
+{
+    const int64_t hpg = H / G;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t g = h / hpg;
+            const float d = dt[b * H + h];
+            const float decay = expf(d * A[h]);
+            const float skip = D ? ld(D, h, bf) : 0.0f;
+            float *S = ssm_pool + (slots[b] * H + h) * P * N;
+            const int64_t bc = b * bc_stride + g * N;
+            for (int64_t p = 0; p < P; p++) {
+                const float xv = ld(x, b * x_stride + h * P + p, bf);
+                const float xdt = xv * d;
+                float *row = S + p * N;
+                float acc = 0.0f;
+                for (int64_t n = 0; n < N; n++) {
+                    const float s = row[n] * decay + xdt * ld(Bm, bc + n, bf);
+                    row[n] = s;
+                    acc += s * ld(Cm, bc + n, bf);
+                }
+                y[(b * H + h) * P + p] = acc + skip * xv;
+            }
+        }
+    }
+}
+
+#define CONV_ARGS                                                                        \
+    int64_t B, const int64_t *slots, const void *x, int64_t x_stride, void *conv_pool,   \
+        const void *weight, const void *bias, void *out, int64_t C, int64_t kernel, int silu
+#define CONV_PASS B, slots, x, x_stride, conv_pool, weight, bias, out, C, kernel, silu
+#define STEP_ARGS                                                                        \
+    int64_t B, const int64_t *slots, float *ssm_pool, const void *x, int64_t x_stride,   \
+        const float *dt, const float *A, const void *Bm, const void *Cm, int64_t bc_stride, \
+        const void *D, float *y, int64_t H, int64_t P, int64_t G, int64_t N
+#define STEP_PASS B, slots, ssm_pool, x, x_stride, dt, A, Bm, Cm, bc_stride, D, y, H, P, G, N
+
+void conv1d_update(CONV_ARGS) { conv_update(CONV_PASS, 0); }
+
+void conv1d_update_bf16(CONV_ARGS) { conv_update(CONV_PASS, 1); }
+
+void mamba2_step(STEP_ARGS) { m2_step(STEP_PASS, 0); }
+
+void mamba2_step_bf16(STEP_ARGS) { m2_step(STEP_PASS, 1); }
