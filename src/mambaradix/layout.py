@@ -144,10 +144,6 @@ class ForwardLayout:
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
-    @property
-    def all_decode(self) -> bool:
-        return self.prefill is None
-
     @classmethod
     def build(
         cls,

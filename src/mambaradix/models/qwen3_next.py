@@ -131,7 +131,7 @@ class Qwen3NextForCausalLM(HybridCausalLM):
             layers.append(DecoderLayer(mixer, self._make_mlp(cfg, i), cfg.hidden_size,
                                        cfg.rms_norm_eps))  # fmt: skip
         self.layers = nn.ModuleList(layers)
-        self.num_attn_layers, self.num_state_layers = n_attn, n_state
+        self.num_attn_layers = n_attn
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_lm_head(
