@@ -39,7 +39,9 @@ class EngineConfig:
     )
     device: str = opt("cpu", "Torch device.")
     seed: int = opt(
-        0, "Seed for model init of tiny models and for sampling without a per-request seed."
+        0,
+        "Seed for model init of tiny models and for sampling without a per-request seed (each "
+        "such request draws its own seed from it, in arrival order).",
     )
     context_length: int = opt(0, "Maximum sequence length; 0 takes the checkpoint's.")
     page_size: int = opt(1, "KV slots per page; the radix tree caches whole pages.")

@@ -84,7 +84,7 @@ def test_snapshot_without_a_slot_is_skipped_and_counted():
     tokens = list(range(1, 50))
     rc, _ = cache.admit(cache.match(tokens), 49)
     assert cache.alloc_snapshot_slot(rc) is None
-    assert cache.counters.skipped_snapshots == 1
+    assert cache.stats.skipped_snapshots == 1
     cache.release(rc)
     cache.check_integrity()
 

@@ -125,7 +125,7 @@ def test_abort_while_a_no_buffer_copy_is_in_flight(overlap, rng):
     copy_pos = None
     for _ in range(50):
         if not overlap:  # without overlap a batch's copies run inside step(): abort between
-            pending = dict(sched._need_copy)
+            pending = sched.strategy.pending_copies()
             if victim in pending:
                 sched.abort(victim)
                 copy_pos = pending[victim]

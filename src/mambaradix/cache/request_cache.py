@@ -24,6 +24,7 @@ from mambaradix.cache.radix import IntegrityError, MatchResult, RadixTree, TreeN
 from mambaradix.cache.req_slots import ReqSlots
 from mambaradix.cache.state_pool import StatePool
 from mambaradix.core import StateOps
+from mambaradix.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +46,6 @@ class ReqCache:
     pending: list[int] = field(default_factory=list)  # no_buffer snapshot slots not yet inserted
 
 
-@dataclass(slots=True)
-class CacheCounters:
-    evicted_kv_tokens: int = 0
-    evicted_states: int = 0
-    skipped_snapshots: int = 0
-    snapshots_inserted: int = 0
-    snapshot_attempts: int = 0  # snapshot slots offered to the tree (attached or not)
-
-
 class RequestCache:
     """What the scheduler calls; owns the tree and the pools' bookkeeping per request.
 
@@ -70,6 +62,7 @@ class RequestCache:
         *,
         enabled: bool = True,
         strategy: str = EXTRA_BUFFER,
+        stats: EngineStats | None = None,
     ) -> None:
         if strategy not in (NO_BUFFER, EXTRA_BUFFER):
             raise ValueError(f"unknown mamba scheduler strategy {strategy!r}")
@@ -80,7 +73,7 @@ class RequestCache:
         self.strategy = strategy
         self.tree = RadixTree(kv_pool, state_pool, page_size=self.page_size) if enabled else None
         self.live: set[ReqCache] = set()
-        self.counters = CacheCounters()
+        self.stats = stats if stats is not None else EngineStats()  # counts into the engine's
 
     @property
     def enabled(self) -> bool:
@@ -196,7 +189,7 @@ class RequestCache:
         """no_buffer: a new slot for a recorded working -> snapshot copy (held until inserted)."""
         got = self._alloc_state(1)
         if got is None:
-            self.counters.skipped_snapshots += 1
+            self.stats.skipped_snapshots += 1
             return None
         rc.pending.append(got[0])
         return got[0]
@@ -204,7 +197,7 @@ class RequestCache:
     def insert_snapshot(self, rc: ReqCache, tokens: list[int], length: int, slot: int) -> None:
         """no_buffer: the copy into ``slot`` has run; move it into the tree at ``length``."""
         rc.pending.remove(slot)
-        self.counters.snapshot_attempts += 1
+        self.stats.snapshot_attempts += 1
         if not self._insert(rc, tokens, length, slot):
             self.state_pool.free([slot])
 
@@ -213,9 +206,9 @@ class RequestCache:
         give that slot to the tree (no copy) and take a fresh one in its place."""
         fresh = self._alloc_state(1)
         if fresh is None:
-            self.counters.skipped_snapshots += 1
+            self.stats.skipped_snapshots += 1
             return
-        self.counters.snapshot_attempts += 1
+        self.stats.snapshot_attempts += 1
         if self._insert(rc, tokens, length, rc.track_slots[index]):
             rc.track_slots[index] = fresh[0]
         else:
@@ -380,19 +373,19 @@ class RequestCache:
             tree.unlock(rc.node)
             rc.node, rc.tree_len = res.node, length
         if res.state_attached:
-            self.counters.snapshots_inserted += 1
+            self.stats.snapshots_inserted += 1
         return res.state_attached
 
     def _alloc_state(self, n: int) -> list[int] | None:
         short = n - self.state_pool.available()
         if short > 0 and self.tree is not None:
-            self.counters.evicted_states += self.tree.evict_state(short)
+            self.stats.evicted_states += self.tree.evict_state(short)
         return self.state_pool.alloc(n)
 
     def _alloc_kv(self, n: int) -> torch.Tensor | None:
         short = n - self.kv_pool.available()
         if short > 0 and self.tree is not None:
-            self.counters.evicted_kv_tokens += self.tree.evict_kv(short)
+            self.stats.evicted_kv_tokens += self.tree.evict_kv(short)
         return self.kv_pool.alloc(n)
 
     def _unlock(self, node: TreeNode | None, state: bool) -> None:

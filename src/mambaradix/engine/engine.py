@@ -24,7 +24,7 @@ from mambaradix.cache.req_slots import ReqSlots
 from mambaradix.cache.request_cache import RequestCache
 from mambaradix.cache.state_pool import StatePool
 from mambaradix.config import EngineConfig
-from mambaradix.core import FinishReason, SamplingParams
+from mambaradix.core import SEED_LIMIT, FinishReason, SamplingParams
 from mambaradix.engine.cpu_runtime import (
     keep_freed_memory,
     release_thread_pool,
@@ -36,7 +36,6 @@ from mambaradix.engine.logits_process import RequestLogits
 from mambaradix.engine.outputs import (
     ENGINE_DEAD,
     EngineDeadError,
-    EngineStats,
     OutputBatcher,
     RequestHandle,
     RequestOutput,
@@ -46,6 +45,7 @@ from mambaradix.engine.request import Req
 from mambaradix.engine.runner import ModelRunner
 from mambaradix.engine.scheduler import Scheduler
 from mambaradix.kernels.backend import KernelBackend, backend_class
+from mambaradix.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +128,14 @@ class Engine:
         self.state_pool = StatePool(model.state_spec, state_slots, cfg.device)
         self.context_length = min(self.context_length, kv_tokens)
         req_slots = ReqSlots(max_running, self.context_length + cfg.page_size)
+        self._stats = EngineStats()  # the scheduler and the cache count into it
         self.cache = RequestCache(
-            self.kv_pool, self.state_pool, req_slots, enabled=enabled, strategy=strategy
+            self.kv_pool,
+            self.state_pool,
+            req_slots,
+            enabled=enabled,
+            strategy=strategy,
+            stats=self._stats,
         )
         self.backend = create_kernel_backend(cfg)
         self.kernel_backend = self.backend.name
@@ -149,7 +155,11 @@ class Engine:
             max_running=max_running,
             on_tokens=self._on_tokens,
             on_finish=self._on_finish,
+            capabilities=self.backend.capabilities,  # where the backend can snapshot
         )
+        # sampling requests without a seed of their own draw one from this at submission, so
+        # that --seed makes their samples reproducible
+        self._seeds = torch.Generator().manual_seed(cfg.seed)
         self.debug_integrity = debug_integrity or cfg.debug_integrity
         self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self._reqs: dict[str, Req] = {}
@@ -259,31 +269,18 @@ class Engine:
         return results[0] if single else results
 
     def stats(self) -> EngineStats:
-        s = self.scheduler.stats
-        c = self.cache.counters
-        return EngineStats(
+        """A copy of the engine's statistics, with the gauges read now."""
+        usage = self.cache.token_usage()
+        return dataclasses.replace(
+            self._stats,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            token_usage=(usage := self.cache.token_usage()),
+            token_usage=usage,
             num_used_tokens=round(usage * self.kv_pool.size),
             max_total_num_tokens=self.kv_pool.size,
             mamba_usage=self.cache.mamba_usage(),
-            prompt_tokens=s.prompt_tokens,
-            cached_tokens=s.cached_tokens,
-            computed_prefill_tokens=s.computed_prefill_tokens,
-            generated_tokens=s.generated_tokens,
-            evicted_kv_tokens=c.evicted_kv_tokens,
-            evicted_states=c.evicted_states,
-            retractions=s.retractions,
-            admission_waits=s.admission_waits,
-            skipped_snapshots=c.skipped_snapshots,
-            snapshots_inserted=c.snapshots_inserted,
             state_copies=self.state_pool.copies,
             state_copy_bytes=self.state_pool.copied_bytes,
-            finished_requests=s.finished_requests,
-            forwards=s.forwards,
-            resumes=s.resumes,
-            snapshot_copies=s.snapshot_copies,
         )
 
     def is_idle(self) -> bool:
@@ -384,6 +381,7 @@ class Engine:
             elif kind == "add":
                 for req in item[1]:
                     self._reqs[req.rid] = req
+                    self._seed_unseeded(req)
                     self.scheduler.add(req)
             elif kind == "abort":
                 req = self._reqs.get(item[1])
@@ -394,6 +392,15 @@ class Engine:
                     self.scheduler.abort(req)
             elif kind == "stop":
                 return
+
+    def _seed_unseeded(self, req: Req) -> None:
+        """A sampling request without a seed draws one from the engine's ``--seed`` generator
+        (in arrival order); greedy and seeded requests are left alone."""
+        p = req.params
+        if p.seed is not None or p.temperature == 0.0 or p.top_k == 1:
+            return
+        seed = int(torch.randint(0, SEED_LIMIT, (1,), generator=self._seeds))
+        req.generator = torch.Generator().manual_seed(seed)
 
     def _fail_all(self) -> None:
         """The engine died: every request it holds or has queued ends with an error event."""

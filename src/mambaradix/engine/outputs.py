@@ -40,32 +40,6 @@ class EngineDeadError(RuntimeError):
     """The engine itself failed; every running and later request fails with this."""
 
 
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    token_usage: float = 0.0
-    mamba_usage: float = 0.0
-    num_used_tokens: int = 0  # KV tokens in use (size - free - evictable)
-    max_total_num_tokens: int = 0  # KV pool size in tokens
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    computed_prefill_tokens: int = 0
-    generated_tokens: int = 0
-    evicted_kv_tokens: int = 0
-    evicted_states: int = 0
-    retractions: int = 0
-    admission_waits: int = 0
-    skipped_snapshots: int = 0
-    snapshots_inserted: int = 0
-    state_copies: int = 0
-    state_copy_bytes: int = 0
-    finished_requests: int = 0
-    forwards: int = 0
-    resumes: int = 0
-    snapshot_copies: int = 0
-
-
 class RequestHandle:
     """Outputs of one request. Created inside a running asyncio loop, it delivers to
     ``aevents``; otherwise to ``events`` / ``result``."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mambaradix.cache.request_cache import NO_BUFFER
+from mambaradix.kernels.capabilities import BackendCapabilities
 
 
 def snapshot_alignment(page_size: int, chunk: int = 64) -> int:
@@ -62,15 +63,22 @@ def admission_targets(
 
 
 def plan_segment(
-    start: int, chunk_end: int, seq_len: int, wanted: list[int], align: int, strategy: str
+    start: int,
+    chunk_end: int,
+    seq_len: int,
+    wanted: list[int],
+    align: int,
+    strategy: str,
+    capabilities: BackendCapabilities | None = None,
 ) -> Segment:
     """Choose where this forward ends and which position it snapshots.
 
     ``no_buffer`` snapshots only at a forward's end (the working state is copied afterwards), so
     the forward is cut at the first wanted position. ``extra_buffer`` writes one state per forward
-    into a tracking slot, anywhere inside; with two wanted positions the forward ends at the
-    first. A non-final chunk with no wanted position snapshots the aligned position inside it
-    (so a long prompt stays reusable if the request is retracted).
+    into a tracking slot, anywhere inside that the backend can write one
+    (``capabilities.can_snapshot``; elsewhere the forward ends at the snapshot); with two wanted
+    positions the forward ends at the first. A non-final chunk with no wanted position snapshots
+    the aligned position inside it (so a long prompt stays reusable if the request is retracted).
     """
     inside = [w for w in wanted if start < w <= chunk_end]
     if chunk_end < seq_len and not inside:
@@ -79,6 +87,10 @@ def plan_segment(
             inside.append(c)
     if not inside:
         return Segment(chunk_end, None)
+    snap = inside[0]
     if strategy == NO_BUFFER or len(inside) > 1:
-        return Segment(inside[0], inside[0])
-    return Segment(chunk_end, inside[0])
+        return Segment(snap, snap)
+    caps = capabilities or BackendCapabilities()
+    if not caps.can_snapshot(snap - start, chunk_end - start):
+        return Segment(snap, snap)  # the backend writes it only as the forward's final state
+    return Segment(chunk_end, snap)

@@ -11,6 +11,7 @@ import torch
 
 from mambaradix.cache.request_cache import ReqCache
 from mambaradix.core import FinishReason, SamplingParams
+from mambaradix.engine.strategies import ReqPlan
 
 
 class ReqStatus(enum.Enum):
@@ -42,16 +43,10 @@ class Req:
     fed_len: int = 0
     futures: list[int] = field(default_factory=list)  # placeholders of tokens still in flight
     cached_tokens: int = -1  # prefix hit at first admission (-1: not admitted yet)
-    share_targets: list[int] = field(default_factory=list)  # branch snapshots others wait for
-    lcp_cache: dict[str, int] = field(default_factory=dict)  # common prefix with running reqs
-    pending_snaps: list[tuple[int, int, int]] = field(default_factory=list)  # (batch, pos, slot)
-    track_next: int = 0
-    page_track: tuple[int, int] | None = None  # (page-aligned position, track index) written
-    track_epoch: int = 0  # bumped by every donated tracking snapshot (invalidates page_track)
+    plan: ReqPlan = field(default_factory=ReqPlan)  # snapshot planning (engine.strategies)
     inflight: int = 0  # batches containing this request not yet processed
     finish_reason: FinishReason | None = None
     finish_matched: str | int | None = None  # stop string or stop token
-    aborted: bool = False
     error: str | None = None  # why the request failed (FinishReason.ERROR)
     queue_time: float | None = None  # seconds from arrival to first admission
     generator: torch.Generator | None = None

@@ -7,14 +7,14 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
 from mambaradix.cache.kv_pool import KVPool
 from mambaradix.cache.state_pool import StatePool
 from mambaradix.core import ForwardBatch, ForwardReq, SamplingParams, StateOps
-from mambaradix.engine.sampler import TopLogprobs, sample, top_logprobs
+from mambaradix.engine.batch import FUTURE_STRIDE, RunBatch, RunResult
+from mambaradix.engine.sampler import sample, top_logprobs
 from mambaradix.kernels.backend import KernelBackend, reference_backend
 from mambaradix.layout import ForwardContext, ForwardLayout
 
@@ -23,37 +23,7 @@ logger = logging.getLogger(__name__)
 WARMUP_BUDGET_S = 3.0  # most the warm-up's batch forward may take, judged from a probe
 WARMUP_PROBE_TOKENS = 64
 
-FUTURE_STRIDE = 1 << 20
 _KEEP_BATCHES = 4
-
-
-def future_id(batch_id: int, index: int) -> int:
-    """Placeholder token for the ``index``-th token sampled by ``batch_id`` (negative)."""
-    return -(batch_id * FUTURE_STRIDE + index + 1)
-
-
-@dataclass(slots=True)
-class RunBatch:
-    batch_id: int
-    forward: ForwardBatch
-    sample_rows: list[int] = field(default_factory=list)  # indices into forward.reqs
-    params: list[SamplingParams] = field(default_factory=list)
-    generators: list[torch.Generator | None] = field(default_factory=list)
-    logit_states: list = field(default_factory=list)  # RequestLogits or None per sample row
-    # prompt logprobs: (index into forward.reqs, row offset in its segment, target token ids,
-    # top-k); that request has ForwardReq.all_logits set
-    prompt_rows: list[tuple[int, int, list[int], int]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class RunResult:
-    batch_id: int
-    tokens: list[int]
-    logprobs: list[float]
-    top: list[TopLogprobs | None] = field(default_factory=list)  # per sample row
-    # per RunBatch.prompt_rows entry: the targets' logprobs and each one's top-k (or None)
-    prompt: list[tuple[list[float], list[TopLogprobs | None]]] = field(default_factory=list)
-    errors: dict[int, BaseException] | None = None  # sample row -> why sampling it raised
 
 
 class ModelRunner:
@@ -79,7 +49,7 @@ class ModelRunner:
         self.state_pool = state_pool
         self.device = device
         self._sampled: dict[int, list[int]] = {}
-        self._carry: dict = {}  # ForwardContext.carry: kept from one forward to the next
+        self._carry: dict = {}  # ForwardLayout.carry: kept from one forward to the next
         self._executor: ThreadPoolExecutor | None = None
         self._num_threads = torch.get_num_threads()
 

@@ -7,6 +7,8 @@ once (design.md section 5, "Requests waiting together").
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from mambaradix.engine.planner import align_down, common_prefix_len
 from mambaradix.engine.request import Req
 
@@ -24,34 +26,38 @@ def shared_with_queue(req: Req, waiting: list[Req], prefix_len: int, align: int)
     return best if best > prefix_len else 0
 
 
-def held_for_sharing(
-    req: Req, prefix_len: int, running: list[Req], wanted: dict[Req, list[int]], align: int
-) -> bool:
+@dataclass(slots=True)
+class Hold:
+    """Why a waiting request is held: ``req`` will snapshot ``position``, a prefix both share.
+    ``new_target``: that position is not yet one of ``req``'s targets; the caller adds it
+    (``ReqPlan.add_share_target``)."""
+
+    req: Req
+    position: int
+    new_target: bool
+
+
+def held_for_sharing(req: Req, prefix_len: int, running: list[Req], align: int) -> Hold | None:
     """Whether waiting ``req`` (resumable at ``prefix_len``) should wait for a running request
-    that is about to snapshot a longer prefix both share. A running request still in prefill
-    that has not yet passed the shared point gets that point added to its snapshot targets
-    (``share_targets`` and ``wanted``)."""
+    that is about to snapshot a longer prefix both share: one that already aims for such a
+    snapshot, or one still in prefill that has not yet passed the shared point. Reads the
+    running requests, changes none of them (only ``req``'s own prefix cache)."""
     n_req = len(req.prompt_ids) + len(req.output_ids)
     ids = None
     for r in running:
-        for t in r.share_targets:
+        for t in r.plan.share_targets:
             if prefix_len < t < n_req:
                 ids = req.prefix_ids() if ids is None else ids
                 if (ids[:t] == r.prefix_ids()[:t]).all():
-                    return True
+                    return Hold(r, t, new_target=False)
         n_r = len(r.prompt_ids) + len(r.output_ids)
         if r.fed_len >= n_r - 1 or r.prompt_ids[0] != req.prompt_ids[0]:
             continue  # not in prefill any more, or nothing shared
         ids = req.prefix_ids() if ids is None else ids
-        lcp = req.lcp_cache.get(r.rid)
+        lcp = req.plan.lcp_cache.get(r.rid)
         if lcp is None:
-            lcp = req.lcp_cache[r.rid] = common_prefix_len(ids, r.prefix_ids())
+            lcp = req.plan.lcp_cache[r.rid] = common_prefix_len(ids, r.prefix_ids())
         p = align_down(min(lcp, n_req - 1, n_r - 1), align)
         if p > prefix_len and p > r.fed_len and p > r.rc.tree_len:
-            r.share_targets.append(p)
-            targets = wanted.setdefault(r, [])
-            if p not in targets:
-                targets.append(p)
-                targets.sort()
-            return True
-    return False
+            return Hold(r, p, new_target=True)
+    return None

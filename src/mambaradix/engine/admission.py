@@ -1,0 +1,120 @@
+"""Admission: waiting requests into the running set (design.md section 6).
+
+Each candidate is matched against the tree right before it is admitted (an earlier admission
+may have evicted nodes), may be held back for a running request about to snapshot a longer
+shared prefix (``engine.sharing``), gets its snapshot targets (``planner.admission_targets``),
+its cache resources (with the resume copy or clear) and its first prefill chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from mambaradix.cache.request_cache import RequestCache
+from mambaradix.engine.forwards import BatchPlan, ForwardBuilder
+from mambaradix.engine.planner import admission_targets
+from mambaradix.engine.request import Req, ReqStatus
+from mambaradix.engine.sharing import held_for_sharing, shared_with_queue
+from mambaradix.engine.strategies import SnapshotStrategy
+from mambaradix.stats import EngineStats
+
+
+class Admission:
+    def __init__(
+        self,
+        cache: RequestCache,
+        strategy: SnapshotStrategy,
+        builder: ForwardBuilder,
+        stats: EngineStats,
+        *,
+        max_running: int,
+        lpm: bool,
+        fail: Callable[[Req, BaseException], None],
+    ) -> None:
+        self.cache = cache
+        self.strategy = strategy
+        self.builder = builder
+        self.stats = stats
+        self.max_running = max_running
+        self.lpm = lpm  # --schedule-policy lpm: longest cached prefix first
+        self.fail = fail
+
+    def admit(self, plan: BatchPlan, budget: int, waiting: list[Req], running: list[Req]) -> int:
+        """Admit what fits into ``plan`` (moving requests from ``waiting`` to ``running``);
+        returns the prefill budget left."""
+        if not waiting:
+            return budget
+        order = waiting
+        if self.lpm and self.cache.enabled:
+            hits = {id(r): self.cache.match(r.tokens()).prefix_len for r in waiting}
+            order = sorted(waiting, key=lambda r: -hits[id(r)])
+        align = self.strategy.align
+        for req in list(order):
+            if len(running) >= self.max_running or budget <= 0:
+                break
+            tokens = req.tokens()
+            limit = _match_limit(req)
+            m = self.cache.match(tokens, limit)
+            if req.generator is None and req.params.seed is not None:
+                try:
+                    req.generator = torch.Generator().manual_seed(req.params.seed)
+                except Exception as exc:  # a seed out of range that slipped through
+                    self.fail(req, exc)
+                    continue
+            if limit is None:
+                hold = held_for_sharing(req, m.prefix_len, running, align)
+                if hold is not None:
+                    if hold.new_target:
+                        hold.req.plan.add_share_target(hold.position)
+                    self.stats.held_for_sharing += 1
+                    continue
+            queue_branch = (
+                shared_with_queue(req, waiting, m.prefix_len, align) if self.cache.enabled else 0
+            )
+            wanted = admission_targets(
+                seq_len=len(tokens),
+                prefix_len=m.prefix_len,
+                kv_len=m.kv_len,
+                queue_branch=queue_branch,
+                align=align,
+                repeat_align=self.strategy.repeat_align,
+            )
+            first_end = min(len(tokens), m.prefix_len + min(self.builder.chunk, budget))
+            if self.cache.enabled:
+                first_end = self.strategy.plan_forward(
+                    m.prefix_len, first_end, len(tokens), wanted
+                ).end
+            got = self.cache.admit(m, first_end)
+            if got is None:
+                self.stats.admission_waits += 1
+                break
+            req.rc, ops = got
+            self.stats.resumes += m.prefix_len > 0
+            plan.state_ops.extend(ops)
+            waiting.remove(req)
+            running.append(req)
+            req.status = ReqStatus.RUNNING
+            req.fed_len = m.prefix_len
+            req.plan.share_targets = [queue_branch] if queue_branch > m.prefix_len else []
+            req.plan.wanted = wanted
+            if req.cached_tokens < 0:
+                req.cached_tokens = m.prefix_len
+                self.stats.prompt_tokens += len(req.prompt_ids)
+                self.stats.cached_tokens += m.prefix_len
+            if req.queue_time is None:
+                req.queue_time = time.monotonic() - req.arrival
+            taken = self.builder.add_prefill(plan, req, budget)
+            plan.entries[-1].resumed = m.prefix_len > 0
+            budget -= taken
+        return budget
+
+
+def _match_limit(req: Req) -> int | None:
+    """Prompt logprobs need the logits of the positions before the first token still lacking
+    one: the cache may resume the request at most there."""
+    if not req.params.wants_prompt_logprobs:
+        return None
+    return req.params.prompt_logprob_start - 1 + len(req.prompt_lps)

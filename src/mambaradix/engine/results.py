@@ -1,0 +1,93 @@
+"""Result processing: what a batch's results do to its requests, once they arrive.
+
+For each request of the batch: the resume source is released, prompt logprobs are kept, the
+strategy settles the forward's snapshot (``SnapshotStrategy.forward_done``), and a sampled
+token is appended and checked against the stop conditions. A request that ended while its
+batch was in flight only has its in-flight count dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mambaradix.cache.request_cache import RequestCache
+from mambaradix.core import FinishReason
+from mambaradix.engine.batch import RunResult
+from mambaradix.engine.forwards import BatchPlan
+from mambaradix.engine.request import Req, ReqStatus
+from mambaradix.engine.strategies import SnapshotStrategy
+from mambaradix.stats import EngineStats
+
+
+class ResultProcessor:
+    """``on_tokens(req, ids, logprobs) -> bool`` reports new tokens (True: a stop string
+    matched); ``finish(req, reason)`` and ``fail(req, exc)`` end a request."""
+
+    def __init__(
+        self,
+        cache: RequestCache,
+        strategy: SnapshotStrategy,
+        stats: EngineStats,
+        *,
+        eos_token_ids: list[int],
+        context_length: int,
+        on_tokens: Callable[[Req, list[int], list[float]], bool],
+        finish: Callable[[Req, FinishReason], None],
+        fail: Callable[[Req, BaseException], None],
+    ) -> None:
+        self.cache = cache
+        self.strategy = strategy
+        self.stats = stats
+        self.eos = set(eos_token_ids)
+        self.context_length = context_length
+        self.on_tokens = on_tokens
+        self.finish = finish
+        self.fail = fail
+
+    def process(self, plan: BatchPlan, result: RunResult) -> None:
+        self.strategy.copies_done(plan.copies)
+        for e in plan.entries:
+            req = e.req
+            req.inflight -= 1
+            if req.rc is None or req.status is ReqStatus.FINISHED:
+                continue
+            if e.resumed:
+                self.cache.resume_done(req.rc)
+            if e.prompt_idx is not None:
+                lps, top = result.prompt[e.prompt_idx]
+                if e.prompt_first == req.params.prompt_logprob_start + len(req.prompt_lps):
+                    req.prompt_lps.extend(lps)
+                    req.prompt_top.extend(top)
+            self.strategy.forward_done(req, e.end, e.spot)
+            if e.sample_row is not None:
+                self._take_token(req, result, e.sample_row)
+
+    def _take_token(self, req: Req, result: RunResult, row: int) -> None:
+        tok = result.tokens[row]
+        req.futures.pop(0)
+        if result.errors and row in result.errors:
+            self.fail(req, result.errors[row])  # its sampling raised
+            return
+        req.output_ids.append(tok)
+        req.output_logprobs.append(result.logprobs[row])
+        if req.params.top_logprobs:
+            req.output_top.append(result.top[row])
+        self.stats.generated_tokens += 1
+        try:
+            reason = self._finish_reason(req, tok)
+            if self.on_tokens(req, [tok], [result.logprobs[row]]):
+                reason = FinishReason.STOP  # a stop string matched
+        except Exception as exc:  # detokenization / stop strings of this request
+            self.fail(req, exc)
+            return
+        if reason is not None:
+            self.finish(req, reason)
+
+    def _finish_reason(self, req: Req, tok: int) -> FinishReason | None:
+        p = req.params
+        if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            req.finish_matched = tok
+            return FinishReason.STOP
+        if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.context_length:
+            return FinishReason.LENGTH
+        return None

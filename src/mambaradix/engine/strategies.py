@@ -1,0 +1,243 @@
+"""Snapshot strategies: where a request's recurrent-state snapshots land (design.md section 5).
+
+Both strategies answer the same events; the scheduler calls them and never asks which one it
+holds:
+
+==================  ==========================================  ==========================
+event               ``no_buffer`` (1 state slot per request)    ``extra_buffer`` (3 slots)
+==================  ==========================================  ==========================
+plan a forward      cut the forward at the snapshot (it is the  snapshot inside the forward
+                    forward's end state)                        into a tracking slot
+start of a batch    copy working -> a new slot (recorded the    nothing
+                    batch before), for the tree
+forward end         the copy ran: insert it into the tree       donate the tracking slot
+                                                                to the tree (no copy)
+finish              the working slot is donated at a page end   ... or the last page-
+                                                                boundary tracking slot
+abort, retraction   drop the planning state                     drop the planning state
+==================  ==========================================  ==========================
+
+The planning state of one request is one record, ``ReqPlan``, on ``Req.plan``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mambaradix.cache.request_cache import NO_BUFFER, RequestCache
+from mambaradix.engine.planner import Segment, plan_segment, snapshot_alignment
+from mambaradix.kernels.capabilities import BackendCapabilities
+from mambaradix.stats import EngineStats
+
+if TYPE_CHECKING:
+    from mambaradix.core import StateOps
+    from mambaradix.engine.request import Req
+
+
+@dataclass(slots=True)
+class ReqPlan:
+    """Where one request will snapshot, and what it has written where."""
+
+    wanted: list[int] = field(default_factory=list)  # snapshot positions it aims for, sorted
+    share_targets: list[int] = field(default_factory=list)  # branch snapshots others wait for
+    copy_at: int | None = None  # no_buffer: position copied out of the working slot next batch
+    track_next: int = 0  # extra_buffer: the tracking slot the next snapshot goes into
+    page_track: tuple[int, int] | None = None  # (page-aligned position, track index) written
+    track_epoch: int = 0  # bumped by every donated tracking snapshot (invalidates page_track)
+    lcp_cache: dict[str, int] = field(default_factory=dict)  # waiting: prefix shared with rid
+
+    def drop_planned(self) -> None:
+        """The request ends: nothing more to snapshot (what was written stays, for
+        ``RequestCache.finish``)."""
+        self.wanted = []
+        self.share_targets = []
+        self.copy_at = None
+
+    def reset(self) -> None:
+        """Retraction (after its cache entries are in the tree): start over. ``track_epoch``
+        keeps counting and ``lcp_cache`` stays valid (the request's tokens only grow)."""
+        self.drop_planned()
+        self.track_next = 0
+        self.page_track = None
+
+    def add_share_target(self, position: int) -> None:
+        """Another request waits for this one's state at ``position``."""
+        self.share_targets.append(position)
+        if position not in self.wanted:
+            self.wanted.append(position)
+            self.wanted.sort()
+
+    def drop_share_targets(self, upto: int) -> None:
+        """The state at positions ``<= upto`` is in the tree (or will never be)."""
+        if self.share_targets:
+            self.share_targets = [t for t in self.share_targets if t > upto]
+
+
+@dataclass(slots=True)
+class SnapshotSpot:
+    """What one scheduled forward of a request snapshots (filled by the strategy)."""
+
+    snapshots: list[tuple[int, int]]  # ForwardReq.snapshots: (offset in forward, slot)
+    track: tuple[int, int] | None = None  # extra_buffer: (position, track index) to donate
+    page_track: tuple[int, int, int] | None = None  # (position, track index, track epoch)
+
+
+class SnapshotStrategy:
+    """The interface both strategies implement (see the module's table)."""
+
+    name: str
+    track_slots: int  # state slots per request beyond the working slot
+
+    def __init__(
+        self,
+        cache: RequestCache,
+        stats: EngineStats,
+        capabilities: BackendCapabilities | None = None,
+    ) -> None:
+        self.cache = cache
+        self.stats = stats
+        self.capabilities = capabilities or BackendCapabilities()
+        self.align = snapshot_alignment(cache.page_size)
+
+    @property
+    def repeat_align(self) -> int:
+        """Granularity of the exact-repeat snapshot (``planner.admission_targets``)."""
+        return self.align
+
+    def plan_forward(self, start: int, chunk_end: int, seq_len: int, wanted: list[int]) -> Segment:
+        return plan_segment(
+            start, chunk_end, seq_len, wanted, self.align, self.name, self.capabilities
+        )
+
+    def start_batch(self, ops: StateOps) -> list[tuple[Req, int, int]]:
+        """Deferred work of the previous batch recorded into this one's state ops; returns
+        (request, position, slot) of the copies it records."""
+        return []
+
+    def copies_done(self, copies: list[tuple[Req, int, int]]) -> None:
+        """The copies ``start_batch`` recorded have run."""
+
+    def snapshot(self, req: Req, start: int, end: int, snap: int | None) -> SnapshotSpot:
+        """Where the forward of tokens [start, end) writes the state at ``snap`` (None: no
+        snapshot wanted)."""
+        raise NotImplementedError
+
+    def forward_done(self, req: Req, end: int, spot: SnapshotSpot) -> None:
+        """A forward of ``req`` ending at ``end`` has run."""
+        raise NotImplementedError
+
+    def finish_track(self, req: Req) -> tuple[int, int] | None:
+        """The tracking slot ``RequestCache.finish`` may donate when the request ends between
+        pages."""
+        return req.plan.page_track
+
+    def end(self, req: Req) -> None:
+        """Finish, abort or failure: drop what the request planned."""
+        req.plan.drop_planned()
+
+    def retract(self, req: Req) -> None:
+        """The request's cache entries are in the tree and it waits again: start over."""
+        self.end(req)
+        req.plan.reset()
+
+
+class NoBuffer(SnapshotStrategy):
+    """One state slot per request; a snapshot is the forward's end state, copied out of the
+    working slot at the start of the next batch."""
+
+    name = NO_BUFFER
+    track_slots = 0
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._copies: list[Req] = []  # requests with ``plan.copy_at`` set, in recording order
+
+    def pending_copies(self) -> dict[Req, int]:
+        """Copies recorded for the next batch: request -> position."""
+        return {r: r.plan.copy_at for r in self._copies}
+
+    def start_batch(self, ops: StateOps) -> list[tuple[Req, int, int]]:
+        copies = []
+        for req in self._copies:
+            pos, req.plan.copy_at = req.plan.copy_at, None
+            slot = self.cache.alloc_snapshot_slot(req.rc)
+            if slot is not None:
+                ops.add_copy(req.rc.state_slot, slot)
+                copies.append((req, pos, slot))
+                self.stats.snapshot_copies += 1
+            else:  # skipped: nobody may wait for it
+                req.plan.drop_share_targets(pos)
+        self._copies = []
+        return copies
+
+    def copies_done(self, copies: list[tuple[Req, int, int]]) -> None:
+        for req, pos, slot in copies:
+            if req.rc is not None and slot in req.rc.pending:
+                self.cache.insert_snapshot(req.rc, req.tokens(), pos, slot)
+                req.plan.drop_share_targets(pos)
+
+    def snapshot(self, req: Req, start: int, end: int, snap: int | None) -> SnapshotSpot:
+        if snap is not None:
+            if req.plan.copy_at is None:
+                self._copies.append(req)
+            req.plan.copy_at = snap
+        return SnapshotSpot([])
+
+    def forward_done(self, req: Req, end: int, spot: SnapshotSpot) -> None:
+        # a target at the forward's end waits for its copy (next batch)
+        req.plan.drop_share_targets(end - 1)
+
+    def end(self, req: Req) -> None:
+        if req.plan.copy_at is not None:
+            self._copies.remove(req)
+        super().end(req)
+
+
+class ExtraBuffer(SnapshotStrategy):
+    """Two tracking slots per request besides the working one; the forward writes the snapshot
+    into one of them, which is then donated to the tree without a copy. With pages > 1 decodes
+    keep the state at the last page boundary in a tracking slot, so a finish between pages
+    still leaves a state close behind."""
+
+    name = "extra_buffer"
+    track_slots = 2
+
+    @property
+    def repeat_align(self) -> int:
+        # a tracking slot takes any position inside the last forward at no extra cost
+        return self.cache.page_size
+
+    def snapshot(self, req: Req, start: int, end: int, snap: int | None) -> SnapshotSpot:
+        plan, rc = req.plan, req.rc
+        if snap is not None:
+            idx = plan.track_next
+            plan.track_next ^= 1
+            plan.page_track = None  # that slot may be donated: nothing to fall back on
+            plan.track_epoch += 1
+            return SnapshotSpot([(snap - start, rc.track_slots[idx])], track=(snap, idx))
+        page = self.cache.page_size
+        if page > 1 and end - start == 1 and end % page == 0:
+            # overwrite the next tracking slot with the state at this page boundary; it is
+            # donated only if the request finishes before its next page
+            idx = plan.track_next
+            return SnapshotSpot([(1, rc.track_slots[idx])], page_track=(end, idx, plan.track_epoch))
+        return SnapshotSpot([])
+
+    def forward_done(self, req: Req, end: int, spot: SnapshotSpot) -> None:
+        plan = req.plan
+        if spot.track is not None:
+            self.cache.donate_track(req.rc, spot.track[1], req.tokens(), spot.track[0])
+        if spot.page_track is not None and spot.page_track[2] == plan.track_epoch:
+            plan.page_track = spot.page_track[:2]  # still what that slot holds
+        plan.drop_share_targets(end)
+
+
+def make_strategy(
+    cache: RequestCache, stats: EngineStats, capabilities: BackendCapabilities | None = None
+) -> SnapshotStrategy:
+    """The strategy object for ``cache.strategy``. Without the cache nothing is snapshot and a
+    request holds one state slot whatever the strategy flag says: ``NoBuffer`` then never
+    receives a snapshot position."""
+    cls = NoBuffer if cache.strategy == NO_BUFFER or not cache.enabled else ExtraBuffer
+    return cls(cache, stats, capabilities)

@@ -1,0 +1,41 @@
+"""The engine's one statistics record.
+
+The scheduler and the request cache count into the same ``EngineStats`` (the engine owns it and
+hands it to both); ``Engine.stats()`` returns a copy with the gauges (queue lengths, pool usage,
+state copies) filled in at the time of the call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineStats:
+    # gauges: filled by Engine.stats() when it is read
+    num_running: int = 0
+    num_waiting: int = 0
+    token_usage: float = 0.0
+    mamba_usage: float = 0.0
+    num_used_tokens: int = 0  # KV tokens in use (size - free - evictable)
+    max_total_num_tokens: int = 0  # KV pool size in tokens
+    state_copies: int = 0  # executed by the state pool
+    state_copy_bytes: int = 0
+    # scheduler counters
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_prefill_tokens: int = 0
+    generated_tokens: int = 0
+    retractions: int = 0
+    admission_waits: int = 0
+    held_for_sharing: int = 0
+    finished_requests: int = 0
+    forwards: int = 0
+    resumes: int = 0  # admissions that copy a tree state into their working slot
+    snapshot_copies: int = 0  # no_buffer working -> snapshot copies recorded
+    # request-cache counters
+    evicted_kv_tokens: int = 0
+    evicted_states: int = 0
+    skipped_snapshots: int = 0
+    snapshots_inserted: int = 0
+    snapshot_attempts: int = 0  # snapshot slots offered to the tree (attached or not)
