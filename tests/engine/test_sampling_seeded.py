@@ -78,3 +78,22 @@ def test_a_sampler_that_ignores_its_seed_fails_the_check(monkeypatch):
     with fake_engine() as eng:
         runs = [eng.generate(input_ids=prompt, sampling_params=params) for _ in range(3)]
     assert len({tuple(r["output_ids"]) for r in runs}) > 1
+
+
+def test_engine_seed_makes_unseeded_sampling_repeatable():
+    """``--seed``: requests without a seed of their own draw one from the engine's seed in
+    arrival order, so two engines with the same ``seed`` sample the same tokens, and another
+    ``seed`` samples others. Seeds near the top of the range must not overflow."""
+    rng = random.Random(8)
+    prompt = rand_tokens(rng, 30)
+    params = dict(temperature=TEMPERATURE, max_new_tokens=12, ignore_eos=True)
+
+    def run(seed: int) -> list[tuple[int, ...]]:
+        with fake_engine(seed=seed) as eng:
+            outs = [eng.generate(input_ids=prompt, sampling_params=params) for _ in range(4)]
+        return [tuple(o["output_ids"]) for o in outs]
+
+    first, again, other = run(3), run(3), run(4)
+    assert first == again
+    assert len(set(first)) > 1, "unseeded requests of one engine drew the same seed"
+    assert first != other

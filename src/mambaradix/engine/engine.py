@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import logging
 import queue
+import random
 import threading
 import time
 import uuid
@@ -159,7 +160,7 @@ class Engine:
         )
         # sampling requests without a seed of their own draw one from this at submission, so
         # that --seed makes their samples reproducible
-        self._seeds = torch.Generator().manual_seed(cfg.seed)
+        self._seeds = random.Random(cfg.seed)
         self.debug_integrity = debug_integrity or cfg.debug_integrity
         self._detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self._reqs: dict[str, Req] = {}
@@ -399,7 +400,7 @@ class Engine:
         p = req.params
         if p.seed is not None or p.temperature == 0.0 or p.top_k == 1:
             return
-        seed = int(torch.randint(0, SEED_LIMIT, (1,), generator=self._seeds))
+        seed = self._seeds.randrange(SEED_LIMIT)
         req.generator = torch.Generator().manual_seed(seed)
 
     def _fail_all(self) -> None:
