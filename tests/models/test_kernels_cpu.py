@@ -53,9 +53,7 @@ def test_gated_delta_decode_matches_reference_in_place(hk, hv, dk, dv, width, ac
     ref = TorchBackend.gated_delta_step(
         x, ref_conv, ref_ssm, slots, weight, b, *gates, hk, activation
     )
-    out = CpuBackend.gated_delta_step(
-        x, conv, ssm, slots, weight, b, *gates, hk, activation
-    )
+    out = CpuBackend.gated_delta_step(x, conv, ssm, slots, weight, b, *gates, hk, activation)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(conv, ref_conv, atol=0, rtol=0)
     torch.testing.assert_close(ssm, ref_ssm, atol=1e-5, rtol=1e-5)
