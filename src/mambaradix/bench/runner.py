@@ -116,10 +116,11 @@ class BenchConfig:
         False, "In-process: run again with the radix cache off and print the ratios."
     )
     repeats: int = opt(
-        1,
-        "With --compare-cache: run the cache-on / cache-off pair this many times (which side "
-        "runs first alternates) and compare the median run of each side (a shared machine's "
-        "speed drifts by 10% and more between runs).",
+        5,
+        "With --compare-cache: run the cache-on / cache-off pair this many times, each run in a "
+        "fresh process after its warm-up (which side runs first alternates), and compare the "
+        "median run of each side; the spread of the pairs' ratios is printed (a shared "
+        "machine's speed drifts by 10% and more between runs).",
     )
     compare_base_url: str = opt(
         "", "HTTP: a second server (cache off) to run the same workload against."
