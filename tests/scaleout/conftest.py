@@ -26,6 +26,7 @@ REPLICA_FLAGS = [
     "--model-path", "tiny:qwen3_next", "--num-threads", "1", "--skip-warmup",
     "--max-total-tokens", "16384", "--max-mamba-cache-size", "64",
     "--served-model-name", MODEL, "--api-key", API_KEY, "--log-level", "warning",
+    "--debug-integrity",  # the full check after every engine step of every replica
 ]  # fmt: skip
 
 
