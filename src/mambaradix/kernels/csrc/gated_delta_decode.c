@@ -22,7 +22,9 @@
 
 #include "vec_math.h"
 
-/* The kernel for one dtype; `bf` is a constant in each caller, so the branches fold away. */
+/* The kernel for both dtypes. Its OpenMP region is outlined once, so `bf` is a runtime value
+ * inside it: only the conv and the output store branch on it, not the state update (a build
+ * with it folded ran fp32 decode within 3%, batch 16, 32 heads of 128 x 128). */
 static inline __attribute__((always_inline)) void gdn_decode(
     int64_t B, const int64_t *slots,
     const void *x, int64_t x_stride,
