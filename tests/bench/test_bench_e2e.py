@@ -11,7 +11,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from mambaradix.bench.client import EngineBackend, HTTPBackend, run_workload  # noqa: E402
+from mambaradix.bench.client import EngineBackend, run_workload  # noqa: E402
+from mambaradix.bench.remote import RemoteBackend  # noqa: E402
 from mambaradix.bench.report import summarize  # noqa: E402
 from mambaradix.bench.workloads import TokenSampler, multi_turn, random_workload  # noqa: E402
 from mambaradix.cli import main  # noqa: E402
@@ -73,7 +74,7 @@ def test_http_multi_turn_resends_history(engine) -> None:
                     output_len=6)  # fmt: skip
 
     async def go():
-        backend = HTTPBackend(st.base_url + "/v1", api_key="")
+        backend = RemoteBackend(st.base_url + "/v1", "openai", "token-ids")
         try:
             return await run_workload(wl, backend, max_concurrency=2)
         finally:

@@ -28,6 +28,17 @@ def rand_tokens(rng: random.Random, n: int, vocab: int = 61) -> list[int]:
     return [rng.randrange(1, vocab) for _ in range(n)]
 
 
+def new_req(rid: str, ids: list[int], n: int = 4, **params):
+    """A greedy request of ``n`` new tokens for a step-driven scheduler (``params``: more
+    ``SamplingParams`` fields)."""
+    from mambaradix.core import SamplingParams
+    from mambaradix.engine.request import Req
+
+    return Req(
+        rid=rid, prompt_ids=ids, params=SamplingParams(max_new_tokens=n, temperature=0.0, **params)
+    )
+
+
 def make_scheduler(model=None, **flags):
     """A scheduler driven step by step in the test's thread (no engine loop)."""
     from mambaradix.cache.kv_pool import KVPool

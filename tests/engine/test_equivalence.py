@@ -10,13 +10,11 @@ closed-form outputs (``expected_greedy``), which share nothing with the engine's
 from __future__ import annotations
 
 import itertools
-import random
 
 import pytest
 from engine_helpers import FakeModel
+from equivalence_helpers import MAX_TIES, REFERENCE, compare, run, workload
 from fake_model import expected_greedy
-
-from mambaradix.engine.engine import Engine
 
 MATRIX = [
     dict(
@@ -31,16 +29,6 @@ MATRIX = [
     )
     if cache or strategy == "no_buffer"  # the strategy means nothing with the cache off
 ]
-# The reference also runs the torch reference kernels and skips the warm-up forward; the
-# matrix runs the default backend (native C kernels on CPU) after a warm-up, so every
-# comparison checks those too.
-REFERENCE = dict(
-    disable_radix_cache=True,
-    disable_overlap_schedule=True,
-    chunked_prefill_size=-1,
-    kernel_backend="torch",
-    skip_warmup=True,
-)
 # Real models: every cache-on configuration plus the cache-off one furthest from the reference
 # (the fake model below runs the whole matrix).
 REAL_MATRIX = [
@@ -53,71 +41,6 @@ REAL_MATRIX = [
         and not f["disable_overlap_schedule"]
     )
 ]
-NEAR_TIE = 1e-4  # a divergence whose two logprobs differ by less is a near-tie (fp32 noise)
-LOGPROB_ATOL = 1e-4  # where the ids agree, their logprobs agree to this (fp32)
-MAX_TIES = 2  # near-tie divergences allowed per configuration (200 requests); more is a bug
-
-
-def workload(vocab: int, n: int = 200, seed: int = 0) -> list[list[int]]:
-    """Shared prefixes of varied lengths (some shorter than a page or the alignment), exact
-    repeats and unrelated prompts, shuffled."""
-    rng = random.Random(seed)
-    tok = lambda k: [rng.randrange(3, vocab) for _ in range(k)]  # noqa: E731
-    systems = [tok(k) for k in (10, 40, 64, 100, 129, 200, 260)]
-    prompts = []
-    while len(prompts) < n:
-        kind = rng.random()
-        if kind < 0.7:
-            prompts.append(rng.choice(systems) + tok(rng.randrange(1, 60)))
-        elif kind < 0.85 and prompts:
-            prompts.append(list(rng.choice(prompts)))
-        else:
-            prompts.append(tok(rng.randrange(2, 150)))
-    return prompts
-
-
-def run(model, tokenizer, prompts, flags, max_new_tokens=4):
-    params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
-    params["return_logprob"] = True
-    with Engine(
-        model=model,
-        tokenizer=tokenizer,
-        debug_integrity=True,
-        max_total_tokens=1 << 15,
-        max_mamba_cache_size=96,
-        **flags,
-    ) as eng:
-        res = eng.generate(input_ids=prompts, sampling_params=params)
-        assert eng.is_idle()
-        eng.check_integrity()
-        hits = eng.stats().cached_tokens
-    return res, hits
-
-
-def compare(ref, got) -> tuple[int, float]:
-    """(near-tie divergences, max logprob difference where the ids agree). The logprobs of
-    every agreeing token must match within LOGPROB_ATOL; a divergence that is not a near-tie
-    fails; after a near-tie the rest of that request is not compared (its inputs differ)."""
-    ties = 0
-    worst = 0.0
-    for n, (r, g) in enumerate(zip(ref, got)):
-        r_ids, g_ids = r["output_ids"], g["output_ids"]
-        r_lp = r["meta_info"]["output_token_logprobs"]
-        g_lp = g["meta_info"]["output_token_logprobs"]
-        assert len(r_ids) == len(g_ids) == len(r_lp) == len(g_lp), f"request {n}: lengths"
-        for i, (a, b) in enumerate(zip(r_ids, g_ids)):
-            gap = abs(r_lp[i] - g_lp[i])
-            if a != b:
-                assert gap < NEAR_TIE, (
-                    f"request {n} diverges at token {i} and it is not a near-tie (gap {gap:.2e})"
-                )
-                ties += 1
-                break
-            assert gap <= LOGPROB_ATOL, (
-                f"request {n} token {i}: same id, logprobs differ by {gap:.2e}"
-            )
-            worst = max(worst, gap)
-    return ties, worst
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "granite_hybrid"])
@@ -128,10 +51,17 @@ def real_model(request):
     return request.param, load_model(path), load_tokenizer(path)
 
 
-def test_matrix_real_models(real_model):
-    name, model, tok = real_model
+@pytest.fixture(scope="module")
+def real_reference(real_model):
+    """The workload and the reference's outputs on it, for every test of this model."""
+    _, model, tok = real_model
     prompts = workload(model.vocab_size)
-    ref, _ = run(model, tok, prompts, REFERENCE)
+    return prompts, run(model, tok, prompts, REFERENCE)[0]
+
+
+def test_matrix_real_models(real_model, real_reference):
+    name, model, tok = real_model
+    prompts, ref = real_reference
     report = []
     for flags in REAL_MATRIX:
         got, hits = run(model, tok, prompts, flags)
@@ -143,6 +73,34 @@ def test_matrix_real_models(real_model):
     print(f"\n{name}: {len(REAL_MATRIX)} configs x {len(prompts)} requests")
     for flags, hits, ties, worst in report:
         print(f"  hits {hits} near-ties {ties} max logprob diff {worst:.1e} under {flags}")
+
+
+# where the strided backend's snapshots fall: chunk ends off the stride (qwen3_next), pages
+STRIDED_FLAGS = {
+    "qwen3_next": dict(page_size=1, chunked_prefill_size=100),
+    "granite_hybrid": dict(page_size=16, chunked_prefill_size=-1),
+}
+
+
+def test_strided_backend_real_models(real_model, real_reference):
+    """The native backend declaring it can write a state inside a prefill forward only every 64
+    tokens (``strided_backend``; it raises if asked off the stride), cache on with
+    ``extra_buffer``: the reference's ids and logprobs; snapshots were taken inside forwards on
+    the stride and at forwards' ends (the planner cut the others: test_snapshot_stride.py)."""
+    from strided_backend import strided_backend
+
+    from mambaradix.kernels.cpu_backend import CpuBackend
+
+    name, model, tok = real_model
+    prompts, ref = real_reference
+    flags = dict(STRIDED_FLAGS[name], mamba_scheduler_strategy="extra_buffer")
+    base = CpuBackend if CpuBackend.available() else None
+    with strided_backend(64, base) as (backend, counts):
+        got, hits = run(model, tok, prompts, dict(flags, kernel_backend=backend))
+    ties, _ = compare(ref, got)
+    assert ties <= MAX_TIES, f"{ties} near-tie divergences"
+    assert hits > 0 and counts.refused == [], vars(counts)
+    assert counts.inside > 0 and counts.at_end > 0, vars(counts)
 
 
 def test_matrix_fake_model_exact():

@@ -1,12 +1,48 @@
-"""The hit-rate contract of design.md section 10, asserted on cached_tokens, both strategies."""
+"""The hit-rate contract of design.md section 10, asserted on cached_tokens, both strategies,
+on the default backend and on one that can write a state inside a prefill forward only every 64
+tokens (``strided_backend``: the planner must end forwards at the other snapshots; the backend
+raises if asked for one off its stride). Every output is checked against the fake model's
+closed form (ids and logprobs), a reference that shares nothing with the engine's path."""
 
 from __future__ import annotations
 
 import pytest
 from engine_helpers import GREEDY, fake_engine, rand_tokens
+from fake_model import expected_greedy
+from strided_backend import strided_backend
 
 STRATEGIES = ["no_buffer", "extra_buffer"]
 ALIGN = 64
+STRIDE = 64  # the strided backend's snapshot_stride (the chunk of a chunked GPU kernel)
+
+
+@pytest.fixture(params=["auto", "strided"])
+def backend(request):
+    """The ``kernel_backend`` of every engine in the test; for the strided one, afterwards:
+    nothing was asked off its stride."""
+    if request.param == "auto":
+        yield "auto"
+        return
+    with strided_backend(STRIDE) as (name, counts):
+        yield name
+    assert counts.refused == []
+
+
+def engine(backend: str, **flags):
+    return fake_engine(kernel_backend=backend, **flags)
+
+
+def generate(eng, prompts, **params) -> list[dict] | dict:
+    """``eng.generate`` (greedy), every output checked against the closed form."""
+    params = {**GREEDY, **params, "return_logprob": True}
+    res = eng.generate(input_ids=prompts, sampling_params=params)
+    one = isinstance(prompts[0], int)
+    for prompt, r in zip([prompts] if one else prompts, [res] if one else res):
+        ids, lps = expected_greedy(prompt, len(r["output_ids"]))
+        assert r["output_ids"] == ids, "output differs from the closed form"
+        got = r["meta_info"]["output_token_logprobs"]
+        assert max((abs(a - b) for a, b in zip(got, lps)), default=0.0) <= 1e-5
+    return res
 
 
 def cached(res: dict) -> int:
@@ -14,11 +50,11 @@ def cached(res: dict) -> int:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_shared_prefix_arriving_together(strategy, rng):
+def test_shared_prefix_arriving_together(backend, strategy, rng):
     system = rand_tokens(rng, 300)
     prompts = [system + rand_tokens(rng, rng.randrange(10, 90)) for _ in range(16)]
-    with fake_engine(mamba_scheduler_strategy=strategy) as eng:
-        res = eng.generate(input_ids=prompts, sampling_params=GREEDY)
+    with engine(backend, mamba_scheduler_strategy=strategy) as eng:
+        res = generate(eng, prompts)
         hits = [cached(r) for r in res]
         eng.check_integrity()
     assert sorted(hits)[0] == 0 and sum(h == 0 for h in hits) == 1, hits
@@ -28,35 +64,32 @@ def test_shared_prefix_arriving_together(strategy, rng):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_two_groups_together_each_computed_once(strategy, rng):
+def test_two_groups_together_each_computed_once(backend, strategy, rng):
     groups = [rand_tokens(rng, 200), rand_tokens(rng, 330)]
     prompts = [groups[i % 2] + rand_tokens(rng, 20) for i in range(12)]
-    with fake_engine(mamba_scheduler_strategy=strategy) as eng:
-        res = eng.generate(input_ids=prompts, sampling_params=GREEDY)
+    with engine(backend, mamba_scheduler_strategy=strategy) as eng:
+        res = generate(eng, prompts)
     hits = [cached(r) for r in res]
     assert hits[0] == 0 and hits[1] == 0
     assert all(h >= (len(groups[i % 2]) // ALIGN) * ALIGN for i, h in enumerate(hits) if i > 1)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_shared_prefix_one_after_another(strategy, rng):
+def test_shared_prefix_one_after_another(backend, strategy, rng):
     system = rand_tokens(rng, 300)
-    with fake_engine(mamba_scheduler_strategy=strategy) as eng:
-        hits = [
-            cached(eng.generate(input_ids=system + rand_tokens(rng, 40), sampling_params=GREEDY))
-            for _ in range(6)
-        ]
+    with engine(backend, mamba_scheduler_strategy=strategy) as eng:
+        hits = [cached(generate(eng, system + rand_tokens(rng, 40))) for _ in range(6)]
     assert hits[0] == 0
     assert all(h >= 256 for h in hits[2:]), hits
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("length", [100, 129, 300])
-def test_exact_repeat(strategy, length, rng):
+def test_exact_repeat(backend, strategy, length, rng):
     prompt = rand_tokens(rng, length)
-    with fake_engine(mamba_scheduler_strategy=strategy) as eng:
-        first = eng.generate(input_ids=prompt, sampling_params=GREEDY)
-        again = [eng.generate(input_ids=prompt, sampling_params=GREEDY) for _ in range(2)]
+    with engine(backend, mamba_scheduler_strategy=strategy) as eng:
+        first = generate(eng, prompt)
+        again = [generate(eng, prompt) for _ in range(2)]
     assert cached(first) == 0
     for r in again:
         assert cached(r) >= (length - 1) // ALIGN * ALIGN
@@ -67,68 +100,62 @@ def test_exact_repeat(strategy, length, rng):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("overlap", [True, False])
-def test_next_chat_turn(strategy, overlap, rng):
+def test_next_chat_turn(backend, strategy, overlap, rng):
     prompt = rand_tokens(rng, 150)
-    with fake_engine(
-        mamba_scheduler_strategy=strategy, disable_overlap_schedule=not overlap
+    with engine(
+        backend, mamba_scheduler_strategy=strategy, disable_overlap_schedule=not overlap
     ) as eng:
         for _turn in range(4):
-            r = eng.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 7})
+            r = generate(eng, prompt, max_new_tokens=7)
             history = prompt + r["output_ids"]
             prompt = history + rand_tokens(rng, 30)
-            nxt = eng.generate(input_ids=prompt, sampling_params=GREEDY)
+            nxt = generate(eng, prompt)
             assert cached(nxt) >= len(history) - 1
             prompt = prompt + nxt["output_ids"] + rand_tokens(rng, 20)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_no_sharing_hits_nothing(strategy, rng):
+def test_no_sharing_hits_nothing(backend, strategy, rng):
     prompts = [[i + 1] + rand_tokens(rng, 120) for i in range(20)]  # distinct first tokens
-    with fake_engine(mamba_scheduler_strategy=strategy) as eng:
-        res = eng.generate(input_ids=prompts, sampling_params=GREEDY)
+    with engine(backend, mamba_scheduler_strategy=strategy) as eng:
+        res = generate(eng, prompts)
     assert [cached(r) for r in res] == [0] * 20
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_worked_example(strategy, rng):
+def test_worked_example(backend, strategy, rng):
     """design.md section 11: sequential requests over runs A..E of 256 tokens."""
     a, b, c, d, e = (rand_tokens(rng, 256) for _ in range(5))
     seq = [a + b, a + c, a + d, a + b + e, a + d + e, a + c + e, a + c, a + c]
     want = [0, 0, 256, 512, 512, 512, 448, 448]
-    with fake_engine(mamba_scheduler_strategy=strategy) as eng:
-        got = [
-            cached(eng.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 1}))
-            for p in seq
-        ]
+    with engine(backend, mamba_scheduler_strategy=strategy) as eng:
+        got = [cached(generate(eng, p, max_new_tokens=1)) for p in seq]
     assert all(g >= w for g, w in zip(got, want)), (got, want)
 
 
-def test_cache_disabled_never_hits(rng):
+def test_cache_disabled_never_hits(backend, rng):
     prompt = rand_tokens(rng, 200)
-    with fake_engine(disable_radix_cache=True) as eng:
-        res = [eng.generate(input_ids=prompt, sampling_params=GREEDY) for _ in range(3)]
+    with engine(backend, disable_radix_cache=True) as eng:
+        res = [generate(eng, prompt) for _ in range(3)]
         eng.check_integrity()
     assert [cached(r) for r in res] == [0, 0, 0]
     assert res[0]["output_ids"] == res[1]["output_ids"] == res[2]["output_ids"]
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_paged_next_chat_turn_and_repeat(overlap, rng):
+def test_paged_next_chat_turn_and_repeat(backend, overlap, rng):
     """With pages of 16 the tree keeps whole pages; extra_buffer still resumes the next turn at
     the last page boundary (a tracking slot follows decode page by page) and an exact repeat at
     align_down(L - 1, 16)."""
     prompt = rand_tokens(rng, 150)
-    with fake_engine(page_size=16, disable_overlap_schedule=not overlap) as eng:
+    with engine(backend, page_size=16, disable_overlap_schedule=not overlap) as eng:
         for _turn in range(4):
             n_out = rng.randrange(5, 40)
-            r = eng.generate(
-                input_ids=prompt,
-                sampling_params={**GREEDY, "max_new_tokens": n_out, "ignore_eos": True},
-            )
-            again = eng.generate(input_ids=prompt, sampling_params=GREEDY)
+            r = generate(eng, prompt, max_new_tokens=n_out, ignore_eos=True)
+            again = generate(eng, prompt)
             assert cached(again) >= (len(prompt) - 1) // 16 * 16
             history = prompt + r["output_ids"]
             prompt = history + rand_tokens(rng, 30)
-            nxt = eng.generate(input_ids=prompt, sampling_params=GREEDY)
+            nxt = generate(eng, prompt)
             assert cached(nxt) >= (len(history) - 1) // 16 * 16
             prompt = prompt + nxt["output_ids"] + rand_tokens(rng, 20)

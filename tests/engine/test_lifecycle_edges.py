@@ -13,20 +13,13 @@ from engine_helpers import (
     assert_all_free,
     fake_engine,
     make_scheduler,
+    new_req,
     rand_tokens,
     run_to_end,
 )
 from fake_model import expected_greedy
 
-from mambaradix.core import SamplingParams
-from mambaradix.engine.request import Req
-
 STRATEGIES = ["no_buffer", "extra_buffer"]
-
-
-def new_req(rid: str, ids: list[int], n: int) -> Req:
-    params = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
-    return Req(rid=rid, prompt_ids=ids, params=params)
 
 
 def record_admissions(sched) -> list[int]:
@@ -56,7 +49,7 @@ def retraction_run(strategy: str, page: int, interval: int):
         mamba_track_interval=interval,
     )
     reqs = [
-        new_req(f"r{i}", rand_tokens(rng, n), m)
+        new_req(f"r{i}", rand_tokens(rng, n), m, ignore_eos=True)
         for i, (n, m) in enumerate([(40, 200), (40, 200), (150, 60)])
     ]
     for r in reqs:
@@ -120,7 +113,7 @@ def test_abort_while_a_no_buffer_copy_is_in_flight(overlap, rng):
         disable_overlap_schedule=not overlap,
     )
     prompt = rand_tokens(rng, 400)
-    victim = new_req("victim", prompt, 8)
+    victim = new_req("victim", prompt, 8, ignore_eos=True)
     sched.add(victim)
     copy_pos = None
     for _ in range(50):
@@ -139,7 +132,7 @@ def test_abort_while_a_no_buffer_copy_is_in_flight(overlap, rng):
     assert copy_pos is not None and copy_pos % 64 == 0
     run_to_end(sched)
     assert victim.finish_reason.value == "abort" and victim.rc is None
-    later = new_req("later", prompt[:copy_pos] + rand_tokens(rng, 10), 4)
+    later = new_req("later", prompt[:copy_pos] + rand_tokens(rng, 10), 4, ignore_eos=True)
     sched.add(later)
     prefixes = record_admissions(sched)
     run_to_end(sched)
@@ -171,8 +164,11 @@ def test_prompts_longer_than_the_chunk_and_the_prefill_budget(chunk, strategy, r
 
     sched.runner.submit = recording
     system = rand_tokens(rng, 130)
-    reqs = [new_req("long", rand_tokens(rng, 1000), 5)]
-    reqs += [new_req(f"s{i}", system + rand_tokens(rng, 40 + 30 * i), 5) for i in range(4)]
+    reqs = [new_req("long", rand_tokens(rng, 1000), 5, ignore_eos=True)]
+    reqs += [
+        new_req(f"s{i}", system + rand_tokens(rng, 40 + 30 * i), 5, ignore_eos=True)
+        for i in range(4)
+    ]
     for r in reqs:
         sched.add(r)
     run_to_end(sched)

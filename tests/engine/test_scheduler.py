@@ -10,20 +10,15 @@ from engine_helpers import (
     assert_all_free,
     fake_engine,
     make_scheduler,
+    new_req,
     rand_tokens,
     run_to_end,
 )
 
 from mambaradix.core import SamplingParams
-from mambaradix.engine.request import Req, ReqStatus
+from mambaradix.engine.request import ReqStatus
 
 STRATEGIES = ["no_buffer", "extra_buffer"]
-
-
-def new_req(rid: str, ids: list[int], n: int = 4, **kw) -> Req:
-    return Req(
-        rid=rid, prompt_ids=ids, params=SamplingParams(max_new_tokens=n, temperature=0, **kw)
-    )
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -26,6 +26,7 @@ REPLICA_FLAGS = [
     "--model-path", "tiny:qwen3_next", "--num-threads", "1", "--skip-warmup",
     "--max-total-tokens", "16384", "--max-mamba-cache-size", "64",
     "--served-model-name", MODEL, "--api-key", API_KEY, "--log-level", "warning",
+    "--debug-integrity",  # the full check after every engine step of every replica
 ]  # fmt: skip
 
 
@@ -100,7 +101,8 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     log = tmp_path_factory.mktemp("scaleout") / "launcher.log"
     cmd = [sys.executable, "-m", "mambaradix.cli", "serve", *REPLICA_FLAGS, "--port", str(port),
            "--dp-size", "2", "--router-policy", "cache_aware",
-           "--router-health-check-interval-secs", "1"]  # fmt: skip
+           # the launcher, not the gateway's health check, routes around a dead replica
+           "--router-health-check-interval-secs", "60"]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)

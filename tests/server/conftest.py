@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -60,3 +61,15 @@ def wait_idle(engine):
             time.sleep(0.02)
 
     return wait
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' own model of the served tiny checkpoint: the logprob oracle."""
+    from transformers import AutoModelForCausalLM
+
+    from mambaradix.models.loader import resolve_model_path
+
+    return AutoModelForCausalLM.from_pretrained(
+        resolve_model_path("tiny:qwen3_next"), dtype=torch.float32
+    ).eval()

@@ -22,8 +22,9 @@ HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 from serve_child import FAULT_PROMPT  # noqa: E402
 
+# --debug-integrity: the full check after every engine step of the served engine
 FLAGS = ["--model-path", "tiny:qwen3_next", "--skip-warmup", "--max-total-tokens", "8192",
-         "--max-mamba-cache-size", "32", "--log-level", "info"]  # fmt: skip
+         "--max-mamba-cache-size", "32", "--log-level", "info", "--debug-integrity"]  # fmt: skip
 GRACE_S = 2.0
 
 

@@ -11,6 +11,7 @@ import random
 import openai
 import pytest
 import torch
+from hf_oracle import hf_logprobs
 
 MODEL = "tiny-qwen"
 
@@ -18,23 +19,6 @@ MODEL = "tiny-qwen"
 def _ids(engine, n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, len(engine.tokenizer)) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    from mambaradix.models.loader import resolve_model_path
-
-    return AutoModelForCausalLM.from_pretrained(
-        resolve_model_path("tiny:qwen3_next"), dtype=torch.float32
-    ).eval()
-
-
-def _hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        out = hf_model(torch.tensor([ids]), position_ids=torch.arange(len(ids))[None])
-    return torch.log_softmax(out.logits[0].float(), dim=-1)
 
 
 def test_chat_top_logprobs(client: openai.OpenAI) -> None:
@@ -93,7 +77,7 @@ def test_echo_max_tokens_0_prompt_logprobs_equal_a_full_forward(
     lp = choice.logprobs
     assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
     assert lp.top_logprobs[0] is None
-    ref = _hf_logprobs(hf_model, ids)
+    ref = hf_logprobs(hf_model, ids)
     want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
     got = torch.tensor(lp.token_logprobs[1:])
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()

@@ -12,6 +12,8 @@ import time
 
 import httpx
 import pytest
+import torch
+from hf_oracle import hf_logprobs
 
 from mambaradix.config import ServerConfig
 from mambaradix.server.launch import ServerThread
@@ -91,6 +93,91 @@ def test_generate_logprobs(http):
     assert all(isinstance(e[2], str) for e in r.json()["meta_info"]["output_token_logprobs"])
 
 
+def _prompt(engine, n: int = 150) -> list[int]:
+    g = torch.Generator().manual_seed(5)
+    return torch.randint(3, len(engine.tokenizer), (n,), generator=g).tolist()
+
+
+def _check_entries(entries, ids, ref_rows, ref, decode=None):
+    """``[logprob, id, text]`` entries: the ids, text as asked, logprobs = the oracle's."""
+    assert [e[1] for e in entries] == ids
+    assert all(e[2] == (decode([t]) if decode else None) for e, t in zip(entries, ids))
+    want = ref[torch.tensor(ref_rows, dtype=torch.long), torch.tensor(ids, dtype=torch.long)]
+    got = torch.tensor([e[0] for e in entries])
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+def _check_tops(tops, ref_rows, ref, k):
+    """Per position ``k`` entries, best first, equal to the oracle's top k."""
+    assert len(tops) == len(ref_rows)
+    for entries, row in zip(tops, ref_rows):
+        values, ids = torch.topk(ref[row], k)
+        assert len(entries) == k and [e[0] for e in entries] == sorted(
+            [e[0] for e in entries], reverse=True
+        )
+        got = torch.tensor([e[0] for e in entries])
+        assert torch.allclose(got, values, atol=1e-4)
+        assert {e[1] for e in entries[:1]} <= set(ids.tolist())  # the best: same token
+
+
+def test_generate_input_and_output_logprobs_as_sglang(http, engine, hf_model):
+    """``return_logprob`` with SGLang's ``logprob_start_len`` s (default -1: the last prompt
+    token) and ``top_logprobs_num``: ``input_token_logprobs`` lists prompt tokens s .. L-1 as
+    ``[logprob, id, text|None]``, the first without a logprob (SGLang's shape); the values, the
+    output logprobs and both top lists equal transformers' on the same tokens."""
+    ids = _prompt(engine)
+    L = len(ids)
+    base = dict(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
+    r = gen(http, **base).json()
+    meta, out = r["meta_info"], r["output_ids"]
+    ref = hf_logprobs(hf_model, ids + out)
+    assert meta["input_token_logprobs"] == [[None, ids[-1], None]]  # default: the last one
+    _check_entries(meta["output_token_logprobs"], out, list(range(L - 1, L + 5)), ref)
+    assert "input_top_logprobs" not in meta and "output_top_logprobs" not in meta
+
+    for start in (0, 10, L - 1):  # the prompt is cached by now: its logprobs must still exist
+        r = gen(http, **base, logprob_start_len=start, top_logprobs_num=3,
+                return_text_in_logprobs=True).json()  # fmt: skip
+        meta = r["meta_info"]
+        assert r["output_ids"] == out
+        inp = meta["input_token_logprobs"]
+        assert len(inp) == L - start and inp[0] == [None, ids[start], engine.tokenizer.decode(
+            [ids[start]])]  # fmt: skip
+        rows = list(range(start, L - 1))  # row p predicts token p + 1
+        _check_entries(inp[1:], ids[start + 1 :], rows, ref, engine.tokenizer.decode)
+        _check_entries(meta["output_token_logprobs"], out, list(range(L - 1, L + 5)), ref,
+                       engine.tokenizer.decode)  # fmt: skip
+        assert meta["input_top_logprobs"][0] is None
+        _check_tops(meta["input_top_logprobs"][1:], rows, ref, 3)
+        _check_tops(meta["output_top_logprobs"], list(range(L - 1, L + 5)), ref, 3)
+    assert meta["cached_tokens"] > 0  # start L - 1 lets the cached prefix be used
+
+
+def test_generate_logprob_options_per_prompt_and_streamed(http, engine):
+    ids = _prompt(engine)
+    r = gen(http, input_ids=[ids, ids[:20]], sampling_params=GREEDY, return_logprob=[True, True],
+            logprob_start_len=[5, -1], top_logprobs_num=[0, 2])  # fmt: skip
+    assert r.status_code == 200, r.text
+    a, b = (o["meta_info"] for o in r.json())
+    assert len(a["input_token_logprobs"]) == len(ids) - 5 and "output_top_logprobs" not in a
+    assert len(b["input_token_logprobs"]) == 1 and len(b["output_top_logprobs"]) == 6
+    whole = gen(http, input_ids=ids, sampling_params=GREEDY, return_logprob=True,
+                logprob_start_len=5).json()["meta_info"]  # fmt: skip
+    body = {"input_ids": ids, "sampling_params": GREEDY, "return_logprob": True,
+            "logprob_start_len": 5, "stream": True}  # fmt: skip
+    with http.stream("POST", "/generate", json=body) as resp:
+        chunks = _events(resp)[:-1]
+    last = chunks[-1]["meta_info"]
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        got, want = last[key], whole[key]
+        assert [e[1] for e in got] == [e[1] for e in want]
+        assert all(
+            (x[0] is None and y[0] is None) or abs(x[0] - y[0]) < 1e-4 for x, y in zip(got, want)
+        )
+    lens = [len(c["meta_info"]["output_token_logprobs"]) for c in chunks]
+    assert lens == sorted(lens) and lens[-1] == 6  # cumulative, as SGLang streams them
+
+
 def _events(resp: httpx.Response) -> list:
     out = []
     for line in resp.iter_lines():
@@ -153,7 +240,16 @@ def test_bench_serving_shaped_request_accepted(http):
     "body, param",
     [
         ({"text": "x", "lora_path": "adapter"}, "lora_path"),
-        ({"text": "x", "logprob_start_len": 0}, "logprob_start_len"),
+        (
+            {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 2},
+            "logprob_start_len",
+        ),
+        ({"text": "x", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+        (
+            {"text": ["a", "b"], "return_logprob": True, "logprob_start_len": [0]},
+            "logprob_start_len",
+        ),
+        ({"text": "x", "token_ids_logprob": [1]}, "token_ids_logprob"),
         ({"text": "x", "return_hidden_states": True}, "return_hidden_states"),
         ({"text": "x", "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty"),
         ({"text": "x", "sampling_params": {"regex": "a+"}}, "regex"),

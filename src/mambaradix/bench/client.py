@@ -1,22 +1,20 @@
-"""Sending a workload: to an OpenAI-compatible server (HTTP, streaming) or an in-process engine.
+"""Sending a workload: the request record, the in-process engine backend and the player.
 
-Both backends stream every request (greedy, ``ignore_eos``, fixed output length) and record
+A backend streams every request (greedy, ``ignore_eos``, fixed output length) and records
 TTFT, inter-token gaps, end-to-end latency, prompt / output / cached token counts and the output
-ids (the multi-turn workload resends them). ``run_workload`` plays the workload with a request
-rate (infinite or Poisson arrivals of sessions) and a cap on requests in flight.
+ids (the multi-turn workload resends them): ``EngineBackend`` here, ``bench.remote.
+RemoteBackend`` for any server or router over HTTP. ``run_workload`` plays the workload with a
+request rate (infinite or Poisson arrivals of sessions) and a cap on requests in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
-
-import httpx
 
 from mambaradix.bench.workloads import Workload
 from mambaradix.core import SamplingParams
@@ -95,87 +93,6 @@ class EngineBackend:
 
     async def aclose(self) -> None:
         return None
-
-
-class HTTPBackend:
-    """Streams token-id prompts to ``{base_url}/v1/completions``.
-
-    Asks for ``stream_options.include_usage`` (cached tokens) and ``return_token_ids`` (a
-    mambaradix / vLLM extension; without it multi-turn sessions cannot be resent exactly).
-    """
-
-    def __init__(self, base_url: str, model: str = "", api_key: str = "") -> None:
-        self.base_url = base_url.rstrip("/")
-        if self.base_url.endswith("/v1"):
-            self.base_url = self.base_url[:-3]
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self.client = httpx.AsyncClient(headers=headers, timeout=None, limits=limits)
-        self.model = model
-
-    async def model_info(self) -> dict[str, Any]:
-        r = await self.client.get(self.base_url + "/v1/models")
-        r.raise_for_status()
-        data = r.json()["data"]
-        if not data:
-            raise RuntimeError(f"{self.base_url} serves no model")
-        if self.model:
-            for card in data:
-                if card.get("id") == self.model:
-                    return card
-        return data[0]
-
-    async def generate(self, input_ids: list[int], output_len: int) -> RequestResult:
-        res = RequestResult(prompt_ids=list(input_ids), prompt_len=len(input_ids))
-        body = {
-            "model": self.model,
-            "prompt": list(input_ids),
-            "max_tokens": output_len,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "return_token_ids": True,
-        }
-        timing = _Timing()
-        counted = 0
-        try:
-            url = self.base_url + "/v1/completions"
-            async with self.client.stream("POST", url, json=body) as r:
-                if r.status_code != 200:
-                    res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}"
-                    return res
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        res.success = not res.error
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        res.error = str(chunk["error"].get("message"))
-                        continue
-                    for choice in chunk.get("choices") or []:
-                        ids = choice.get("token_ids")
-                        n = len(ids) if ids is not None else int(bool(choice.get("text")))
-                        if ids:
-                            res.output_ids.extend(ids)
-                        counted += n
-                        timing.tokens(n)
-                    usage = chunk.get("usage")
-                    if usage:
-                        details = usage.get("prompt_tokens_details") or {}
-                        res.cached_tokens = int(details.get("cached_tokens") or 0)
-                        res.output_len = int(usage.get("completion_tokens") or counted)
-        except (httpx.HTTPError, json.JSONDecodeError) as e:
-            res.error = f"{type(e).__name__}: {e}"
-        res.latency, res.ttft, res.itls = timing.elapsed(), timing.ttft, timing.itls
-        res.output_len = res.output_len or counted
-        return res
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
 
 
 async def run_workload(

@@ -6,9 +6,11 @@ Routes (``native_router(srv)``, included by ``create_app``):
 
 - ``POST /generate``: ``text`` or ``input_ids`` (one or a batch), ``sampling_params``,
   ``stream`` (``data: {...}`` lines with the cumulative ``text`` / ``output_ids``, then
-  ``data: [DONE]``), ``return_logprob``, ``rid``; answers ``text``, ``output_ids``,
-  ``meta_info`` (``id``, ``finish_reason``, ``prompt_tokens``, ``completion_tokens``,
-  ``cached_tokens``, ``e2e_latency``; ``output_token_logprobs`` when asked);
+  ``data: [DONE]``), ``return_logprob`` (+ ``logprob_start_len``, ``top_logprobs_num``),
+  ``rid``; answers ``text``, ``output_ids``, ``meta_info`` (``id``, ``finish_reason``,
+  ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``e2e_latency``; with
+  ``return_logprob``: ``input_token_logprobs``, ``output_token_logprobs`` and the
+  ``*_top_logprobs``);
 - ``GET /get_model_info`` (``/model_info``), ``GET /get_server_info`` (``/server_info``),
   ``GET /get_load`` (a list with one entry per data-parallel rank, as the gateway sums it),
   ``GET|POST /flush_cache`` (200 when the tree was emptied, 400 while requests run or wait),
@@ -35,8 +37,10 @@ from mambaradix.server.jobs import Choices, Job, abort_unfinished, first_error, 
 from mambaradix.server.native_protocol import (
     DetokenizeRequest,
     GenerateRequest,
+    PromptOptions,
     TokenizeRequest,
     finish_reason,
+    logprob_meta,
 )
 from mambaradix.server.protocol import APIError, error_body
 
@@ -46,13 +50,13 @@ logger = logging.getLogger(__name__)
 class _NativeJob:
     """One engine request of a /generate call and what SGLang reports about it."""
 
-    __slots__ = ("job", "t0", "matched", "return_logprob", "with_text", "batch_index")
+    __slots__ = ("job", "t0", "matched", "opts", "with_text", "batch_index")
 
-    def __init__(self, job: Job, t0: float, return_logprob: bool, with_text: bool, i: int):
+    def __init__(self, job: Job, t0: float, opts: PromptOptions, with_text: bool, i: int):
         self.job = job
         self.t0 = t0
         self.matched: str | int | None = None
-        self.return_logprob = return_logprob
+        self.opts = opts
         self.with_text = with_text
         self.batch_index = i
 
@@ -71,11 +75,18 @@ class _NativeJob:
             "cached_tokens": job.cached_tokens,
             "e2e_latency": time.perf_counter() - self.t0,
         }
-        if self.return_logprob:
-            meta["output_token_logprobs"] = [
-                [lp, t, job.ch.tok.decode([t]) if self.with_text else None]
-                for lp, t in zip(job.logprobs, job.token_ids)
-            ]
+        if self.opts.return_logprob:
+            decode = (lambda t: job.ch.tok.decode([t])) if self.with_text else None
+            meta.update(
+                logprob_meta(
+                    job.input_ids,
+                    self.opts.logprob_start_len,
+                    self.opts.top_logprobs_num,
+                    (job.token_ids, job.logprobs, job.tops),
+                    (job.prompt_lps, job.prompt_tops),
+                    decode,
+                )
+            )
         return {
             "text": "".join(job.text_parts),
             "output_ids": list(job.token_ids),
@@ -105,19 +116,17 @@ def native_router(srv: Any) -> APIRouter:
         tok = engine.tokenizer
         ch = Choices(chat=False, req=req, tok=tok, table=srv.table)  # text and token bookkeeping
         njobs: list[_NativeJob] = []
-        for p_idx, (prompt, (sp, rid, want_lp)) in enumerate(
-            zip(prompts, req.per_prompt(len(prompts)))
-        ):
+        for p_idx, (prompt, opts) in enumerate(zip(prompts, req.per_prompt(len(prompts)))):
             ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
             srv.check_ids(ids)
-            limit = sp.max_new_tokens
-            max_new = srv.max_tokens_for(len(ids), limit)
-            params = sp.to_params(max_new, bool(want_lp))
+            sp, rid = opts.sampling, opts.rid
+            max_new = srv.max_tokens_for(len(ids), sp.max_new_tokens)
+            params = sp.to_params(max_new, opts, len(ids))
             for j in range(sp.n):
                 job = Job.make(len(njobs), ids, params, j, ch, prompt_key=p_idx)
                 if rid is not None:
                     job.rid = rid if sp.n == 1 else f"{rid}-{j}"
-                njobs.append(_NativeJob(job, t0, bool(want_lp), req.return_text_in_logprobs, j))
+                njobs.append(_NativeJob(job, t0, opts, req.return_text_in_logprobs, j))
         multi = batch or len(njobs) > 1
         _submit(
             srv, [nj.job for nj in njobs], custom_rids=any(r is not None for r in req.rid_list())

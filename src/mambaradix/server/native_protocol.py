@@ -10,17 +10,16 @@ is an ``APIError`` (HTTP 400) naming the field. A field SGLang does not know is 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mambaradix.core import SamplingParams
+from mambaradix.core import MAX_TOP_LOGPROBS, SamplingParams
 from mambaradix.server.protocol import APIError
 
 # Request fields accepted only at their SGLang default (value we do not implement otherwise).
 _GENERATE_DEFAULTS: dict[str, Any] = {
-    "logprob_start_len": -1,
-    "top_logprobs_num": 0,
     "token_ids_logprob": None,
     "return_hidden_states": False,
     "return_routed_experts": False,
@@ -115,7 +114,27 @@ class NativeSampling(BaseModel):
         except Exception as e:  # pydantic's message names the field
             raise APIError(f"{where}: {e}", param=where) from None
 
-    def to_params(self, max_new_tokens: int, return_logprob: bool) -> SamplingParams:
+    def to_params(
+        self, max_new_tokens: int, opts: PromptOptions, prompt_len: int
+    ) -> SamplingParams:
+        """The engine's parameters for one prompt of ``prompt_len`` tokens. SGLang's
+        ``logprob_start_len`` s (-1: the prompt's last token) asks for the logprobs of prompt
+        tokens s+1 .. L-1 (token s itself is reported without one): the engine's
+        ``prompt_logprob_start`` s+1; ``top_logprobs_num`` alternatives per token of both."""
+        return_logprob = opts.return_logprob
+        start, top_n = opts.logprob_start_len, opts.top_logprobs_num
+        if return_logprob and start != -1 and not 0 <= start < prompt_len:
+            raise APIError(
+                f"logprob_start_len must be -1 or in [0, {prompt_len}) (the prompt's "
+                f"{prompt_len} tokens), got {start}",
+                param="logprob_start_len",
+            )
+        if not 0 <= top_n <= MAX_TOP_LOGPROBS:
+            raise APIError(
+                f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_n}",
+                param="top_logprobs_num",
+            )
+        wants_prompt = return_logprob and start != -1 and start + 1 < prompt_len
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise APIError("sampling_params.stop: stop strings must not be empty", param="stop")
@@ -133,6 +152,9 @@ class NativeSampling(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             return_logprob=return_logprob,
             skip_special_tokens=self.skip_special_tokens,
+            top_logprobs=top_n if return_logprob else 0,
+            prompt_logprob_start=start + 1 if wants_prompt else -1,
+            prompt_top_logprobs=top_n if wants_prompt else 0,
         )
         try:
             params.validate()
@@ -153,6 +175,8 @@ class GenerateRequest(BaseModel):
     rid: str | list[str] | None = None
     stream: bool = False
     return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
     model: str | None = None  # the gateway may add it; checked against the served name
 
@@ -181,8 +205,8 @@ class GenerateRequest(BaseModel):
             raise APIError("the prompt must not be empty", param="text")
         return items, batch
 
-    def per_prompt(self, n_prompts: int) -> list[tuple[NativeSampling, str | None, bool]]:
-        """Sampling params, rid and return_logprob of each prompt (lists must match)."""
+    def per_prompt(self, n_prompts: int) -> list[PromptOptions]:
+        """Sampling params, rid and logprob options of each prompt (lists must match)."""
 
         def spread(value: Any, name: str) -> list[Any]:
             if isinstance(value, list):
@@ -203,7 +227,19 @@ class GenerateRequest(BaseModel):
         if self.rid is not None and n_prompts > 1 and not isinstance(self.rid, list):
             raise APIError("a batch needs one rid per prompt (a list)", param="rid")
         lps = spread(self.return_logprob, "return_logprob")
-        return list(zip(samplings, rids, lps))
+        starts = spread(self.logprob_start_len, "logprob_start_len")
+        tops = spread(self.top_logprobs_num, "top_logprobs_num")
+        return [PromptOptions(*o) for o in zip(samplings, rids, lps, starts, tops)]
+
+
+class PromptOptions(NamedTuple):
+    """What a /generate request asks for one of its prompts."""
+
+    sampling: NativeSampling
+    rid: str | None
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
 
 
 class TokenizeRequest(BaseModel):
@@ -235,3 +271,47 @@ def finish_reason(reason: str | None, matched: str | int | None, length: int) ->
     if reason == "stop":
         return {"type": "stop", "matched": matched}
     return {"type": "abort", "message": "request aborted"}
+
+
+Decode = Callable[[int], str] | None
+
+
+def _entry(lp: float | None, tok: int, decode: Decode) -> list[Any]:
+    return [lp, tok, decode(tok) if decode is not None else None]
+
+
+def _tops(top: Any, decode: Decode) -> list[list[Any]] | None:
+    if top is None:
+        return None
+    ids, values = top
+    return [_entry(v, i, decode) for i, v in zip(ids, values)]
+
+
+def logprob_meta(
+    input_ids: list[int],
+    start: int,
+    top_n: int,
+    output: tuple[list[int], list[float], list[Any]],
+    prompt: tuple[list[float] | None, list[Any] | None],
+    decode: Decode,
+) -> dict[str, Any]:
+    """SGLang's logprob fields of ``meta_info``: ``input_token_logprobs`` (``[logprob,
+    token id, text or None]`` for prompt tokens ``start`` (-1: the last) .. L-1, the first
+    without a logprob, as SGLang reports it), ``output_token_logprobs`` (one per output token)
+    and, with ``top_n``, ``input_top_logprobs`` / ``output_top_logprobs`` (per token a list of
+    entries, best first; None for the first prompt token). ``output`` is (ids, logprobs, top
+    (ids, values) per token), ``prompt`` the engine's prompt logprobs and tops from ``start +
+    1`` (None before they arrive)."""
+    s = len(input_ids) - 1 if start == -1 else start
+    ids, lps, tops = output
+    prompt_lps, prompt_tops = prompt
+    later = input_ids[s + 1 :]
+    meta: dict[str, Any] = {
+        "input_token_logprobs": [_entry(None, input_ids[s], decode)]
+        + [_entry(lp, t, decode) for lp, t in zip(prompt_lps or [], later)],
+        "output_token_logprobs": [_entry(lp, t, decode) for lp, t in zip(lps, ids)],
+    }
+    if top_n:
+        meta["input_top_logprobs"] = [None] + [_tops(t, decode) for t in (prompt_tops or [])]
+        meta["output_top_logprobs"] = [_tops(t, decode) for t in tops[: len(lps)]]
+    return meta

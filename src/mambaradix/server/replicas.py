@@ -7,8 +7,11 @@ sglang_router.launch_router``) on ``--host``/``--port`` with ``--router-policy``
 replica's URL. There is no routing code here: the gateway routes, health-checks, retries and
 circuit-breaks. The launcher only supervises:
 
-- a replica that exits is started again on the same port (the gateway routes around it
-  meanwhile and takes it back when its health check passes);
+- a replica that exits is taken out of the gateway at once, through the gateway's worker API
+  (``DELETE /workers/{id}`` of sglang-router 0.3.2; a thread waits on each replica process, so
+  this happens within milliseconds of its death instead of at the gateway's next health check,
+  which left requests routed to the dead replica failing meanwhile), started again on the same
+  port, and put back (``POST /workers``) once it answers ``/health``;
 - the gateway exiting, or SIGTERM / SIGINT to the launcher, stops everything: SIGTERM is
   forwarded to every child, each gets ``STOP_GRACE_S`` to exit, then SIGKILL;
 - children get SIGTERM from the kernel if the launcher itself is killed (PR_SET_PDEATHSIG).
@@ -27,7 +30,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +63,9 @@ class ScaleOutConfig:
     )
     router_health_check_interval_secs: int = opt(
         1,
-        "How often the gateway health-checks each replica (with --dp-size > 1); requests it "
-        "routes to a replica that died in between fail.",
+        "How often the gateway health-checks each replica (with --dp-size > 1). A replica "
+        "that exits is taken out of the gateway by the launcher at once; this check finds "
+        "replicas that hang.",
     )
 
 
@@ -97,10 +103,55 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-class Replica:
-    """One ``mambaradix serve`` child on a fixed local port."""
+class GatewayWorkers:
+    """The gateway's worker-management API (sglang-router 0.3.2): ``GET /workers`` lists
+    ``{"workers": [{"id": <uuid>, "url": ...}, ...]}``, ``DELETE /workers/{id}`` and ``POST
+    /workers`` ``{"url", "api_key"}`` queue a removal / an addition (202; an addition of a URL
+    already there is a no-op). With ``--api-key`` the key is the control plane's admin token,
+    and the gateway is given it to reach the worker."""
 
-    def __init__(self, index: int, cmd: list[str], port: int, api_key: str) -> None:
+    def __init__(self, url: str, api_key: str, timeout: float = 5.0) -> None:
+        self.url = url
+        self.api_key = api_key
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = timeout
+
+    def list(self) -> list[dict]:
+        r = httpx.get(self.url + "/workers", headers=self.headers, timeout=self.timeout)
+        r.raise_for_status()
+        return r.json()["workers"]
+
+    def remove(self, worker_url: str) -> bool:
+        """Take ``worker_url`` out of rotation; False if the gateway does not list it."""
+        ids = [w["id"] for w in self.list() if w["url"] == worker_url]
+        for wid in ids:
+            r = httpx.delete(f"{self.url}/workers/{wid}", headers=self.headers,
+                             timeout=self.timeout)  # fmt: skip
+            if r.status_code not in (200, 202, 404):  # 404: gone already
+                r.raise_for_status()
+        return bool(ids)
+
+    def add(self, worker_url: str) -> None:
+        body: dict[str, Any] = {"url": worker_url}
+        if self.api_key:
+            body["api_key"] = self.api_key
+        r = httpx.post(self.url + "/workers", json=body, headers=self.headers,
+                       timeout=self.timeout)  # fmt: skip
+        r.raise_for_status()
+
+
+class Replica:
+    """One ``mambaradix serve`` child on a fixed local port. ``on_exit(replica, proc)`` is
+    called from a watcher thread as soon as the process ends."""
+
+    def __init__(
+        self,
+        index: int,
+        cmd: list[str],
+        port: int,
+        api_key: str,
+        on_exit: Callable[[Replica, subprocess.Popen], None] | None = None,
+    ) -> None:
         self.index = index
         self.cmd = cmd
         self.port = port
@@ -108,17 +159,28 @@ class Replica:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
+        self.on_exit = on_exit
+        self.in_gateway = False  # listed by the gateway (from its start, or re-added)
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, preexec_fn=_die_with_parent)
-        logger.info("replica %d: pid %d on %s", self.index, self.proc.pid, self.url)
+        self.proc = proc = subprocess.Popen(self.cmd, preexec_fn=_die_with_parent)
+        logger.info("replica %d: pid %d on %s", self.index, proc.pid, self.url)
+        if self.on_exit is not None:
+            threading.Thread(
+                target=self._watch, args=(proc,), name=f"replica-{self.index}", daemon=True
+            ).start()
+
+    def _watch(self, proc: subprocess.Popen) -> None:
+        proc.wait()
+        if self.on_exit is not None:
+            self.on_exit(self, proc)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def healthy(self) -> bool:
+    def healthy(self, timeout: float = 2.0) -> bool:
         try:
-            return httpx.get(self.url + "/health", timeout=2.0).status_code == 200
+            return httpx.get(self.url + "/health", timeout=timeout).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -139,10 +201,13 @@ class ReplicaSet:
             rcfg = dataclasses.replace(scfg, host="127.0.0.1", port=port)
             cmd = [sys.executable, "-m", "mambaradix.cli", "serve"]
             cmd += config_args(ecfg) + config_args(rcfg)
-            self.replicas.append(Replica(i, cmd, port, scfg.api_key))
+            self.replicas.append(Replica(i, cmd, port, scfg.api_key, self._replica_exited))
         self.prometheus_port = so.router_prometheus_port or free_port()
         self.gateway: subprocess.Popen | None = None
+        gateway_host = "127.0.0.1" if scfg.host in ("0.0.0.0", "::", "") else scfg.host
+        self.workers = GatewayWorkers(f"http://{gateway_host}:{scfg.port}", scfg.api_key)
         self._stopping = False
+        self._lock = threading.Lock()  # the watcher threads and the supervising loop
 
     def gateway_cmd(self) -> list[str]:
         cmd = [sys.executable, "-m", "sglang_router.launch_router"]
@@ -182,6 +247,8 @@ class ReplicaSet:
                 self.stop()
                 raise SystemExit(f"replicas not healthy after {HEALTH_TIMEOUT_S:.0f} s")
             time.sleep(POLL_S)
+        for r in self.replicas:
+            r.in_gateway = True  # the gateway starts with every replica's URL
         self.gateway = subprocess.Popen(self.gateway_cmd(), preexec_fn=_die_with_parent)
         logger.info(
             "gateway (%s): pid %d on http://%s:%d (its metrics on :%d), replicas %s",
@@ -193,17 +260,48 @@ class ReplicaSet:
             " ".join(r.url for r in self.replicas),
         )
 
+    def _replica_exited(self, r: Replica, proc: subprocess.Popen) -> None:
+        """Watcher thread: a replica process ended; take it out of the gateway now (the
+        supervising loop restarts it)."""
+        with self._lock:
+            if self._stopping or r.proc is not proc:
+                return
+            r.in_gateway = False
+        logger.warning(
+            "replica %d exited (code %s); removing it from the gateway", r.index, proc.returncode
+        )
+        try:
+            self.workers.remove(r.url)
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            # the gateway's health check takes it out of rotation instead
+            logger.warning("could not remove replica %d from the gateway: %s", r.index, exc)
+
     def supervise_once(self) -> bool:
-        """One supervision round: restart dead replicas; False once the gateway has exited."""
+        """One supervision round: restart dead replicas, put restarted ones that answer
+        ``/health`` back into the gateway; False once the gateway has exited."""
         if self.gateway is not None and self.gateway.poll() is not None:
             logger.error("the gateway exited (code %s); stopping", self.gateway.returncode)
             return False
         for r in self.replicas:
-            if not r.alive() and not self._stopping:
+            if self._stopping:
+                break
+            if not r.alive():
                 code = r.proc.returncode if r.proc is not None else None
                 logger.warning("replica %d exited (code %s); restarting it", r.index, code)
                 r.restarts += 1
                 r.start()
+            elif not r.in_gateway and self.gateway is not None and r.healthy(timeout=0.5):
+                # the gateway adds a worker in the background (and drops it if that fails):
+                # ask again each round until it lists the replica
+                try:
+                    if r.url not in {w["url"] for w in self.workers.list()}:
+                        self.workers.add(r.url)
+                        continue
+                except (httpx.HTTPError, ValueError, KeyError) as exc:
+                    logger.warning("could not add replica %d to the gateway: %s", r.index, exc)
+                    continue
+                r.in_gateway = True
+                logger.info("replica %d is back in the gateway", r.index)
         return True
 
     def run(self) -> int:
@@ -235,7 +333,8 @@ class ReplicaSet:
     def stop(self) -> None:
         """SIGTERM to every child, wait up to the replicas' graceful-shutdown timeout +
         ``STOP_GRACE_S`` in all, SIGKILL the rest."""
-        self._stopping = True
+        with self._lock:
+            self._stopping = True
         procs = [p for p in [self.gateway] + [r.proc for r in self.replicas] if p is not None]
         for p in procs:
             if p.poll() is None:

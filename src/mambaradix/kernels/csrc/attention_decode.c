@@ -35,8 +35,9 @@ static inline v8 load8(const float *p)
     return v;
 }
 
-/* 8 pool elements from element index idx: fp32, or bf16 widened to fp32 (bf is a constant in
- * each caller, so the branch folds away) */
+/* 8 pool elements from element index idx: fp32, or bf16 widened to fp32. decode's OpenMP
+ * region is outlined once for both dtypes, so bf is a runtime value there: a predictable
+ * branch (a build with it folded ran fp32 decode within 3%, 16 x 1024 keys). */
 static inline v8 pool8(const void *pool, int64_t idx, const int bf)
 {
     if (bf) {

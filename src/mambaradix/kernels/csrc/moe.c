@@ -66,6 +66,35 @@ int64_t moe_pad_bf16(
     return pad(T, K, E, H, sizeof(uint16_t), (const char *)x, x_stride, ids, (char *)buf, pos);
 }
 
+/* One token of moe_unpad for expert outputs of either dtype (in_bf) into fp32 or bf16
+ * (out_bf): the sum accumulates in fp32 in acc (the output row itself when that is fp32). The
+ * exported functions own the parallel loops, so each OpenMP region has the dtypes constant. */
+static inline __attribute__((always_inline)) void unpad_token(
+    int64_t t, int64_t K, int64_t H, const void *y, int64_t block_stride, const int64_t *ids,
+    const int64_t *pos, const float *weights, float *acc, void *out, const int in_bf,
+    const int out_bf)
+{
+    for (int64_t k = 0; k < K; k++) {
+        const int64_t p = t * K + k;
+        const float w = weights[p];
+        const int64_t row = ids[p] * block_stride + pos[p] * H;
+        if (k == 0) {
+#pragma omp simd
+            for (int64_t d = 0; d < H; d++)
+                acc[d] = w * ld(y, row + d, in_bf);
+        } else {
+#pragma omp simd
+            for (int64_t d = 0; d < H; d++)
+                acc[d] += w * ld(y, row + d, in_bf);
+        }
+    }
+    if (out_bf) {
+#pragma omp simd
+        for (int64_t d = 0; d < H; d++)
+            st(out, t * H + d, acc[d], 1);
+    }
+}
+
 void moe_unpad(
     int64_t T, int64_t K, int64_t H,
     const float *y, int64_t block_stride,
@@ -73,23 +102,8 @@ void moe_unpad(
     float *out)
 {
 #pragma omp parallel for schedule(static) if (T * K * H > 65536)
-    for (int64_t t = 0; t < T; t++) {
-        float *o = out + t * H;
-        for (int64_t k = 0; k < K; k++) {
-            const int64_t p = t * K + k;
-            const float w = weights[p];
-            const float *row = y + ids[p] * block_stride + pos[p] * H;
-            if (k == 0) {
-#pragma omp simd
-                for (int64_t d = 0; d < H; d++)
-                    o[d] = w * row[d];
-            } else {
-#pragma omp simd
-                for (int64_t d = 0; d < H; d++)
-                    o[d] += w * row[d];
-            }
-        }
-    }
+    for (int64_t t = 0; t < T; t++)
+        unpad_token(t, K, H, y, block_stride, ids, pos, weights, out + t * H, out, 0, 0);
 }
 
 void moe_unpad_bf16(
@@ -98,31 +112,19 @@ void moe_unpad_bf16(
     const int64_t *ids, const int64_t *pos, const float *weights,
     void *out, int out_bf16)
 {
-#pragma omp parallel
+    if (!out_bf16) {
+#pragma omp parallel for schedule(static) if (T * K * H > 65536)
+        for (int64_t t = 0; t < T; t++)
+            unpad_token(t, K, H, y, block_stride, ids, pos, weights, (float *)out + t * H, out,
+                        1, 0);
+        return;
+    }
+#pragma omp parallel if (T * K * H > 65536)
     {
         float *acc = malloc(sizeof(float) * (size_t)H);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) {
-#pragma omp simd
-            for (int64_t d = 0; d < H; d++)
-                acc[d] = 0.0f;
-            for (int64_t k = 0; k < K; k++) {
-                const int64_t p = t * K + k;
-                const float w = weights[p];
-                const uint16_t *row = y + ids[p] * block_stride + pos[p] * H;
-#pragma omp simd
-                for (int64_t d = 0; d < H; d++)
-                    acc[d] += w * bf16_to_f32(row[d]);
-            }
-            if (out_bf16) {
-                uint16_t *o = (uint16_t *)out + t * H;
-#pragma omp simd
-                for (int64_t d = 0; d < H; d++)
-                    o[d] = f32_to_bf16(acc[d]);
-            } else {
-                memcpy((float *)out + t * H, acc, sizeof(float) * (size_t)H);
-            }
-        }
+        for (int64_t t = 0; t < T; t++)
+            unpad_token(t, K, H, y, block_stride, ids, pos, weights, acc, out, 1, 1);
         free(acc);
     }
 }

@@ -18,24 +18,6 @@
 
 #include "vec_math.h"
 
-static inline float ld(const void *p, int64_t i, int bf)
-{
-    return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void st(void *p, int64_t i, float v, int bf)
-{
-    if (bf)
-        ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else
-        ((float *)p)[i] = v;
-}
-
-static inline float rnd(float v, int bf)
-{
-    return bf ? round_bf16(v) : v;
-}
-
 static inline __attribute__((always_inline)) void conv_update(
     int64_t B, const int64_t *slots, const void *x, int64_t x_stride, void *conv_pool,
     const void *weight, const void *bias, void *out, int64_t C, int64_t kernel, int silu,

@@ -52,4 +52,28 @@ static inline float round_bf16(float f)
     return bf16_to_f32(f32_to_bf16(f));
 }
 
+/* One body for both dtypes: a kernel written once as an always-inline function of `bf`
+ * (0: fp32 tensors, 1: bf16), each exported variant calling it with a constant, so these
+ * branches fold away; except inside an OpenMP parallel region of the shared body, which is
+ * outlined once for both (put the parallel loop in the exported functions where it matters,
+ * as rms_norm.c does). ld / st: element i of a tensor of that dtype (a store rounds to bf16);
+ * rnd: v rounded where a bf16 tensor would hold it (nothing in fp32). */
+static inline float ld(const void *p, int64_t i, int bf)
+{
+    return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void st(void *p, int64_t i, float v, int bf)
+{
+    if (bf)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+static inline float rnd(float v, int bf)
+{
+    return bf ? round_bf16(v) : v;
+}
+
 #endif
