@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["GRAMMAR_KINDS", "GrammarCompiler", "GrammarMatcher", "GrammarSpec", "spec_from_request"]
 
 _COMPACT = (",", ":")
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 MAX_SOURCE_CHARS = 1 << 20  # a schema / regex / grammar longer than 1 MiB is refused
 
 
@@ -111,8 +113,15 @@ def validate_spec(spec: GrammarSpec, field: str = "grammar") -> None:
             raise
         raise ValueError(f"{field}: invalid {spec.kind}: {e}") from None
     except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{field}: invalid {spec.kind}: {msg}") from None
+        raise ValueError(f"{field}: invalid {spec.kind}: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    """An xgrammar error's message without its ``[time] file.cc:line:`` prefix."""
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    return _CPP_PREFIX.sub("", text.splitlines()[0])
 
 
 def spec_from_request(
@@ -158,6 +167,8 @@ def spec_from_request(
             raise ValueError(f"{field}: longer than {MAX_SOURCE_CHARS} characters")
         spec = GrammarSpec(field, text)
     if validate:
+        if field == "response_format" and spec.kind == "json_schema":
+            field = "response_format.json_schema.schema"
         validate_spec(spec, field)
     return spec
 
@@ -277,8 +288,7 @@ class GrammarCompiler:
                 return c.compile_regex(spec.source)
             return c.compile_grammar(spec.source)
         except Exception as e:
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"invalid {spec.kind}: {msg}") from None
+            raise ValueError(f"invalid {spec.kind}: {_first_line(e)}") from None
 
     def cache_len(self) -> int:
         with self._lock:

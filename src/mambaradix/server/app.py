@@ -47,6 +47,7 @@ from mambaradix.server.protocol import (
     usage_dict,
 )
 from mambaradix.server.reasoning import starts_in_reasoning
+from mambaradix.server.structured import grammar_of
 from mambaradix.server.validation import parse_json, validate_body
 
 logger = logging.getLogger(__name__)
@@ -223,6 +224,7 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
         ch = Choices(False, req, tok, srv.table, logprobs=want_lps, discard=req.max_tokens == 0)
         jobs: list[Job] = []
         n = req.num_choices
+        grammar = _grammar(req)
         for p_idx, prompt in enumerate(req.prompts()):
             if isinstance(prompt, str):
                 ids = await _off_loop(len(prompt), tok.encode, prompt)
@@ -231,6 +233,7 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
             srv.check_ids(ids)
             max_new = srv.max_tokens_for(len(ids), req.max_tokens, least=0)
             params = req.sampling_params(max_new, srv.vocab_size)
+            params.grammar = grammar
             params.return_logprob = want_lps
             params.top_logprobs = req.logprobs or 0
             echo_text = None
@@ -255,6 +258,7 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
         params = req.sampling_params(
             srv.max_tokens_for(len(ids), req.requested_max_tokens()), srv.vocab_size
         )
+        params.grammar = _grammar(req)
         params.return_logprob = bool(req.logprobs)
         params.top_logprobs = req.top_logprobs or 0
         ch = Choices(True, req, tok, srv.table, logprobs=bool(req.logprobs))
@@ -267,6 +271,13 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
 
     app.include_router(native_router(srv))  # SGLang's /generate, /get_server_info, ...
     return app
+
+
+def _grammar(req: Any) -> Any:
+    return grammar_of(
+        response_format=req.response_format, regex=req.regex, json_schema=req.json_schema,
+        ebnf=req.ebnf,
+    )  # fmt: skip
 
 
 def _render_chat(srv: _Server, tok: Any, req: ChatCompletionRequest) -> tuple[str, dict]:

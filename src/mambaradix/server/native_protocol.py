@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mambaradix.core import SamplingParams
 from mambaradix.server.protocol import APIError
+from mambaradix.server.structured import grammar_of
 
 # Request fields accepted only at their SGLang default (value we do not implement otherwise).
 _GENERATE_DEFAULTS: dict[str, Any] = {
@@ -55,9 +56,6 @@ _SAMPLING_DEFAULTS: dict[str, Any] = {
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
     "repetition_penalty": 1.0,
-    "json_schema": None,
-    "regex": None,
-    "ebnf": None,
     "structural_tag": None,
     "spaces_between_special_tokens": True,
     "no_stop_trim": False,
@@ -67,7 +65,7 @@ _SAMPLING_DEFAULTS: dict[str, Any] = {
 }
 _SAMPLING_FIELDS = {
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
-    "ignore_eos", "skip_special_tokens", "n", "sampling_seed",
+    "ignore_eos", "skip_special_tokens", "n", "sampling_seed", "regex", "json_schema", "ebnf",
 }  # fmt: skip
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -98,6 +96,9 @@ class NativeSampling(BaseModel):
     skip_special_tokens: bool = True
     n: int = 1
     sampling_seed: int | None = None
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
 
     @classmethod
     def parse(cls, raw: Any, where: str) -> NativeSampling:
@@ -133,7 +134,11 @@ class NativeSampling(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             return_logprob=return_logprob,
             skip_special_tokens=self.skip_special_tokens,
-        )
+            grammar=grammar_of(
+                regex=self.regex, json_schema=self.json_schema, ebnf=self.ebnf,
+                prefix="sampling_params.",
+            ),
+        )  # fmt: skip
         try:
             params.validate()
         except ValueError as e:

@@ -5,7 +5,8 @@ checks the body before them and turns their errors into 400s naming the field); 
 plain dicts in the OpenAI wire format. Extensions implemented beyond OpenAI's schema (SGLang /
 vLLM names): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``return_token_ids`` (adds ``token_ids`` to each
-choice and ``prompt_token_ids``), ``stream_options.continuous_usage_stats``; chat:
+choice and ``prompt_token_ids``), ``stream_options.continuous_usage_stats``; structured output:
+OpenAI's ``response_format`` and SGLang's ``regex`` / ``json_schema`` / ``ebnf``; chat:
 ``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``,
 ``separate_reasoning``, ``stream_reasoning``, messages' ``reasoning_content`` and ``name``;
 completions: ``max_tokens: 0`` (with ``echo``: prompt logprobs only).
@@ -88,6 +89,11 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = True
     return_token_ids: bool | None = False
+    # structured output (server.structured): OpenAI's, and SGLang's extra body fields
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
 
     @property
     def num_choices(self) -> int:

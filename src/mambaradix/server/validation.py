@@ -31,7 +31,6 @@ _PEER_FIELDS_COMMON: dict[str, tuple[Any, ...]] = {
     "service_tier": ("auto", "default"),
     "prompt_cache_key": (),
     "safety_identifier": (),
-    "response_format": ({"type": "text"},),
     # SGLang
     "return_hidden_states": (False,),
     "return_routed_experts": (False,),
@@ -58,9 +57,6 @@ _PEER_FIELDS_COMMON: dict[str, tuple[Any, ...]] = {
     "stop_regex": (),
     "no_stop_trim": (False,),
     "logprob_start_len": (-1,),
-    "json_schema": (),
-    "regex": (),
-    "ebnf": (),
     # vLLM
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
