@@ -16,7 +16,7 @@ from mambaradix.engine.grammar import GrammarCompiler, GrammarSpec, spec_from_re
 from mambaradix.models.loader import load_tokenizer, resolve_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from grammar_schemas import S, SCHEMAS  # noqa: E402
+from grammar_schemas import SCHEMAS  # noqa: E402
 
 PAD = 37  # logits rows past the tokenizer's vocabulary (as models pad their vocab)
 
