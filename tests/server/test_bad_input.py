@@ -62,12 +62,13 @@ CASES = [
     ("bad regex", C, _c(regex="a+("), 400, "regex"),
     ("json_schema not JSON", C, _c(json_schema='{"type": "object"'), 400, "json_schema"),
     ("regex and ebnf", C, _c(regex="a", ebnf='root ::= "a"'), 400, "ebnf"),
-    ("tools", CH, _ch(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("tools with a template without tool calls", CH,
+     _ch(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("tool_choice required", CH, _ch(tool_choice="required"), 400, "tool_choice"),
-    ("assistant tool_calls", CH, {"messages": [
+    ("assistant tool_calls arguments not JSON", CH, {"messages": [
         {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
-                                              "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "user", "content": "x"}]}, 400, "messages.0.tool_calls"),
+                                              "function": {"name": "f", "arguments": "{x"}}]},
+        {"role": "user", "content": "x"}]}, 400, "messages.0.tool_calls.0.function.arguments"),
     ("guided_json", C, _c(guided_json={"type": "object"}), 400, "guided_json"),
     ("use_beam_search", C, _c(use_beam_search=True), 400, "use_beam_search"),
     ("prompt_logprobs", C, _c(prompt_logprobs=1), 400, "prompt_logprobs"),

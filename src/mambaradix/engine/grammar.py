@@ -69,13 +69,15 @@ _LAX_STRING_CHAR = r"[^\"\\\r\n]"
 _JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 
 
-def json_schema_grammar(source: str, any_whitespace: bool) -> xgr.Grammar:
-    """xgrammar's grammar of a JSON schema (compact separators unless ``any_whitespace``), with
+def json_schema_grammar(
+    source: str, any_whitespace: bool, separators: tuple[str, str] = _COMPACT
+) -> xgr.Grammar:
+    """xgrammar's grammar of a JSON schema (``separators`` unless ``any_whitespace``), with
     string characters restricted to what JSON allows unescaped."""
     if any_whitespace:
         grammar = xgr.Grammar.from_json_schema(source, any_whitespace=True)
     else:
-        grammar = xgr.Grammar.from_json_schema(source, any_whitespace=False, separators=_COMPACT)
+        grammar = xgr.Grammar.from_json_schema(source, any_whitespace=False, separators=separators)
     text = str(grammar)
     if _LAX_STRING_CHAR not in text:
         return grammar

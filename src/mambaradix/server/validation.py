@@ -90,9 +90,6 @@ _PEER_FIELDS_COMPLETION: dict[str, tuple[Any, ...]] = {
 }
 _PEER_FIELDS_CHAT: dict[str, tuple[Any, ...]] = {
     # OpenAI
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),  # with no tools both mean: answer in text
-    "parallel_tool_calls": (True,),
     "functions": (),
     "function_call": (),
     "audio": (),
