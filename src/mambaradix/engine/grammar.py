@@ -350,26 +350,29 @@ def apply_bitmask_rows(
         raise ValueError(f"logits have {logits.shape[-1]} columns, grammar vocab is {vocab_size}")
     if not rows:
         return
+    if logits.dtype != torch.float32:  # numpy has no bf16: the same through a float32 copy
+        tmp = logits.float()
+        apply_bitmask_rows(tmp, bitmask, vocab_size, rows)
+        logits.copy_(tmp)
+        return
+    # numpy, single-threaded: a parallel torch op per row waits on the whole OpenMP pool,
+    # which costs a scheduler quantum whenever another process holds a core
+    table = logits.numpy()
     words_all = bitmask.numpy()
     n_words = -(-vocab_size // 32)
-    neg_inf = float("-inf")
+    neg_inf = np.float32("-inf")
     for r, k in rows.items():
         words = words_all[k, :n_words]
-        row = logits[r]
-        if logits.shape[-1] > vocab_size:
-            row[vocab_size:] = neg_inf
-        row = row[:vocab_size]
-        allowed_words = np.count_nonzero(words)
-        if allowed_words * 4 < n_words:  # mostly refused: keep the allowed ones only
+        row = table[r]
+        row[vocab_size:] = neg_inf
+        if np.count_nonzero(words) * 4 < n_words:  # mostly refused: keep the allowed ones only
             ids = _bit_positions(words, words != 0, want_set=True, limit=vocab_size)
-            keep = torch.from_numpy(ids)
-            values = row.index_select(0, keep)
-            row.fill_(neg_inf)
-            row.index_copy_(0, keep, values)
+            values = row[ids]
+            row[:vocab_size] = neg_inf
+            row[ids] = values
         else:
             ids = _bit_positions(words, words != -1, want_set=False, limit=vocab_size)
-            if ids.size:
-                row.index_fill_(0, torch.from_numpy(ids), neg_inf)
+            row[ids] = neg_inf
 
 
 def _bit_positions(words: np.ndarray, pick: np.ndarray, want_set: bool, limit: int) -> np.ndarray:
