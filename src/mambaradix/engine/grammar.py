@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["GRAMMAR_KINDS", "GrammarCompiler", "GrammarMatcher", "GrammarSpec", "spec_from_request"]
 
 _COMPACT = (",", ":")
+# up to this vocabulary xgrammar's CPU kernel (every bit of every row, in C++) beats the word
+# skipping of apply_bitmask_rows, whose Python per row costs more than the whole row there
+_SMALL_VOCAB = 16384
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 MAX_SOURCE_CHARS = 1 << 20  # a schema / regex / grammar longer than 1 MiB is refused
 
@@ -354,6 +357,16 @@ def apply_bitmask_rows(
         tmp = logits.float()
         apply_bitmask_rows(tmp, bitmask, vocab_size, rows)
         logits.copy_(tmp)
+        return
+    if vocab_size <= _SMALL_VOCAB:  # xgrammar's kernel: one call, no per-row Python
+        lrows = list(rows)
+        gathered = bitmask[list(rows.values())]
+        if lrows != list(range(len(lrows))):
+            gathered = bitmask.new_full((logits.shape[0], bitmask.shape[1]), -1)
+            gathered[lrows] = bitmask[list(rows.values())]
+        xgr.apply_token_bitmask_inplace(logits, gathered, vocab_size=vocab_size, indices=lrows)
+        if logits.shape[-1] > vocab_size:
+            logits[lrows, vocab_size:] = float("-inf")
         return
     # numpy, single-threaded: a parallel torch op per row waits on the whole OpenMP pool,
     # which costs a scheduler quantum whenever another process holds a core

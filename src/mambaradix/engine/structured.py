@@ -55,6 +55,9 @@ class StructuredOutput:
         self._lock = threading.Lock()
         self._mask_pool: ThreadPoolExecutor | None = None
         self._bitmask: torch.Tensor | None = None
+        # fill the masks on a thread while the forward runs (False: on the runner thread
+        # before the forward; bench/bench_structured.py compares the two)
+        self.fill_during_forward = True
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -124,9 +127,10 @@ class StructuredOutput:
             return None
         if self._bitmask is None or self._bitmask.shape[0] < len(rows):
             self._bitmask = self.compiler.allocate_bitmask(max(len(rows), 16))
-        if self._mask_pool is None:
+        if self._mask_pool is None and self.fill_during_forward:
             self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        return BatchMasks(self.compiler, rows, self._bitmask, self._mask_pool)
+        pool = self._mask_pool if self.fill_during_forward else None
+        return BatchMasks(self.compiler, rows, self._bitmask, pool)
 
     def close(self) -> None:
         if self._mask_pool is not None:
@@ -143,14 +147,19 @@ class BatchMasks:
         compiler: GrammarCompiler,
         rows: list[tuple[int, GrammarMatcher]],
         bitmask: torch.Tensor,
-        pool: ThreadPoolExecutor,
+        pool: ThreadPoolExecutor | None,
     ) -> None:
         self.rows = rows
         self.bitmask = bitmask
         self.vocab_size = compiler.vocab_size
         matchers = [m for _, m in rows]
         # the fill reads only the matchers' state, which the previous batch already advanced
-        self._filled = pool.submit(compiler.fill_masks, matchers, bitmask, range(len(rows)))
+        if pool is not None:
+            self._filled = pool.submit(compiler.fill_masks, matchers, bitmask, range(len(rows)))
+        else:
+            self._filled = Future()
+            compiler.fill_masks(matchers, bitmask, range(len(rows)))
+            self._filled.set_result(None)
         self._slot = {row: k for k, (row, _) in enumerate(rows)}
 
     def apply(self, logits: torch.Tensor) -> None:
