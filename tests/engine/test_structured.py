@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import Future
 
 import jsonschema
 import pytest
@@ -167,3 +168,18 @@ def test_negative_control_without_the_mask_output_is_invalid(eng, monkeypatch):
     monkeypatch.setattr(eng.structured, "start", lambda batch: None)
     outs = _run(eng, [_json_params(max_new_tokens=40) for _ in range(4)])
     assert not any(_valid(o) for o in outs)
+
+
+@pytest.mark.parametrize("abort", [True, False])
+def test_a_request_aborted_while_its_grammar_compiles_ends_aborted(eng, monkeypatch, abort):
+    compiled = eng.structured.compiler.compile(GrammarSpec("regex", "abc"))
+    pending: Future = Future()  # the compile, finished by hand below
+    monkeypatch.setattr(eng.structured, "compile_async", lambda spec: pending)
+    handle = eng.submit(eng.tokenizer.encode("go"), _regex("abc"))
+    if abort:
+        eng.abort(handle.rid)
+    eng.call(lambda: None)  # the engine thread has seen the abort (the request is not queued)
+    pending.set_result(compiled)
+    last = list(handle.events())[-1]
+    assert last.finish_reason == ("abort" if abort else "stop")
+    eng.check_integrity()
