@@ -52,7 +52,7 @@ ARGS = {"query": "a b", "limit": 3}
 _JSON_CALL = '{"name": "search", "arguments": {"query": "a b", "limit": 3}}'
 KNOWN = {  # the call of search(ARGS) as each family's model writes it
     "qwen": f"<tool_call>{_JSON_CALL}</tool_call>",
-    "granite4": f"<tool_call>{_JSON_CALL}</tool_call>",
+    "granite4": f"<tool_call>\n{_JSON_CALL}\n</tool_call>",
     "nemotron": f"<TOOLCALL>[{_JSON_CALL}]</TOOLCALL>",
     "qwen3_coder": "<tool_call>\n<function=search>\n<parameter=query>\na b\n</parameter>\n"
     "<parameter=limit>\n3\n</parameter>\n</function>\n</tool_call>",

@@ -5,7 +5,8 @@ The call text is what the family's template renders for an assistant tool call (
 ``", "`` / ``": "`` separators, as the templates' ``tojson`` writes it), so a forced call comes
 back in the next turn's prompt unchanged and the prefix cache keeps the hit. Per format:
 
-- ``qwen`` / ``hermes`` / ``granite4``: ``<tool_call>{"name": "f", "arguments": ARGS}</tool_call>``
+- ``qwen`` / ``hermes``: ``<tool_call>{"name": "f", "arguments": ARGS}</tool_call>``; ``granite4``
+  the same with the JSON on its own line
 - ``nemotron``: ``<TOOLCALL>[{"name": "f", "arguments": ARGS}]</TOOLCALL>``
 - ``qwen3_coder``: ``<tool_call>\\n<function=f>\\n<parameter=k>\\nVALUE\\n</parameter>\\n...
   </function>\\n</tool_call>`` (a string VALUE is raw text without ``<`` or a newline, other
@@ -30,8 +31,8 @@ _JSON_TAGS = {
     "qwen": ("<tool_call>", "</tool_call>"),
     "qwen25": ("<tool_call>", "</tool_call>"),
     "hermes": ("<tool_call>", "</tool_call>"),
-    "granite4": ("<tool_call>", "</tool_call>"),
-    "granite": ("<tool_call>", "</tool_call>"),
+    "granite4": ("<tool_call>\n", "\n</tool_call>"),  # Granite 4 puts the JSON on its own line
+    "granite": ("<tool_call>\n", "\n</tool_call>"),
     "nemotron": ("<TOOLCALL>[", "]</TOOLCALL>"),
 }
 _ANY_OBJECT = {"type": "object"}
