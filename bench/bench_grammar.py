@@ -9,7 +9,8 @@ library it prints, in a fixed format:
 - b1: one request: mask computation + apply to a float32 logits row, µs per token (median and
   p90 over ``--steps`` greedy steps on seeded random logits, the matcher reset when it ends);
 - b16: 16 requests in one batched call (multi-threaded fill + one apply over 16 rows), µs per
-  decode step and per token.
+  decode step and per token; then the step split into fill and apply (the engine's
+  ``apply_bitmask_rows``), beside xgrammar's own CPU apply kernel on the same masks.
 
     python bench/bench_grammar.py                    # tiny + 151,936-token vocabulary
     python bench/bench_grammar.py --large-vocab 248320 --steps 200
@@ -69,7 +70,9 @@ def _stats(samples_us: list[float]) -> tuple[float, float]:
 
 
 def bench_xgrammar(tok: Any, vocab: int, steps: int, batch: int) -> dict[str, float]:
-    from mambaradix.engine.grammar import GrammarCompiler, spec_from_request
+    import xgrammar as xgr
+
+    from mambaradix.engine.grammar import GrammarCompiler, apply_bitmask_rows, spec_from_request
 
     t0 = time.perf_counter()
     comp = GrammarCompiler(tok, vocab, max_threads=2)
@@ -95,17 +98,30 @@ def bench_xgrammar(tok: Any, vocab: int, steps: int, batch: int) -> dict[str, fl
     ms = [comp.matcher(spec) for _ in range(batch)]
     bitmask = comp.allocate_bitmask(batch)
     rows = list(range(batch))
-    samples = []
+    samples, fills, applies, xgr_applies = [], [], [], []
     for _ in range(max(1, steps // 4)):
         logits = torch.randn(batch, vocab, generator=g)
         a = time.perf_counter()
-        comp.apply_masks(logits, ms, rows, bitmask)
-        samples.append((time.perf_counter() - a) * 1e6)
+        comp.fill_masks(ms, bitmask, rows)
+        b = time.perf_counter()
+        apply_bitmask_rows(logits, bitmask, vocab, {r: r for r in rows})
+        c = time.perf_counter()
+        samples.append((c - a) * 1e6)
+        fills.append((b - a) * 1e6)
+        applies.append((c - b) * 1e6)
+        # the same masks by xgrammar's own CPU kernel (every bit of every row), same run
+        again = torch.randn(batch, vocab, generator=g)
+        d = time.perf_counter()
+        xgr.apply_token_bitmask_inplace(again, bitmask, vocab_size=vocab)
+        xgr_applies.append((time.perf_counter() - d) * 1e6)
         for r, mm in enumerate(ms):
             mm.accept(int(logits[r].argmax()))
             if mm.is_terminated():
                 mm.reset()
     out["bN_med_us"], out["bN_p90_us"] = _stats(samples)
+    out["fill_med_us"] = _stats(fills)[0]
+    out["apply_med_us"] = _stats(applies)[0]
+    out["xgr_apply_med_us"] = _stats(xgr_applies)[0]
     comp.close()
     return out
 
@@ -185,6 +201,13 @@ def main() -> None:
                 f"b{args.batch} {r['bN_med_us']:8.1f} us/step (p90 {r['bN_p90_us']:8.1f}) "
                 f"= {r['bN_med_us'] / args.batch:7.1f} us/tok"
             )
+            if "fill_med_us" in r:
+                speedup = r["xgr_apply_med_us"] / max(r["apply_med_us"], 1e-9)
+                print(
+                    f"{'':<10} b{args.batch} split: fill {r['fill_med_us']:8.1f} us, apply "
+                    f"{r['apply_med_us']:8.1f} us (xgrammar's CPU kernel on the same masks: "
+                    f"{r['xgr_apply_med_us']:8.1f} us, {speedup:.1f}x)"
+                )
 
 
 if __name__ == "__main__":

@@ -168,6 +168,15 @@ class ServerConfig:
         "'qwen3-thinking' (replies start in reasoning unless enable_thinking is false).",
         ["qwen3", "deepseek-r1", "qwen3-thinking"],
     )
+    tool_call_parser: str = opt(
+        "",
+        "Tool-call format of the model's replies (SGLang's names): 'qwen' / 'qwen25' / 'hermes' "
+        "(<tool_call> JSON), 'qwen3_coder' (<tool_call><function=...> XML), 'granite4', "
+        "'lfm2' / 'pythonic', 'nemotron' (<TOOLCALL>); default: detected from the chat "
+        "template's markers.",
+        ["qwen", "qwen25", "hermes", "qwen3_coder", "granite4", "granite", "lfm2", "pythonic",
+         "nemotron"],
+    )  # fmt: skip
     max_body_mb: float = opt(64.0, "Largest request body accepted (MiB); larger ones get 413.")
     graceful_shutdown_timeout: float = opt(
         30.0,

@@ -75,6 +75,25 @@ class StateSpec:
 
 MAX_TOP_LOGPROBS = 20
 SEED_LIMIT = 1 << 63  # torch.Generator.manual_seed takes a signed 64-bit value
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A request's output grammar (structured output), as plain data: ``engine.grammar``
+    compiles it (this module must not import the grammar library). ``source``: the schema as
+    compact JSON (key order kept), the regex, or the EBNF text ("" for ``json_object``).
+    ``any_whitespace``: JSON may carry free whitespace between tokens (False: the compact form
+    ``{"a":1,"b":[2,3]}`` only, which also bounds the output of a schema whose strings and
+    arrays are bounded)."""
+
+    kind: str
+    source: str = ""
+    any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"unknown grammar kind {self.kind!r}; expected one of {GRAMMAR_KINDS}")
 
 
 @dataclass(slots=True)
@@ -89,7 +108,9 @@ class SamplingParams:
     prompt token. ``logit_bias``: token id -> value added to its logit. ``repetition_penalty``
     applies to prompt and output tokens, ``presence_penalty`` / ``frequency_penalty`` to output
     tokens (OpenAI's definition). ``min_tokens``: EOS and ``stop_token_ids`` are masked until
-    that many tokens exist.
+    that many tokens exist (where a ``grammar`` allows nothing else, it ends the output
+    anyway). ``grammar``: the output must match it (constrained decoding; the request finishes
+    when the grammar is complete and the model ends it).
     """
 
     max_new_tokens: int = 128
@@ -111,6 +132,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    grammar: GrammarSpec | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the bad field; called before a request enters the queue."""
@@ -152,6 +174,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias token id {tok} is out of range [0, {vocab_size})")
             if not (-100.0 <= bias <= 100.0):
                 raise ValueError(f"logit_bias value for token {tok} must be in [-100, 100]")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
         if vocab_size is not None:
             for tok in self.stop_token_ids:
                 if not 0 <= tok < vocab_size:

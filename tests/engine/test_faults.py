@@ -115,8 +115,10 @@ def test_sampler_raising_for_one_request_fails_it_alone(baseline, monkeypatch) -
     bad = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     real = runner_mod.sample
 
-    def sample(logits, ps, gens, states=None):
-        out = real(logits, ps, gens, states)  # the other rows' generators have advanced by now
+    def sample(logits, ps, gens, states=None, constrain=None):
+        out = real(
+            logits, ps, gens, states, constrain
+        )  # the other rows' generators have advanced by now
         if any(p is bad for p in ps):
             raise RuntimeError("injected sampler fault")
         return out

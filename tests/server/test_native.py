@@ -252,7 +252,7 @@ def test_bench_serving_shaped_request_accepted(http):
         ({"text": "x", "token_ids_logprob": [1]}, "token_ids_logprob"),
         ({"text": "x", "return_hidden_states": True}, "return_hidden_states"),
         ({"text": "x", "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty"),
-        ({"text": "x", "sampling_params": {"regex": "a+"}}, "regex"),
+        ({"text": "x", "sampling_params": {"regex": "a+("}}, "sampling_params.regex"),
         ({"text": "x", "sampling_params": {"bogus": 1}}, "sampling_params"),
         ({"text": "x", "no_such_field": 1}, "no_such_field"),
         ({"text": "x", "input_ids": [1, 2]}, "text"),

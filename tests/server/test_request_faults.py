@@ -15,10 +15,10 @@ MARK_SEED = 424242
 def _patch_sampler(monkeypatch) -> None:
     real = runner_mod.sample
 
-    def sample(logits, params, gens, states=None):
+    def sample(logits, params, gens, states=None, constrain=None):
         if any(p.seed == MARK_SEED for p in params):
             raise RuntimeError("injected sampler fault")
-        return real(logits, params, gens, states)
+        return real(logits, params, gens, states, constrain)
 
     monkeypatch.setattr(runner_mod, "sample", sample)
 

@@ -32,6 +32,7 @@ class RunBatch:
     params: list[SamplingParams] = field(default_factory=list)
     generators: list[torch.Generator | None] = field(default_factory=list)
     logit_states: list = field(default_factory=list)  # RequestLogits or None per sample row
+    grammars: list = field(default_factory=list)  # GrammarMatcher or None per sample row
     # prompt logprobs: (index into forward.reqs, row offset in its segment, target token ids,
     # top-k); that request has ForwardReq.all_logits set
     prompt_rows: list[tuple[int, int, list[int], int]] = field(default_factory=list)
@@ -46,6 +47,7 @@ class RunResult:
     # per RunBatch.prompt_rows entry: the targets' logprobs and each one's top-k (or None)
     prompt: list[tuple[list[float], list[TopLogprobs | None]]] = field(default_factory=list)
     errors: dict[int, BaseException] | None = None  # sample row -> why sampling it raised
+    grammar_ended: set[int] = field(default_factory=set)  # sample rows whose grammar ended
 
 
 class Runner(Protocol):

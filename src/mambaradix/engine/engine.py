@@ -45,6 +45,7 @@ from mambaradix.engine.pools import model_weight_bytes, plan_pools
 from mambaradix.engine.request import Req
 from mambaradix.engine.runner import ModelRunner
 from mambaradix.engine.scheduler import Scheduler
+from mambaradix.engine.structured import StructuredOutput
 from mambaradix.kernels.backend import KernelBackend, backend_class
 from mambaradix.stats import EngineStats
 
@@ -140,7 +141,14 @@ class Engine:
         )
         self.backend = create_kernel_backend(cfg)
         self.kernel_backend = self.backend.name
-        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, cfg.device, self.backend)
+        eos_ids = list(getattr(model, "eos_token_ids", []) or [])
+        # grammars of structured-output requests: compiled off this thread, masked per batch
+        self.structured = StructuredOutput(tokenizer, model.vocab_size, eos_ids)
+        self._compiling: set[str] = set()  # rids whose grammar is compiling (not queued yet)
+        self._aborted_early: set[str] = set()  # of those, aborted before they were queued
+        self.runner = ModelRunner(
+            model, self.kv_pool, self.state_pool, cfg.device, self.backend, self.structured
+        )
         if not cfg.skip_warmup:
             per_request = cfg.chunked_prefill_size
             if per_request < 1:
@@ -151,7 +159,7 @@ class Engine:
             cfg,
             self.cache,
             self.runner,
-            eos_token_ids=list(getattr(model, "eos_token_ids", []) or []),
+            eos_token_ids=eos_ids,
             context_length=self.context_length,
             max_running=max_running,
             on_tokens=self._on_tokens,
@@ -190,7 +198,7 @@ class Engine:
         self, input_ids: list[int], params: SamplingParams | None = None, rid: str | None = None
     ) -> RequestHandle:
         req, handle = self._make_req(input_ids, params, rid)
-        self._put(("add", [req]))
+        self._queue([req])
         return handle
 
     def submit_many(
@@ -198,8 +206,13 @@ class Engine:
     ) -> list[RequestHandle]:
         """Queue several requests at once (they arrive together, in one scheduler step)."""
         made = [self._make_req(ids, p, None) for ids, p in zip(input_ids, params)]
-        self._put(("add", [req for req, _ in made]))
+        self._queue([req for req, _ in made])
         return [h for _, h in made]
+
+    def _queue(self, reqs: list[Req]) -> None:
+        """To the engine thread, once their grammars (if any) are compiled."""
+        self._compiling.update(r.rid for r in reqs if r.grammar_future is not None)
+        self.structured.when_compiled(reqs, lambda ready: self._put(("add", ready)))
 
     def _make_req(
         self, input_ids: list[int], params: SamplingParams | None, rid: str | None
@@ -225,6 +238,10 @@ class Engine:
             req.logits_state = RequestLogits(
                 params, req.prompt_ids, vocab, list(getattr(self.model, "eos_token_ids", []) or [])
             )
+        if params.grammar is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer")
+            req.grammar_future = self.structured.compile_async(params.grammar)
         handle = RequestHandle(rid, len(input_ids))
         req.stream = handle
         req.detok = DetokState()
@@ -306,6 +323,7 @@ class Engine:
         self._inbox.put(("stop",))
         self._thread.join(timeout=30)
         self.runner.shutdown()
+        self.structured.close()
         self._health.stopped = True
         self._fail_inbox()  # anything queued after the loop ended
 
@@ -381,6 +399,8 @@ class Engine:
                     fut.set_exception(exc)
             elif kind == "add":
                 for req in item[1]:
+                    if not self._grammar_ready(req):
+                        continue
                     self._reqs[req.rid] = req
                     self._seed_unseeded(req)
                     self.scheduler.add(req)
@@ -388,11 +408,31 @@ class Engine:
                 req = self._reqs.get(item[1])
                 if req is not None:
                     self.scheduler.abort(req)
+                elif item[1] in self._compiling:
+                    self._aborted_early.add(item[1])
             elif kind == "abort_all":
                 for req in list(self._reqs.values()):
                     self.scheduler.abort(req)
             elif kind == "stop":
                 return
+
+    def _grammar_ready(self, req: Req) -> bool:
+        """The request's matcher attached; False when it ended here instead (its grammar did
+        not compile, or it was aborted while compiling)."""
+        if req.grammar_future is None:
+            return True
+        self._compiling.discard(req.rid)
+        error = self.structured.attach(req)
+        if req.rid in self._aborted_early:
+            self._aborted_early.discard(req.rid)
+            req.finish_reason = FinishReason.ABORT
+        elif error is not None:
+            logger.info("request %s failed: %s", req.rid, error)
+            req.finish_reason, req.error = FinishReason.ERROR, error
+        else:
+            return True
+        self._emit(req, [], None, "", finished=True)
+        return False
 
     def _seed_unseeded(self, req: Req) -> None:
         """A sampling request without a seed draws one from the engine's ``--seed`` generator

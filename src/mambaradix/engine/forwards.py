@@ -107,6 +107,7 @@ class ForwardBuilder:
             run.params.append(req.params)
             run.generators.append(req.generator)
             run.logit_states.append(req.logits_state)
+            run.grammars.append(req.grammar)
         all_logits = False
         if req.params.wants_prompt_logprobs and start < len(req.prompt_ids):
             all_logits = self._plan_prompt_logprobs(plan, entry, req, start, end)

@@ -8,7 +8,8 @@ retracted request keeps its state (its sampled tokens do not change).
 
 Order on a row of raw logits: repetition penalty (prompt and output tokens: positive logits
 divided, negative multiplied), frequency and presence penalties (output tokens), logit bias,
-the ``min_tokens`` mask of EOS and stop tokens, then each processor.
+the ``min_tokens`` mask of EOS and stop tokens (unless nothing else is left: a grammar
+mask, applied to the row before, may allow only EOS), then each processor.
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ class RequestLogits:
         if self.bias_ids.numel():
             row.index_add_(0, self.bias_ids, self.bias_values)
         if self.num_outputs < self.min_tokens and self.stop_ids.numel():
+            kept = row[self.stop_ids]
             row[self.stop_ids] = float("-inf")
+            if not torch.isfinite(row).any():  # a grammar that may only end here: it ends
+                row[self.stop_ids] = kept
         for proc in self.processors:
             row = proc(row)
         return row

@@ -38,6 +38,8 @@ class Req:
     prompt_top: list = field(default_factory=list)
     prompt_sent: bool = False  # prompt logprobs handed out (with the first output)
     logits_state: object = None  # engine.logits_process.RequestLogits, when sampling needs one
+    grammar: object = None  # engine.grammar.GrammarMatcher (structured output); runner thread
+    grammar_future: object = None  # its compile, until the request reaches the engine thread
     status: ReqStatus = ReqStatus.WAITING
     rc: ReqCache | None = None
     fed_len: int = 0

@@ -75,6 +75,9 @@ class ResultProcessor:
         self.stats.generated_tokens += 1
         try:
             reason = self._finish_reason(req, tok)
+            if row in result.grammar_ended:  # its grammar is complete (ignore_eos or not)
+                req.finish_matched = tok
+                reason = FinishReason.STOP
             if self.on_tokens(req, [tok], [result.logprobs[row]]):
                 reason = FinishReason.STOP  # a stop string matched
         except Exception as exc:  # detokenization / stop strings of this request

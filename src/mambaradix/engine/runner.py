@@ -15,6 +15,7 @@ from mambaradix.cache.state_pool import StatePool
 from mambaradix.core import ForwardBatch, ForwardReq, SamplingParams, StateOps
 from mambaradix.engine.batch import FUTURE_STRIDE, RunBatch, RunResult
 from mambaradix.engine.sampler import sample, top_logprobs
+from mambaradix.engine.structured import BatchMasks, StructuredOutput
 from mambaradix.kernels.backend import KernelBackend, reference_backend
 from mambaradix.layout import ForwardContext, ForwardLayout
 
@@ -39,8 +40,10 @@ class ModelRunner:
         state_pool: StatePool,
         device: str = "cpu",
         backend: KernelBackend | None = None,
+        structured: StructuredOutput | None = None,
     ) -> None:
         self.model = model
+        self.structured = structured  # grammar masks of structured-output rows
         self.backend = backend or reference_backend()
         if hasattr(model, "use_backend"):
             model.use_backend(self.backend)
@@ -70,6 +73,7 @@ class ModelRunner:
                 r.input_ids = self._resolve(r.input_ids)
         self.state_pool.apply(fb.state_ops)
         result = RunResult(batch.batch_id, [], [])
+        masks = self.structured.start(batch) if self.structured and any(batch.grammars) else None
         if fb.reqs:
             layout = ForwardLayout.build(
                 fb.reqs, self.device, fb.decode_table, with_kv=self._with_kv, carry=self._carry
@@ -88,10 +92,14 @@ class ModelRunner:
                     for j in sample_rows
                 ]
             if sample_rows:
-                rows = logits[torch.tensor(sample_rows, dtype=torch.long)]
+                index = torch.tensor(sample_rows, dtype=torch.long)
                 result.tokens, result.logprobs, result.top, result.errors = self._sample(
-                    rows, batch
+                    logits, index, batch, masks
                 )
+                if masks is not None:
+                    errors = result.errors or {}
+                    result.grammar_ended = masks.accept(result.tokens, errors)
+                    result.errors = errors or None
             for j, offset, targets, k in batch.prompt_rows:
                 start = first_row[j] + offset
                 lps = torch.log_softmax(logits[start : start + len(targets)].float(), dim=-1)
@@ -102,24 +110,33 @@ class ModelRunner:
         return result
 
     def _sample(
-        self, rows: torch.Tensor, batch: RunBatch
+        self,
+        logits: torch.Tensor,
+        index: torch.Tensor,
+        batch: RunBatch,
+        masks: BatchMasks | None = None,
     ) -> tuple[list[int], list[float], list, dict[int, BaseException] | None]:
-        """Sample the whole batch at once; if that raises, sample row by row so that only the
-        rows that raise fail (their requests end with an error; the others get exactly the
-        tokens the batched call gives: the random generators are rewound first)."""
+        """Sample the whole batch at once (grammar rows masked by ``masks``); if that raises,
+        sample row by row so that only the rows that raise fail (their requests end with an
+        error; the others get exactly the tokens the batched call gives: the random
+        generators are rewound first)."""
         params, gens, states = batch.params, batch.generators, batch.logit_states
         rewind = _rng_states(params, gens)
+        rows = logits[index]  # a copy: masks are applied to it in place
         try:
-            tokens, logprobs, top = sample(rows, params, gens, states)
+            constrain = masks.apply if masks is not None else None
+            tokens, logprobs, top = sample(rows, params, gens, states, constrain)
             return tokens, logprobs, top, None
         except Exception:
             logger.debug("batch sampling raised; sampling row by row", exc_info=True)
         _restore_rng(rewind, gens)
+        rows = logits[index]  # unmasked again
         tokens, logprobs, top, errors = [], [], [], {}
         for i in range(rows.shape[0]):
             state = [states[i]] if states else None
             try:
-                t, lp, tp = sample(rows[i : i + 1], [params[i]], [gens[i]], state)
+                one = masks.apply_row(i) if masks is not None else None
+                t, lp, tp = sample(rows[i : i + 1], [params[i]], [gens[i]], state, one)
                 tokens.append(t[0])
                 logprobs.append(lp[0])
                 top.append(tp[0])

@@ -3,6 +3,8 @@ logits processing (``engine.logits_process``), logprobs and top-k logprobs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mambaradix.core import SamplingParams
@@ -15,13 +17,18 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     states: list | None = None,
+    constrain: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
     """Pick one token per row of ``logits`` [B, V]; return the tokens, their logprobs under the
     model's (unprocessed) distribution, and per row its ``top_logprobs`` best alternatives
     (None where the request asks for none). ``states`` holds each row's ``RequestLogits`` (or
-    None); each state processes its row before sampling and accepts the token sampled."""
+    None); each state processes its row before sampling and accepts the token sampled.
+    ``constrain(logits)`` masks rows in place (grammars) after the logprobs are taken: they
+    stay those of the model's own distribution."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
+    if constrain is not None:
+        constrain(logits)
     greedy = logits.argmax(dim=-1)
     tokens = greedy.tolist()
     for i, p in enumerate(params):

@@ -47,6 +47,8 @@ from mambaradix.server.protocol import (
     usage_dict,
 )
 from mambaradix.server.reasoning import starts_in_reasoning
+from mambaradix.server.structured import grammar_of
+from mambaradix.server.tooling import ToolPlan, plan_tools, template_messages
 from mambaradix.server.validation import parse_json, validate_body
 
 logger = logging.getLogger(__name__)
@@ -223,6 +225,7 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
         ch = Choices(False, req, tok, srv.table, logprobs=want_lps, discard=req.max_tokens == 0)
         jobs: list[Job] = []
         n = req.num_choices
+        grammar = _grammar(req)
         for p_idx, prompt in enumerate(req.prompts()):
             if isinstance(prompt, str):
                 ids = await _off_loop(len(prompt), tok.encode, prompt)
@@ -231,6 +234,7 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
             srv.check_ids(ids)
             max_new = srv.max_tokens_for(len(ids), req.max_tokens, least=0)
             params = req.sampling_params(max_new, srv.vocab_size)
+            params.grammar = grammar
             params.return_logprob = want_lps
             params.top_logprobs = req.logprobs or 0
             echo_text = None
@@ -250,14 +254,17 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
         srv.check_model(req.model)
         tok = engine.tokenizer
         size = sum(len(str(getattr(m, "content", None) or "")) for m in req.messages)
-        text, kwargs = await _off_loop(size, _render_chat, srv, tok, req)
+        template = srv.chat_template or getattr(tok, "chat_template", None)
+        plan = plan_tools(req, srv.cfg.tool_call_parser, template)
+        text, kwargs = await _off_loop(size, _render_chat, srv, tok, req, plan)
         ids = await _off_loop(len(text), lambda: tok.encode(text, add_special_tokens=False))
         params = req.sampling_params(
             srv.max_tokens_for(len(ids), req.requested_max_tokens()), srv.vocab_size
         )
+        params.grammar = plan.grammar if plan and plan.grammar else _grammar(req)
         params.return_logprob = bool(req.logprobs)
         params.top_logprobs = req.top_logprobs or 0
-        ch = Choices(True, req, tok, srv.table, logprobs=bool(req.logprobs))
+        ch = Choices(True, req, tok, srv.table, logprobs=bool(req.logprobs), tools=plan)
         parser = srv.cfg.reasoning_parser
         if parser and req.separate_reasoning is not False:
             ch.in_reasoning = starts_in_reasoning(parser, text, kwargs)
@@ -269,10 +276,23 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
     return app
 
 
-def _render_chat(srv: _Server, tok: Any, req: ChatCompletionRequest) -> tuple[str, dict]:
-    """The prompt text from the chat template; a 400 when there is no template or the template
-    refuses the conversation (its raise_exception, a missing variable)."""
+def _grammar(req: Any) -> Any:
+    return grammar_of(
+        response_format=req.response_format, regex=req.regex, json_schema=req.json_schema,
+        ebnf=req.ebnf,
+    )  # fmt: skip
+
+
+def _render_chat(
+    srv: _Server, tok: Any, req: ChatCompletionRequest, plan: ToolPlan | None = None
+) -> tuple[str, dict]:
+    """The prompt text from the chat template (with the plan's tools); a 400 when there is no
+    template or the template refuses the conversation (its raise_exception, a missing
+    variable)."""
     messages, kwargs = req.template_args()
+    messages = template_messages(req, messages)
+    if plan is not None:
+        kwargs["tools"] = plan.tools
     template = srv.chat_template or getattr(tok, "chat_template", None)
     if not template:
         raise APIError(

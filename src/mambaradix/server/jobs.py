@@ -22,6 +22,7 @@ from mambaradix.server.logprobs import TokenTable, chat_logprobs, completion_log
 from mambaradix.server.metrics import RequestTimer
 from mambaradix.server.protocol import APIError
 from mambaradix.server.reasoning import ReasoningSplitter
+from mambaradix.server.tools import ContentDelta
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class Choices:
     discard: bool = False  # max_tokens 0: the one token the engine generates is not reported
     in_reasoning: bool | None = None  # reasoning parser on: whether replies start in reasoning
     stream_reasoning: bool = True
+    tools: Any = None  # server.tooling.ToolPlan: replies are parsed into tool calls
 
 
 class Job:
@@ -46,7 +48,7 @@ class Job:
         "text_parts", "token_ids", "logprobs", "tops", "prompt_lps", "prompt_tops",
         "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "finished",
         "error", "pending_ids", "pending_lps", "pending_tops", "echo_text", "echo_pending",
-        "splitter", "withheld", "stream_detok", "stream_state", "stream_seen",
+        "splitter", "withheld", "stream_detok", "stream_state", "stream_seen", "tool_stream",
     )  # fmt: skip
 
     def __init__(
@@ -91,6 +93,7 @@ class Job:
         self.stream_detok: IncrementalDetokenizer | None = None
         self.stream_state: DetokState | None = None
         self.stream_seen: list[int] = []
+        self.tool_stream: Any = None
 
     @classmethod
     def make(
@@ -181,6 +184,8 @@ class Job:
                 if ch.logprobs
                 else None
             )
+            if ch.tools is not None:
+                choice["finish_reason"] = self._tool_calls(choice["message"])
         else:
             echo = self.echo_text or ""
             choice["text"] = echo + text
@@ -197,11 +202,37 @@ class Job:
                 choice["logprobs"] = completion_logprobs(
                     ch.table, ids + self.token_ids, lps + self.logprobs, tops + self.tops, offsets
                 )
-        choice["finish_reason"] = self.finish_reason
+        choice.setdefault("finish_reason", self.finish_reason)
         if req.return_token_ids:
             choice["token_ids"] = list(self.token_ids)
             choice["prompt_token_ids"] = self.input_ids
         return choice
+
+    def _tool_calls(self, msg: dict[str, Any]) -> str | None:
+        """Move the calls in a finished reply's content to ``tool_calls``; the finish reason."""
+        plan = self.ch.tools
+        content, calls = plan.parser.parse(msg["content"] or "", plan.tools)
+        if not calls:
+            return self.finish_reason
+        msg["content"] = content if content.strip() else None
+        msg["tool_calls"] = [c.to_openai() for c in (calls if plan.parallel else calls[:1])]
+        return "tool_calls" if self.finish_reason == "stop" else self.finish_reason
+
+    def _stream_tools(self, content: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
+        """A streamed content piece through the tool-call parser: plain text, call deltas."""
+        plan = self.ch.tools
+        if self.tool_stream is None:
+            self.tool_stream = plan.parser.stream(plan.tools)
+        deltas = self.tool_stream.feed(content) if content else []
+        if finished:
+            deltas += self.tool_stream.finish()
+        text = "".join(d.text for d in deltas if isinstance(d, ContentDelta))
+        calls = [
+            d.to_openai()
+            for d in deltas
+            if not isinstance(d, ContentDelta) and (plan.parallel or d.index == 0)
+        ]
+        return text, calls
 
     def _stream_offsets(self, ids: list[int]) -> list[int]:
         if self.stream_detok is None:
@@ -252,14 +283,25 @@ class Job:
                 choice["logprobs"] = completion_logprobs(
                     ch.table, all_ids, all_lps, all_tops, offsets
                 )
-        choice["finish_reason"] = self.finish_reason if out.finished else None
+        reason = self.finish_reason if out.finished else None
+        if reason == "stop" and self.tool_stream is not None and self.tool_stream.has_tool_calls:
+            reason = "tool_calls"
+        choice["finish_reason"] = reason
         if req.return_token_ids:
             choice["token_ids"] = ids
         return choice
 
     def _delta(self, text: str, finished: bool) -> dict[str, Any]:
         if self.splitter is None:
-            return {"content": text} if text else {}
+            delta: dict[str, Any] = {}
+            content = text
+            if self.ch.tools is not None:
+                content, calls = self._stream_tools(text, finished)
+                if calls:
+                    delta["tool_calls"] = calls
+            if content:
+                delta["content"] = content
+            return delta
         reasoning, content = self.splitter.feed(text)
         if finished:
             r, c = self.splitter.flush()
@@ -269,9 +311,13 @@ class Job:
             reasoning = ""
             if self.withheld and (content or finished or self.splitter.mode != "reasoning"):
                 reasoning, self.withheld = self.withheld, ""
-        delta: dict[str, Any] = {}
+        delta = {}
         if reasoning:
             delta["reasoning_content"] = reasoning
+        if self.ch.tools is not None:
+            content, calls = self._stream_tools(content, finished)
+            if calls:
+                delta["tool_calls"] = calls
         if content:
             delta["content"] = content
         return delta

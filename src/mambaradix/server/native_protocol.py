@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mambaradix.core import MAX_TOP_LOGPROBS, SamplingParams
 from mambaradix.server.protocol import APIError
+from mambaradix.server.structured import grammar_of
 
 # Request fields accepted only at their SGLang default (value we do not implement otherwise).
 _GENERATE_DEFAULTS: dict[str, Any] = {
@@ -54,9 +55,6 @@ _SAMPLING_DEFAULTS: dict[str, Any] = {
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
     "repetition_penalty": 1.0,
-    "json_schema": None,
-    "regex": None,
-    "ebnf": None,
     "structural_tag": None,
     "spaces_between_special_tokens": True,
     "no_stop_trim": False,
@@ -66,7 +64,7 @@ _SAMPLING_DEFAULTS: dict[str, Any] = {
 }
 _SAMPLING_FIELDS = {
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
-    "ignore_eos", "skip_special_tokens", "n", "sampling_seed",
+    "ignore_eos", "skip_special_tokens", "n", "sampling_seed", "regex", "json_schema", "ebnf",
 }  # fmt: skip
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -97,6 +95,9 @@ class NativeSampling(BaseModel):
     skip_special_tokens: bool = True
     n: int = 1
     sampling_seed: int | None = None
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
 
     @classmethod
     def parse(cls, raw: Any, where: str) -> NativeSampling:
@@ -155,7 +156,11 @@ class NativeSampling(BaseModel):
             top_logprobs=top_n if return_logprob else 0,
             prompt_logprob_start=start + 1 if wants_prompt else -1,
             prompt_top_logprobs=top_n if wants_prompt else 0,
-        )
+            grammar=grammar_of(
+                regex=self.regex, json_schema=self.json_schema, ebnf=self.ebnf,
+                prefix="sampling_params.",
+            ),
+        )  # fmt: skip
         try:
             params.validate()
         except ValueError as e:

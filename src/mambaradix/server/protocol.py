@@ -5,7 +5,8 @@ checks the body before them and turns their errors into 400s naming the field); 
 plain dicts in the OpenAI wire format. Extensions implemented beyond OpenAI's schema (SGLang /
 vLLM names): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``return_token_ids`` (adds ``token_ids`` to each
-choice and ``prompt_token_ids``), ``stream_options.continuous_usage_stats``; chat:
+choice and ``prompt_token_ids``), ``stream_options.continuous_usage_stats``; structured output:
+OpenAI's ``response_format`` and SGLang's ``regex`` / ``json_schema`` / ``ebnf``; chat:
 ``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``,
 ``separate_reasoning``, ``stream_reasoning``, messages' ``reasoning_content`` and ``name``;
 completions: ``max_tokens: 0`` (with ``echo``: prompt logprobs only).
@@ -88,6 +89,11 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = True
     return_token_ids: bool | None = False
+    # structured output (server.structured): OpenAI's, and SGLang's extra body fields
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
 
     @property
     def num_choices(self) -> int:
@@ -197,7 +203,42 @@ class TextPart(_Strict):
     text: str
 
 
-_NULL_ONLY_MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "refusal", "audio", "function_call")
+_NULL_ONLY_MESSAGE_FIELDS = ("refusal", "audio", "function_call")
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's wire shape)
+
+
+class ToolCallMessage(_Strict):
+    """An earlier assistant turn's call, as the client sends it back."""
+
+    id: str | None = None
+    type: Literal["function"] | None = "function"
+    function: FunctionCall
+    index: int | None = None  # clients that rebuild calls from stream deltas keep it
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatMessage(_Strict):
@@ -205,9 +246,8 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
     reasoning_content: str | None = None
-    # tool calling is not implemented yet: accepted only as null
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
     refusal: Any = None
     audio: Any = None
     function_call: Any = None
@@ -232,6 +272,12 @@ class ChatMessage(_Strict):
             out["name"] = self.name
         if self.reasoning_content is not None:
             out["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            out["tool_calls"] = [
+                c.model_dump(exclude_none=True, exclude={"index"}) for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -254,6 +300,9 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool | None = False
     separate_reasoning: bool | None = True
     stream_reasoning: bool | None = True
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
     @field_validator("top_logprobs")
     @classmethod

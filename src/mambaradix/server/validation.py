@@ -31,7 +31,6 @@ _PEER_FIELDS_COMMON: dict[str, tuple[Any, ...]] = {
     "service_tier": ("auto", "default"),
     "prompt_cache_key": (),
     "safety_identifier": (),
-    "response_format": ({"type": "text"},),
     # SGLang
     "return_hidden_states": (False,),
     "return_routed_experts": (False,),
@@ -58,9 +57,6 @@ _PEER_FIELDS_COMMON: dict[str, tuple[Any, ...]] = {
     "stop_regex": (),
     "no_stop_trim": (False,),
     "logprob_start_len": (-1,),
-    "json_schema": (),
-    "regex": (),
-    "ebnf": (),
     # vLLM
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
@@ -94,9 +90,6 @@ _PEER_FIELDS_COMPLETION: dict[str, tuple[Any, ...]] = {
 }
 _PEER_FIELDS_CHAT: dict[str, tuple[Any, ...]] = {
     # OpenAI
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),  # with no tools both mean: answer in text
-    "parallel_tool_calls": (True,),
     "functions": (),
     "function_call": (),
     "audio": (),
