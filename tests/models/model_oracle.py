@@ -289,8 +289,8 @@ ORACLE_CHECKS: dict[str, Callable[[Oracle], None]] = {
 }
 
 
-def build_oracle(case: OracleCase, root: Path) -> Oracle:
+def build_oracle(case: OracleCase, root: Path, dtype: torch.dtype = torch.float32) -> Oracle:
     folder = root / case.name
     if not (folder / "config.json").exists():
         make_tiny_checkpoint(case.arch, str(folder), seed=case.seed, **case.overrides)
-    return Oracle(case, folder)
+    return Oracle(case, folder, dtype=dtype)
