@@ -66,10 +66,6 @@ def cut_fields(
         keys = _layer_list_keys(f)
         for key in keys:
             f[key] = _cut_pattern(f[key], layers)
-        if "hybrid_override_pattern" in f:
-            f["hybrid_override_pattern"] = "".join(
-                _cut_pattern(list(f["hybrid_override_pattern"]), layers)
-            )
         if "num_hidden_layers" in f or not keys:
             f["num_hidden_layers"] = layers
         if isinstance(f.get("mlp_only_layers"), list):
@@ -80,9 +76,8 @@ def cut_fields(
         for key in ("num_experts", "num_local_experts", "n_routed_experts"):
             if f.get(key):
                 f[key] = experts
-        for key in ("num_experts_per_tok", "moe_topk"):
-            if isinstance(f.get(key), int):
-                f[key] = min(f[key], experts)
+        if isinstance(f.get("num_experts_per_tok"), int):
+            f["num_experts_per_tok"] = min(f["num_experts_per_tok"], experts)
         if f.get("n_group"):  # group-limited routing: groups must divide the experts
             f["n_group"] = min(f["n_group"], experts)
             f["topk_group"] = min(f.get("topk_group", 1), f["n_group"])
@@ -112,7 +107,6 @@ def build_published(
     experts: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
-    initializer_range: float | None = None,
 ) -> Path:
     """Write a seeded random checkpoint of ``name`` (cut as asked) to ``folder`` in ``dtype``,
     with ``config.json`` naming that dtype; no tokenizer (callers that need one add it)."""
@@ -120,8 +114,6 @@ def build_published(
 
     pub = get_published(name)
     config = pub.config(layers=layers, vocab=vocab, experts=experts)
-    if initializer_range is not None:
-        config.initializer_range = initializer_range
     model_cls = getattr(transformers, pub.model_class)
     # Built on the meta device and given memory in the target dtype, then initialised once by
     # transformers' own ``_init_weights`` (a plain construction runs every initialiser twice
