@@ -9,9 +9,9 @@ Per preset it prints, in a fixed format:
 - first request after start vs the same request later (median over the fresh starts);
 - prefill tok/s of one 512- and one 2,048-token prompt (the Engine, cache off), vs
   transformers' forward, and vs the bf16 matmul limit: matmul FLOP/s / (2 x linear parameters);
-- decode tok/s at batch 1, 16 and 64 (the Engine: the difference of two runs with more and
-  fewer new tokens, so prefill drops out), vs transformers' cached decode (batch 1 and 16), and
-  batch 1 vs the bandwidth limit: read GB/s / bytes a decode step reads;
+- decode tok/s at batch 1, 16 and 64 (the Engine: from the outputs' arrival times once every
+  request of the batch decodes, so prefill drops out), vs transformers' cached decode (batch 1
+  and 16), and batch 1 vs the bandwidth limit: read GB/s / bytes a decode step reads;
 - W1: 4 groups x 8 requests of a 512-token system prompt + 64-token question, 16 new tokens,
   all sent at once, cache on: wall time and computed prompt tokens vs the ideal, and
   transformers ``generate`` in batches of 8.
@@ -38,48 +38,9 @@ import torch
 
 CACHE = Path(os.environ.get("MAMBARADIX_CACHE", Path.home() / ".cache" / "mambaradix"))
 
-# Published text-model dimensions (random weights); the layer pattern as published.
-PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "qwen3_5_0_8b": (
-        "Qwen3_5TextConfig",
-        dict(
-            vocab_size=248320, hidden_size=1024, num_hidden_layers=24, intermediate_size=3584,
-            num_attention_heads=8, num_key_value_heads=2, head_dim=256,
-            linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
-            linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
-            partial_rotary_factor=0.25, tie_word_embeddings=True, max_position_embeddings=32768,
-        ),
-    ),
-    "lfm2_350m": (
-        "Lfm2Config",
-        dict(
-            vocab_size=65536, hidden_size=1024, num_hidden_layers=16, intermediate_size=6656,
-            block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=256,
-            num_attention_heads=16, num_key_value_heads=8, conv_L_cache=3,
-            layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv"
-                         for i in range(16)],
-            tie_word_embeddings=True, max_position_embeddings=32768,
-        ),
-    ),
-    "granite_4_0_h_350m": (
-        "GraniteMoeHybridConfig",
-        dict(
-            vocab_size=100352, hidden_size=768, num_hidden_layers=32, num_attention_heads=12,
-            num_key_value_heads=4, shared_intermediate_size=2048, intermediate_size=2048,
-            num_local_experts=0, mamba_n_heads=24, mamba_d_head=64, mamba_d_state=128,
-            mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256,
-            layer_types=["attention" if i in (10, 13, 17, 27) else "mamba" for i in range(32)],
-            position_embedding_type=None, embedding_multiplier=12.0, residual_multiplier=0.246,
-            attention_multiplier=0.0078125, logits_scaling=3.0, tie_word_embeddings=True,
-            max_position_embeddings=32768,
-        ),
-    ),
-}  # fmt: skip
-HF_CLASSES = {
-    "Qwen3_5TextConfig": "Qwen3_5ForCausalLM",
-    "Lfm2Config": "Lfm2ForCausalLM",
-    "GraniteMoeHybridConfig": "GraniteMoeHybridForCausalLM",
-}
+# Published configurations (models/published_configs.py), full size: random weights in bf16,
+# the published dimensions, layer pattern and vocabulary.
+PRESETS = ("qwen3_5_0_8b", "lfm2_350m", "granite_4_0_h_350m")
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -122,22 +83,20 @@ def large_tokenizer(vocab_size: int) -> Any:
 
 
 def checkpoint(preset: str) -> Path:
-    """The preset's bf16 checkpoint folder (built once: seeded random weights, a tokenizer of
-    the full vocabulary)."""
-    folder = CACHE / f"real-{preset}-v1"
+    """The preset's bf16 checkpoint folder (built once: seeded random weights of the published
+    configuration, a tokenizer of the full vocabulary)."""
+    from mambaradix.models.published import build_published
+
+    folder = CACHE / f"real-{preset}-v2"
     if (folder / "config.json").is_file():
         return folder
-    import transformers
-
-    cfg_name, kw = PRESETS[preset]
-    config = getattr(transformers, cfg_name)(**kw)
-    tok = large_tokenizer(config.vocab_size)
-    eos = tok.convert_tokens_to_ids("<|endoftext|>")
-    config.eos_token_id, config.pad_token_id, config.bos_token_id = eos, eos, None
-    torch.manual_seed(0)
-    model = getattr(transformers, HF_CLASSES[cfg_name])(config).to(torch.bfloat16).eval()
     tmp = folder.with_name(folder.name + ".tmp")
-    model.save_pretrained(tmp)
+    build_published(preset, tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    tok = large_tokenizer(config["vocab_size"])
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    config.update(eos_token_id=eos, pad_token_id=eos, bos_token_id=None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tok.save_pretrained(tmp)
     tmp.rename(folder)
     return folder

@@ -62,12 +62,20 @@ class OracleCase:
 class Oracle:
     """Our model + pools + the transformers model of the same checkpoint."""
 
-    def __init__(self, case: OracleCase, folder: Path, kv_size: int = 4096, slots: int = 32):
+    def __init__(
+        self,
+        case: OracleCase,
+        folder: Path,
+        kv_size: int = 4096,
+        slots: int = 32,
+        dtype: torch.dtype = torch.float32,
+    ):
+        """Both models in ``dtype`` (our temporal states stay fp32, as the engine's default)."""
         from transformers import AutoModelForCausalLM
 
         self.case = case
-        self.model = load_model(str(folder))
-        self.hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        self.model = load_model(str(folder), dtype=dtype)
+        self.hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
         self.config = self.hf.config
         self.kv_size, self.num_slots = kv_size, slots
         self.reset()
@@ -281,8 +289,8 @@ ORACLE_CHECKS: dict[str, Callable[[Oracle], None]] = {
 }
 
 
-def build_oracle(case: OracleCase, root: Path) -> Oracle:
+def build_oracle(case: OracleCase, root: Path, dtype: torch.dtype = torch.float32) -> Oracle:
     folder = root / case.name
     if not (folder / "config.json").exists():
         make_tiny_checkpoint(case.arch, str(folder), seed=case.seed, **case.overrides)
-    return Oracle(case, folder)
+    return Oracle(case, folder, dtype=dtype)
