@@ -292,28 +292,20 @@ class Job:
         return choice
 
     def _delta(self, text: str, finished: bool) -> dict[str, Any]:
-        if self.splitter is None:
-            delta: dict[str, Any] = {}
-            content = text
-            if self.ch.tools is not None:
-                content, calls = self._stream_tools(text, finished)
-                if calls:
-                    delta["tool_calls"] = calls
-            if content:
-                delta["content"] = content
-            return delta
-        reasoning, content = self.splitter.feed(text)
-        if finished:
-            r, c = self.splitter.flush()
-            reasoning, content = reasoning + r, content + c
-        if not self.ch.stream_reasoning:  # reasoning goes out in one piece when it ends
-            self.withheld += reasoning
-            reasoning = ""
-            if self.withheld and (content or finished or self.splitter.mode != "reasoning"):
-                reasoning, self.withheld = self.withheld, ""
-        delta = {}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
+        delta: dict[str, Any] = {}
+        content = text
+        if self.splitter is not None:
+            reasoning, content = self.splitter.feed(text)
+            if finished:
+                r, c = self.splitter.flush()
+                reasoning, content = reasoning + r, content + c
+            if not self.ch.stream_reasoning:  # reasoning goes out in one piece when it ends
+                self.withheld += reasoning
+                reasoning = ""
+                if self.withheld and (content or finished or self.splitter.mode != "reasoning"):
+                    reasoning, self.withheld = self.withheld, ""
+            if reasoning:
+                delta["reasoning_content"] = reasoning
         if self.ch.tools is not None:
             content, calls = self._stream_tools(content, finished)
             if calls:
