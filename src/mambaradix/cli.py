@@ -87,6 +87,7 @@ def _serve(ns: argparse.Namespace) -> int:
     scfg.validate()
     _logging(scfg.log_level)
     so = config_from_args(ScaleOutConfig, ns)
+    so.validate()
     if so.dp_size > 1:  # N replicas behind the SGLang Model Gateway (server/replicas.py)
         from mambaradix.server.replicas import serve_replicas
 

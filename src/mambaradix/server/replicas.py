@@ -58,6 +58,22 @@ class ScaleOutConfig:
     router_policy: str = opt(
         "cache_aware", "Gateway routing policy (with --dp-size > 1).", POLICIES
     )
+    router_balance_abs_threshold: int = opt(
+        2,
+        "cache_aware: the gateway sends a request to the least-loaded replica instead of the "
+        "one its tree picks once the replicas' in-flight requests differ by more than this "
+        "(and by --router-balance-rel-threshold). The gateway's default, 64, is sized for GPU "
+        "servers; a CPU replica runs a few requests at a time.",
+    )
+    router_balance_rel_threshold: float = opt(
+        1.5, "cache_aware: ... and the busiest replica has more than this times the idlest's."
+    )
+    router_cache_threshold: float = opt(
+        0.3,
+        "cache_aware: the share of a prompt (in characters) that must match the gateway's tree "
+        "for the request to follow the match; below it the gateway picks the replica with the "
+        "smallest tree.",
+    )
     router_prometheus_port: int = opt(
         0, "Port of the gateway's own Prometheus metrics; 0 picks a free one (logged)."
     )
@@ -67,6 +83,18 @@ class ScaleOutConfig:
         "that exits is taken out of the gateway by the launcher at once; this check finds "
         "replicas that hang.",
     )
+
+    def validate(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError("--dp-size must be >= 1")
+        if not 0 <= self.router_cache_threshold <= 1:
+            raise ValueError("--router-cache-threshold must be in [0, 1]")
+        if self.router_balance_abs_threshold < 0:
+            raise ValueError("--router-balance-abs-threshold must be >= 0")
+        if self.router_balance_rel_threshold < 1:
+            raise ValueError("--router-balance-rel-threshold must be >= 1")
+        if self.router_health_check_interval_secs < 1:
+            raise ValueError("--router-health-check-interval-secs must be >= 1")
 
 
 def config_args(cfg: Any) -> list[str]:
@@ -214,6 +242,10 @@ class ReplicaSet:
         cmd += ["--host", self.scfg.host, "--port", str(self.scfg.port)]
         cmd += ["--worker-urls", *[r.url for r in self.replicas]]
         cmd += ["--policy", self.so.router_policy]
+        if self.so.router_policy == "cache_aware":
+            cmd += ["--cache-threshold", str(self.so.router_cache_threshold)]
+            cmd += ["--balance-abs-threshold", str(self.so.router_balance_abs_threshold)]
+            cmd += ["--balance-rel-threshold", str(self.so.router_balance_rel_threshold)]
         # its default (29000) would clash with a second gateway on the machine
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port)]
         cmd += ["--health-check-interval-secs", str(self.so.router_health_check_interval_secs)]
