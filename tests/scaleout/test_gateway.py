@@ -180,8 +180,12 @@ def test_killed_replica_is_routed_around_and_restarted(stack):
     # (--router-balance-abs-threshold, 2 here): a burst of concurrent requests must reach it
     fresh = [f"a new prefix {g} " * 30 for g in range(8)]
     with ThreadPoolExecutor(len(fresh)) as pool:
-        codes = list(pool.map(lambda p: completion(stack.url, p, max_tokens=48,
-                                                   ignore_eos=True).status_code, fresh))
+        codes = list(
+            pool.map(
+                lambda p: completion(stack.url, p, max_tokens=48, ignore_eos=True).status_code,
+                fresh,
+            )
+        )
     assert codes == [200] * len(fresh)
     assert read_counters(victim, API_KEY)["prompt"] > before, "no request reached it again"
     log = stack.log.read_text()

@@ -25,8 +25,8 @@ def test_cache_aware_thresholds_reach_the_gateway():
     default = ReplicaSet(EngineConfig(model_path="tiny:qwen3_next"), ServerConfig(),
                          ScaleOutConfig(dp_size=2)).gateway_cmd()  # fmt: skip
     assert flag(default, "--balance-abs-threshold") == "2"  # not the gateway's 64
-    rr = ReplicaSet(EngineConfig(model_path="tiny:qwen3_next"), ServerConfig(),
-                    ScaleOutConfig(dp_size=2, router_policy="round_robin")).gateway_cmd()  # fmt: skip
+    so = ScaleOutConfig(dp_size=2, router_policy="round_robin")
+    rr = ReplicaSet(EngineConfig(model_path="tiny:qwen3_next"), ServerConfig(), so).gateway_cmd()
     assert flag(rr, "--policy") == "round_robin" and "--balance-abs-threshold" not in rr
 
 

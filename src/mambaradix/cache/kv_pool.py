@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from mambaradix.cache.host_memory import lazy_zeros
 from mambaradix.core import KVSpec
 
 
@@ -29,12 +30,8 @@ class KVPool:
         self.page_size = page_size
         self.device = torch.device(device)
         shape = (size, spec.num_kv_heads, spec.head_dim)
-        self.k = [
-            torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)
-        ]
-        self.v = [
-            torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)
-        ]
+        self.k = [lazy_zeros(shape, spec.dtype, self.device) for _ in range(spec.num_layers)]
+        self.v = [lazy_zeros(shape, spec.dtype, self.device) for _ in range(spec.num_layers)]
         # Stack of free page ids; popping from the end hands out low pages first.
         self._free_pages: list[int] = list(range(size // page_size - 1, -1, -1))
         self._page_offsets = torch.arange(page_size, dtype=torch.long)

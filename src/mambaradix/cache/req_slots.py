@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from mambaradix.cache.host_memory import lazy_zeros
+
 
 class ReqSlots:
     """Contract: ``alloc()`` returns a free row or None when all rows are in use (nothing is
@@ -18,7 +20,7 @@ class ReqSlots:
             )
         self.num_rows = num_rows
         self.max_context_len = max_context_len
-        self.table = torch.zeros((num_rows, max_context_len), dtype=torch.long, device=device)
+        self.table = lazy_zeros((num_rows, max_context_len), torch.long, device)
         self._free: list[int] = list(range(num_rows - 1, -1, -1))  # pop() hands out low rows
         self._in_use = [False] * num_rows
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from mambaradix.cache.host_memory import lazy_zeros
 from mambaradix.core import StateOps, StateSpec
 
 
@@ -23,13 +24,12 @@ class StatePool:
         self.size = size
         self.device = torch.device(device)
         self.conv = [
-            torch.zeros((size, *s.conv_shape), dtype=s.conv_dtype, device=self.device)
-            for s in spec.layers
+            lazy_zeros((size, *s.conv_shape), s.conv_dtype, self.device) for s in spec.layers
         ]
         self.temporal = [
             None
             if s.temporal_shape is None
-            else torch.zeros((size, *s.temporal_shape), dtype=s.temporal_dtype, device=self.device)
+            else lazy_zeros((size, *s.temporal_shape), s.temporal_dtype, self.device)
             for s in spec.layers
         ]
         self._free: list[int] = list(range(size - 1, -1, -1))

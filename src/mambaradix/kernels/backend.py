@@ -117,6 +117,10 @@ class KernelBackend(ABC):
 
     # ------------------------------------------------------------ per-token ops
     @abstractmethod
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """``x @ weight.T + bias`` (``nn.Linear``: weight ``[out, in]``), in ``x``'s dtype."""
+
+    @abstractmethod
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float, zero_centered: bool) -> Tensor:
         """RMSNorm over the last dim (``zero_centered``: weight stored as an offset from 1)."""
 

@@ -398,3 +398,41 @@ def mamba2_step(
         None if D is None else D.data_ptr(), y.data_ptr(), H, P, G, N,
     )  # fmt: skip
     return y
+
+
+# The C kernel streams each weight row once and dots it with every x row held in L1: best for
+# one row, and for up to LINEAR_NATIVE_MAX_ROWS rows while they fit in LINEAR_NATIVE_X_BYTES;
+# beyond, torch's blocked matmul (oneDNN) wins. Measured by bench/bench_linear.py: one row
+# 1.3-1.8x torch's speed; 8 rows of 768 1.4-2.2x; 4 of 3,584 or 8 of 1,536 even; 8 of 3,584 0.7.
+LINEAR_NATIVE_MAX_ROWS = 8
+LINEAR_NATIVE_X_BYTES = 16 << 10
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``; for a few bf16 rows (decode) in C at memory speed (``csrc/linear.c``).
+    fp32 and larger batches stay with torch's matmul, which is as fast or faster there."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    k = x.shape[-1]
+    rows = x.reshape(-1, k) if x.dim() != 2 else x
+    m = rows.shape[0]
+    if m == 0 or m > LINEAR_NATIVE_MAX_ROWS or (m > 1 and m * k * 2 > LINEAR_NATIVE_X_BYTES):
+        return F.linear(x, weight, bias)
+    lib = native.load("linear")
+    fits = (
+        lib is not None
+        and rows.stride(1) == 1
+        and _cpu_dense(weight, torch.bfloat16)
+        and weight.shape[1] == k
+        and (bias is None or _cpu_dense(bias, torch.bfloat16))
+    )
+    if not fits:
+        _fallback("linear", x, weight)
+        return F.linear(x, weight, bias)
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    lib.linear_bf16(
+        m, n, k, rows.data_ptr(), rows.stride(0), weight.data_ptr(),
+        None if bias is None else bias.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    return out.view(*x.shape[:-1], n)

@@ -13,6 +13,7 @@ from mambaradix.kernels.torch_backend import TorchBackend, _copy_decode_snapshot
 class CpuBackend(TorchBackend):
     gated_delta_step = staticmethod(cpu.gated_delta_decode)
     attention_decode = staticmethod(cpu.attention_decode)
+    linear = staticmethod(cpu.linear)
     rms_norm = staticmethod(cpu.rms_norm)
     rms_norm_gated = staticmethod(cpu.rms_norm_gated)
     rms_norm_rope = staticmethod(cpu.rms_norm_rope)
@@ -27,7 +28,8 @@ class CpuBackend(TorchBackend):
     def native_ops(self) -> list[str]:
         return [
             "gdn_decode", "paged_attention_decode", "conv1d_decode", "mamba2_decode",
-            "rms_norm", "rms_norm_gated", "rms_norm_rope", "moe_pad", "moe_unpad",
+            "linear (bf16, decode)", "rms_norm", "rms_norm_gated", "rms_norm_rope", "moe_pad",
+            "moe_unpad",
         ]  # fmt: skip
 
     def conv1d_decode(self, x, weight, bias, conv_pool, layout, activation):

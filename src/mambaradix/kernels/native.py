@@ -96,6 +96,15 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR,                  # out
         ],
     },
+    "linear": {
+        "linear_bf16": [
+            _I64, _I64, _I64,      # M, N, K
+            _PTR, _I64,            # x, its row stride
+            _PTR, _PTR,            # weight [N, K], bias (nullable)
+            _PTR,                  # out [M, N]
+        ],
+        "linear_uses_dpbf16": [],
+    },
     "rms_norm": {
         "rms_norm": [
             _I64, _I64,            # rows, dim
@@ -134,7 +143,7 @@ for _lib, _name in (
     SIGNATURES[_lib][_name + "_bf16"] = SIGNATURES[_lib][_name]
 SIGNATURES["moe"]["moe_unpad_bf16"] = [*SIGNATURES["moe"]["moe_unpad"], _INT]  # + out is bf16
 # functions that return a value (the others return nothing)
-RESULTS = {"moe_pad": _I64, "moe_pad_bf16": _I64}
+RESULTS = {"moe_pad": _I64, "moe_pad_bf16": _I64, "linear_uses_dpbf16": _INT}
 
 
 def cache_dir() -> Path:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from mambaradix.kernels import attention, attention_plan, conv, gated_delta, mamba2, moe, norm, rope
 from mambaradix.kernels.backend import KernelBackend, register_backend
@@ -56,6 +57,7 @@ class TorchBackend(KernelBackend):
     # the per-call primitives; a subclass replaces those it has native code for
     gated_delta_step = staticmethod(gated_delta.gated_delta_decode)
     attention_decode = staticmethod(attention.attention_decode)
+    linear = staticmethod(F.linear)
     rms_norm = staticmethod(norm.rms_norm)
     rms_norm_gated = staticmethod(norm.rms_norm_gated)
     rms_norm_rope = staticmethod(rope.rms_norm_rope)

@@ -21,7 +21,7 @@ from torch import nn
 from mambaradix.core import StateLayerSpec
 from mambaradix.kernels.gated_delta import gdn_gates
 from mambaradix.layers.norm import GatedRMSNorm
-from mambaradix.layers.ops import KernelUser
+from mambaradix.layers.ops import KernelUser, Linear
 from mambaradix.layout import ForwardContext
 
 GDN_MERGES = {
@@ -56,16 +56,14 @@ class GatedDeltaNet(KernelUser, nn.Module):
         self.activation = activation
         # All input projections in one GEMM (``in_proj``): the HF linears stacked in the order
         # of GDN_MERGES[layout]; both layouts have qkv(z) then b/a parts.
-        self.in_proj = nn.Linear(
-            hidden, self.conv_dim + self.value_dim + 2 * num_v_heads, bias=False
-        )
+        self.in_proj = Linear(hidden, self.conv_dim + self.value_dim + 2 * num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False
         )
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, eps=eps, norm_before_gate=True)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden, bias=False)
 
     def state_layer_spec(self, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> StateLayerSpec:
         return StateLayerSpec(

@@ -22,7 +22,7 @@ from torch import nn
 from mambaradix.core import StateLayerSpec
 from mambaradix.kernels.mamba2 import process_dt
 from mambaradix.layers.norm import GatedRMSNorm
-from mambaradix.layers.ops import KernelUser
+from mambaradix.layers.ops import KernelUser, Linear
 from mambaradix.layout import ForwardContext
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class Mamba2Mixer(KernelUser, nn.Module):
         self.state_index = state_index
         self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
         self.activation = activation
-        self.in_proj = nn.Linear(
+        self.in_proj = Linear(
             hidden_size, self.intermediate + self.conv_dim + num_heads, bias=proj_bias
         )
         self.conv1d = nn.Conv1d(
@@ -78,7 +78,7 @@ class Mamba2Mixer(KernelUser, nn.Module):
             norm_before_gate=False,
             group_size=self.intermediate // n_groups,
         )
-        self.out_proj = nn.Linear(self.intermediate, hidden_size, bias=proj_bias)
+        self.out_proj = Linear(self.intermediate, hidden_size, bias=proj_bias)
 
     def state_layer_spec(
         self, conv_dtype: torch.dtype = torch.float32, ssm_dtype: torch.dtype = torch.float32

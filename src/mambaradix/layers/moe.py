@@ -16,7 +16,7 @@ from torch import nn
 
 from mambaradix.kernels.backend import KernelBackend, reference_backend
 from mambaradix.layers.mlp import GatedMLP, activation
-from mambaradix.layers.ops import KernelUser
+from mambaradix.layers.ops import KernelUser, Linear
 
 
 def route_topk(
@@ -144,7 +144,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(num_experts, hidden, intermediate, act)
         if shared_intermediate > 0:
             self.shared_expert = GatedMLP(hidden, shared_intermediate, act)
-            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False)
         else:
             self.shared_expert = None
 

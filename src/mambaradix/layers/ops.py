@@ -7,6 +7,8 @@ reference on CPU, so a model built in a test runs as is.
 
 from __future__ import annotations
 
+from torch import Tensor, nn
+
 from mambaradix.kernels.backend import KernelBackend, reference_backend
 
 
@@ -19,3 +21,11 @@ class KernelUser:
 
     def bind_ops(self, backend: KernelBackend) -> None:
         object.__setattr__(self, "_ops", backend)
+
+
+class Linear(KernelUser, nn.Linear):
+    """``nn.Linear`` (same parameters, same checkpoint names) through the backend's ``linear``:
+    a decode step is mostly weight reads, and the backend decides how they are streamed."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.ops.linear(x, self.weight, self.bias)

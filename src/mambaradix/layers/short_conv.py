@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from mambaradix.core import StateLayerSpec
-from mambaradix.layers.ops import KernelUser
+from mambaradix.layers.ops import KernelUser, Linear
 from mambaradix.layout import ForwardContext
 
 
@@ -27,7 +27,7 @@ class ShortConv(KernelUser, nn.Module):
         self.hidden_size = hidden_size
         self.kernel = kernel
         self.state_index = state_index
-        self.in_proj = nn.Linear(hidden_size, 3 * hidden_size, bias=bias)
+        self.in_proj = Linear(hidden_size, 3 * hidden_size, bias=bias)
         self.conv = nn.Conv1d(
             hidden_size,
             hidden_size,
@@ -36,7 +36,7 @@ class ShortConv(KernelUser, nn.Module):
             padding=kernel - 1,
             bias=bias,
         )
-        self.out_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
+        self.out_proj = Linear(hidden_size, hidden_size, bias=bias)
 
     def state_layer_spec(
         self, conv_dtype: torch.dtype = torch.float32, ssm_dtype: torch.dtype | None = None

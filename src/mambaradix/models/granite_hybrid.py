@@ -22,7 +22,7 @@ from mambaradix.layers.mamba2 import Mamba2Mixer
 from mambaradix.layers.mlp import activation
 from mambaradix.layers.moe import expert_weights, experts_forward
 from mambaradix.layers.norm import RMSNorm
-from mambaradix.layers.ops import KernelUser
+from mambaradix.layers.ops import KernelUser, Linear
 from mambaradix.layers.rotary import RotaryEmbedding
 from mambaradix.layout import ForwardContext
 from mambaradix.models.base import HybridCausalLM, pool_layer_indices
@@ -62,10 +62,10 @@ class ProjAttention(KernelUser, nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.attn_index = attn_index
         self.scale = scale
-        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=bias)
+        self.q_proj = Linear(hidden, num_heads * head_dim, bias=bias)
+        self.k_proj = Linear(hidden, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(hidden, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden, bias=bias)
 
     def forward(
         self,
@@ -100,8 +100,8 @@ class GraniteSharedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
-        self.input_linear = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.output_linear = nn.Linear(intermediate, hidden, bias=False)
+        self.input_linear = Linear(hidden, 2 * intermediate, bias=False)
+        self.output_linear = Linear(intermediate, hidden, bias=False)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,7 +112,7 @@ class GraniteSharedMLP(nn.Module):
 class _Router(nn.Module):
     def __init__(self, hidden: int, num_experts: int) -> None:
         super().__init__()
-        self.layer = nn.Linear(hidden, num_experts, bias=False)
+        self.layer = Linear(hidden, num_experts, bias=False)
 
 
 class GraniteMoE(KernelUser, nn.Module):
@@ -222,7 +222,7 @@ class GraniteHybridForCausalLM(HybridCausalLM):
         super().__init__()
         self._init_common(config, ssm_dtype)
         self.model = _GraniteBody(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_lm_head(getattr(config, "tie_word_embeddings", False))
         self.embedding_multiplier = float(config.embedding_multiplier)
         self.logits_scaling = float(config.logits_scaling)

@@ -17,7 +17,7 @@ from torch import nn
 
 from mambaradix.layers.attention import pooled_attention
 from mambaradix.layers.norm import RMSNorm
-from mambaradix.layers.ops import KernelUser
+from mambaradix.layers.ops import KernelUser, Linear
 from mambaradix.layers.rotary import RotaryEmbedding
 from mambaradix.layers.short_conv import ShortConv
 from mambaradix.layout import ForwardContext
@@ -44,9 +44,9 @@ def ff_dim(config: Any) -> int:
 class Lfm2FeedForward(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(hidden, intermediate, bias=False)
-        self.w3 = nn.Linear(hidden, intermediate, bias=False)
-        self.w2 = nn.Linear(intermediate, hidden, bias=False)
+        self.w1 = Linear(hidden, intermediate, bias=False)
+        self.w3 = Linear(hidden, intermediate, bias=False)
+        self.w2 = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -61,10 +61,10 @@ class Lfm2Attention(KernelUser, nn.Module):
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or h // self.num_heads
         self.attn_index = attn_index
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.out_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.q_proj = Linear(h, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.out_proj = Linear(self.num_heads * self.head_dim, h, bias=False)
         self.q_layernorm = RMSNorm(self.head_dim, config.norm_eps)
         self.k_layernorm = RMSNorm(self.head_dim, config.norm_eps)
 
@@ -128,7 +128,7 @@ class Lfm2ForCausalLM(HybridCausalLM):
         self._init_common(config, ssm_dtype)  # ssm_dtype unused: no temporal state
         kinds = list(config.layer_types)
         self.model = _Lfm2Body(config, kinds)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_lm_head(getattr(config, "tie_word_embeddings", False))
         attn = [m.self_attn for m in self.model.layers if m.is_attention]
         head_dim = attn[0].head_dim if attn else 1

@@ -19,6 +19,7 @@ from torch import nn
 from mambaradix.layers.mamba2 import Mamba2Mixer
 from mambaradix.layers.mlp import activation
 from mambaradix.layers.norm import RMSNorm
+from mambaradix.layers.ops import Linear
 from mambaradix.layout import ForwardContext
 from mambaradix.models.base import HybridCausalLM, pool_layer_indices
 from mambaradix.models.granite_hybrid import ATTENTION, MAMBA, ProjAttention, layer_kinds
@@ -36,8 +37,8 @@ class NemotronMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
         super().__init__()
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,8 +101,8 @@ class NemotronMoE(nn.Module):
             for _ in range(config.n_routed_experts)
         )
         self.shared_experts = NemotronMLP(h, config.moe_shared_expert_intermediate_size, act, bias)
-        self.fc1_latent_proj = nn.Linear(h, latent, bias=bias) if latent else None
-        self.fc2_latent_proj = nn.Linear(latent, h, bias=bias) if latent else None
+        self.fc1_latent_proj = Linear(h, latent, bias=bias) if latent else None
+        self.fc2_latent_proj = Linear(latent, h, bias=bias) if latent else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x)
@@ -199,7 +200,7 @@ class NemotronHForCausalLM(HybridCausalLM):
         self._init_common(config, ssm_dtype)
         kinds = [_PATTERN.get(k, k) for k in layer_kinds(config)]
         self.backbone = _Backbone(config, kinds)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_lm_head(getattr(config, "tie_word_embeddings", False))
         attn = [b.mixer for b in self.backbone.layers if b.kind == ATTENTION]
         mambas = [b.mixer for b in self.backbone.layers if b.kind == MAMBA]

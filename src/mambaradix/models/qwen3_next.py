@@ -21,7 +21,7 @@ from mambaradix.layers.gated_delta_net import GDN_MERGES, GatedDeltaNet
 from mambaradix.layers.mlp import GATE_UP_MERGE, GatedMLP
 from mambaradix.layers.moe import SparseMoeBlock, stack_expert_weights
 from mambaradix.layers.norm import RMSNorm
-from mambaradix.layers.ops import KernelUser
+from mambaradix.layers.ops import KernelUser, Linear
 from mambaradix.layers.rotary import RotaryEmbedding
 from mambaradix.layout import ForwardContext
 from mambaradix.models.base import HybridCausalLM
@@ -45,8 +45,8 @@ class GatedAttention(KernelUser, nn.Module):
         self.d = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.h
         bias = getattr(cfg, "attention_bias", False)
         # q_proj (query + gate per head), k_proj and v_proj stacked: one GEMM (ATTN_MERGE).
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (2 * self.h + 2 * self.hkv) * self.d, bias=bias)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=bias)
+        self.qkv_proj = Linear(cfg.hidden_size, (2 * self.h + 2 * self.hkv) * self.d, bias=bias)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, zero_centered=True)
         self.attn_layer = attn_layer
@@ -133,7 +133,7 @@ class Qwen3NextForCausalLM(HybridCausalLM):
         self.layers = nn.ModuleList(layers)
         self.num_attn_layers = n_attn
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_lm_head(
             getattr(cfg, "tie_word_embeddings", False)
             or getattr(config, "tie_word_embeddings", False)

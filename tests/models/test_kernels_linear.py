@@ -1,0 +1,130 @@
+"""The native bf16 linear (``csrc/linear.c``, decode batches of up to
+``LINEAR_NATIVE_MAX_ROWS`` rows) against float64 truth and torch's bf16 matmul at the
+projection shapes of the real-size presets, with a tolerance a bf16-accumulating kernel fails
+(negative control); a row's result does not depend on the batch around it; larger batches,
+fp32 and other layouts take torch's matmul unchanged."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mambaradix.kernels import cpu
+from mambaradix.kernels.cpu_backend import CpuBackend
+from mambaradix.kernels.torch_backend import TorchBackend
+from mambaradix.layers.ops import Linear
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None, reason="no C compiler: the native kernels cannot be built here"
+)
+
+# (in, out): Granite-4.0-H-350M's Mamba2 in/out projections, its MLP, Qwen3.5-0.8B's MLP
+# down projection, a K with a tail of 8 (not a multiple of 32) and an N that is odd
+SHAPES = [(768, 3352), (1536, 768), (2048, 768), (3584, 1024), (200, 131)]
+
+
+def make(m: int, k: int, n: int, seed: int, bias: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    b = (torch.randn(n, generator=g) * 0.1).bfloat16() if bias else None
+    return x, w, b
+
+
+def err_in_ulps(got: torch.Tensor, x, w, b) -> torch.Tensor:
+    """|got - truth| in bf16 spacings of the truth, with a floor at 2^-9 of the sum of |x w|
+    (below it the bf16 output carries no information a kernel could get right)."""
+    truth = x.double() @ w.double().T + (0 if b is None else b.double())
+    scale = x.double().abs() @ w.double().abs().T
+    mag = torch.maximum(truth.abs(), scale * 2.0**-9)
+    spacing = torch.exp2(torch.floor(torch.log2(mag)) - 7)
+    return (got.double() - truth).abs() / spacing
+
+
+def bf16_accumulated(x, w) -> torch.Tensor:
+    """A kernel that keeps its running sum in bf16 (the negative control)."""
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+    xf, wf = x.float(), w.float()
+    for i in range(x.shape[1]):
+        acc = (acc.float() + xf[:, i : i + 1] * wf[:, i]).bfloat16()
+    return acc
+
+
+@pytest.fixture
+def no_torch_matmul(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("fell back to torch's matmul")
+
+    monkeypatch.setattr(cpu.F, "linear", refuse)
+
+
+@pytest.mark.parametrize("k, n", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_native_linear_against_truth_and_torch(k, n, m, monkeypatch):
+    x, w, b = make(m, k, n, seed=k + n + m, bias=m == 3)
+    want = F.linear(x, w, b)  # torch's bf16 matmul (fp32 accumulation too)
+    monkeypatch.setattr(cpu, "LINEAR_NATIVE_X_BYTES", 1 << 40)  # the kernel at every shape
+    monkeypatch.setattr(cpu.F, "linear", lambda *a: pytest.fail("fell back to torch"))
+    got = cpu.linear(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    err = err_in_ulps(got, x, w, b)
+    # fp32 sums, one rounding to bf16: half a spacing plus the sums' own error
+    assert err.max() <= 1.0 and err.mean() <= 0.3, (err.max(), err.mean())
+    assert err_in_ulps(want, x, w, b).max() <= 1.0  # the same bound holds for torch
+    assert (got.float() - want.float()).abs().max() <= 2 * (want.float().abs().max() * 2**-8)
+    if b is None and m == 1 and k >= 768:
+        bad = err_in_ulps(bf16_accumulated(x, w), x, w, b)
+        assert bad.max() > 1.0 or bad.mean() > 0.3  # the bound catches bf16 accumulation
+
+
+def test_native_path_runs_for_decode_batches(no_torch_matmul):
+    for m in range(1, cpu.LINEAR_NATIVE_MAX_ROWS + 1):
+        x, w, _ = make(m, 768, 64, seed=m)
+        assert cpu.linear(x, w, None).shape == (m, 64)
+    x, w, _ = make(2, 768, 64, seed=9)
+    assert cpu.linear(x.view(2, 1, 768), w, None).shape == (2, 1, 64)  # leading dims kept
+
+
+def test_a_row_does_not_depend_on_its_batch(no_torch_matmul):
+    x, w, b = make(cpu.LINEAR_NATIVE_MAX_ROWS, 1000, 300, seed=5, bias=True)  # a tail of 8
+    whole = cpu.linear(x, w, b)
+    for i in range(x.shape[0]):
+        alone = cpu.linear(x[i : i + 1], w, b)
+        assert torch.equal(alone[0], whole[i])  # bit for bit, whatever the grouping
+    pair = cpu.linear(x[3:5], w, b)
+    assert torch.equal(pair, whole[3:5])
+
+
+def test_strided_rows(no_torch_matmul):
+    wide = make(4, 1000, 1, seed=2)[0]
+    x = wide[:, 100:868]  # rows 1,000 apart, 768 dense
+    _, w, _ = make(1, 768, 96, seed=3)
+    assert x.stride(0) == 1000
+    assert torch.equal(cpu.linear(x, w, None), cpu.linear(x.contiguous(), w, None))
+
+
+def test_other_inputs_take_torchs_matmul():
+    x, w, b = make(cpu.LINEAR_NATIVE_MAX_ROWS + 1, 768, 64, seed=4, bias=True)
+    assert torch.equal(cpu.linear(x, w, b), F.linear(x, w, b))  # a prefill-sized batch
+    wide = make(8, 3584, 32, seed=6)  # 8 rows of 3,584: beyond what the kernel keeps in L1
+    assert torch.equal(cpu.linear(wide[0], wide[1], None), F.linear(wide[0], wide[1]))
+    xf, wf = x.float(), w.float()
+    assert torch.equal(cpu.linear(xf[:2], wf, None), F.linear(xf[:2], wf))  # fp32
+    wt = w.T.contiguous().T  # a transposed weight: not the dense [out, in] the kernel reads
+    assert torch.equal(cpu.linear(x[:2], wt, None), F.linear(x[:2], wt))
+
+
+def test_linear_module_goes_through_its_backend(monkeypatch):
+    torch.manual_seed(0)
+    lin = Linear(768, 64, bias=True).to(torch.bfloat16)
+    x = torch.randn(2, 768).bfloat16()
+    lin.bind_ops(TorchBackend())
+    ref = lin(x)
+    assert torch.equal(ref, F.linear(x, lin.weight, lin.bias))
+    monkeypatch.setattr(cpu.F, "linear", lambda *a: pytest.fail("fell back to torch"))
+    lin.bind_ops(CpuBackend())
+    got = lin(x)  # the C kernel (torch's matmul now refuses)
+    assert (got.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2**-7
