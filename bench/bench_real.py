@@ -316,36 +316,21 @@ def run_preset(preset: str, args: argparse.Namespace, bw: float, flops: float) -
          hf_load_seconds=statistics.median(hf_loads) if hf_loads else float("nan"),
          ratio_to_hf=start / statistics.median(hf_loads) if hf_loads else float("nan"),
          first_request_over_later=first)  # fmt: skip
+    # Every engine figure first, then transformers' in the same process: a transformers model
+    # loaded (and run) beside the engine slowed its batch-1 decode by ~20% here (16 against 20
+    # tok/s), which would charge transformers' presence to us.
     eng = Engine(
         model_path=str(folder), num_threads=args.threads, disable_radix_cache=True, dtype=dtype
     )
     read_bytes, linear_params = weight_figures(eng.model)
     vocab = eng.model.vocab_size
-    hf = None
-    if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype)).eval()
-    prefill_limit = flops / (2 * linear_params)
-    for n in (512, 2048):
-        ours = engine_prefill(eng, n, vocab, args.repeats)
-        theirs = hf_prefill(hf, n, vocab) if hf is not None else float("nan")
-        line(preset, f"prefill_{n}", tok_s=ours, hf_tok_s=theirs, ratio_to_hf=ours / theirs,
-             limit_tok_s=prefill_limit, of_limit=ours / prefill_limit)  # fmt: skip
+    prefill = {n: engine_prefill(eng, n, vocab, args.repeats) for n in (512, 2048)}
     bar.update()
-    decode_limit = bw / read_bytes
-    b1 = None
+    decode = {}
     for batch in (1, 16, 64):
-        ours = max(engine_decode(eng, batch, vocab, args.decode_steps, s) for s in range(2))
-        b1 = b1 or ours
-        theirs = (
-            hf_decode(hf, batch, vocab, args.decode_steps)
-            if hf is not None and batch <= 16
-            else float("nan")
+        decode[batch] = max(
+            engine_decode(eng, batch, vocab, args.decode_steps, s) for s in range(2)
         )
-        extra = dict(limit_tok_s=decode_limit, of_limit=ours / decode_limit) if batch == 1 else {}
-        line(preset, f"decode_b{batch}", tok_s=ours, hf_tok_s=theirs, ratio_to_hf=ours / theirs,
-             over_batch1=ours / b1, **extra)  # fmt: skip
         bar.update()
     eng.shutdown()
     prompts = w1_workload(vocab)
@@ -353,9 +338,29 @@ def run_preset(preset: str, args: argparse.Namespace, bw: float, flops: float) -
     ideal = 4 * 576 + 28 * (576 - 512)  # each group's first computes all, the rest the question
     t, computed = engine_w1(eng, prompts)
     eng.shutdown()
-    theirs = hf_w1(hf, prompts) if hf is not None else float("nan")
+    nan = float("nan")
+    hf_prefill_s, hf_decode_s, hf_w1_s = dict.fromkeys(prefill, nan), {}, nan
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype)).eval()
+        hf_prefill_s = {n: hf_prefill(hf, n, vocab) for n in prefill}
+        hf_decode_s = {b: hf_decode(hf, b, vocab, args.decode_steps) for b in (1, 16)}
+        hf_w1_s = hf_w1(hf, prompts)
+        del hf
+    prefill_limit = flops / (2 * linear_params)
+    for n, ours in prefill.items():
+        theirs = hf_prefill_s[n]
+        line(preset, f"prefill_{n}", tok_s=ours, hf_tok_s=theirs, ratio_to_hf=ours / theirs,
+             limit_tok_s=prefill_limit, of_limit=ours / prefill_limit)  # fmt: skip
+    decode_limit = bw / read_bytes
+    for batch, ours in decode.items():
+        theirs = hf_decode_s.get(batch, nan)
+        extra = dict(limit_tok_s=decode_limit, of_limit=ours / decode_limit) if batch == 1 else {}
+        line(preset, f"decode_b{batch}", tok_s=ours, hf_tok_s=theirs, ratio_to_hf=ours / theirs,
+             over_batch1=ours / decode[1], **extra)  # fmt: skip
     line(preset, "w1", seconds=t, computed_prompt_tokens=computed, ideal_tokens=ideal,
-         hf_seconds=theirs, speedup_vs_hf=theirs / t)  # fmt: skip
+         hf_seconds=hf_w1_s, speedup_vs_hf=hf_w1_s / t)  # fmt: skip
     bar.update()
     bar.close()
 
