@@ -18,28 +18,35 @@
 
 #include "vec_math.h"
 
+#define CONV_CHUNK 256 /* channels per parallel task, vectorised within */
+
 static inline __attribute__((always_inline)) void conv_update(
     int64_t B, const int64_t *slots, const void *x, int64_t x_stride, void *conv_pool,
     const void *weight, const void *bias, void *out, int64_t C, int64_t kernel, int silu,
     const int bf)
 {
     const int64_t k1 = kernel - 1;
+    const int64_t chunks = (C + CONV_CHUNK - 1) / CONV_CHUNK;
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++) {
-        for (int64_t c = 0; c < C; c++) {
-            const int64_t s0 = (slots[b] * C + c) * k1, w = c * kernel;
-            const float xc = ld(x, b * x_stride + c, bf);
-            float acc = 0.0f;
-            for (int64_t j = 0; j < k1; j++)
-                acc += rnd(ld(weight, w + j, bf) * ld(conv_pool, s0 + j, bf), bf);
-            acc = rnd(acc + rnd(ld(weight, w + k1, bf) * xc, bf), bf);
-            for (int64_t j = 0; j + 1 < k1; j++)
-                st(conv_pool, s0 + j, ld(conv_pool, s0 + j + 1, bf), bf);
-            if (k1 > 0)
-                st(conv_pool, s0 + k1 - 1, xc, bf);
-            if (bias)
-                acc = rnd(acc + ld(bias, c, bf), bf);
-            st(out, b * C + c, silu ? acc / (1.0f + expf(-acc)) : acc, bf);
+        for (int64_t ch = 0; ch < chunks; ch++) {
+            const int64_t c1 = (ch + 1) * CONV_CHUNK < C ? (ch + 1) * CONV_CHUNK : C;
+#pragma omp simd
+            for (int64_t c = ch * CONV_CHUNK; c < c1; c++) {
+                const int64_t s0 = (slots[b] * C + c) * k1, w = c * kernel;
+                const float xc = ld(x, b * x_stride + c, bf);
+                float acc = 0.0f;
+                for (int64_t j = 0; j < k1; j++)
+                    acc += rnd(ld(weight, w + j, bf) * ld(conv_pool, s0 + j, bf), bf);
+                acc = rnd(acc + rnd(ld(weight, w + k1, bf) * xc, bf), bf);
+                for (int64_t j = 0; j + 1 < k1; j++)
+                    st(conv_pool, s0 + j, ld(conv_pool, s0 + j + 1, bf), bf);
+                if (k1 > 0)
+                    st(conv_pool, s0 + k1 - 1, xc, bf);
+                if (bias)
+                    acc = rnd(acc + ld(bias, c, bf), bf);
+                st(out, b * C + c, silu ? acc / (1.0f + exp_poly(-acc)) : acc, bf);
+            }
         }
     }
 }
@@ -59,15 +66,21 @@ static inline __attribute__((always_inline)) void m2_step(
             const float skip = D ? ld(D, h, bf) : 0.0f;
             float *S = ssm_pool + (slots[b] * H + h) * P * N;
             const int64_t bc = b * bc_stride + g * N;
+            float bv[N], cv[N]; /* the group's B and C in fp32, so the loop below vectorises */
+            for (int64_t n = 0; n < N; n++) {
+                bv[n] = ld(Bm, bc + n, bf);
+                cv[n] = ld(Cm, bc + n, bf);
+            }
             for (int64_t p = 0; p < P; p++) {
                 const float xv = ld(x, b * x_stride + h * P + p, bf);
                 const float xdt = xv * d;
                 float *row = S + p * N;
                 float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
                 for (int64_t n = 0; n < N; n++) {
-                    const float s = row[n] * decay + xdt * ld(Bm, bc + n, bf);
+                    const float s = row[n] * decay + xdt * bv[n];
                     row[n] = s;
-                    acc += s * ld(Cm, bc + n, bf);
+                    acc += s * cv[n];
                 }
                 y[(b * H + h) * P + p] = acc + skip * xv;
             }
