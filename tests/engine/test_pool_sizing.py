@@ -133,6 +133,16 @@ def test_too_little_memory_is_a_clear_error():
     with pytest.raises(ValueError, match="--max-total-tokens"):
         # 30 MB budget, one explicit slot: not the 4,096-token minimum of 12 KB each
         plan("qwen3_5_0_8b", available=60 * MiB, max_mamba_cache_size=1)
+    # explicit slots fit the budget, but what they leave does not hold the KV minimum: an
+    # error, not pools larger than the budget
+    p = plan("qwen3_5_0_8b", available=64 * GiB, mem_budget_gb=0.5)
+    slots = int((p.budget_bytes - 2048 * p.kv_bytes_per_token) // p.slot_bytes)
+    assert slots * p.slot_bytes < p.budget_bytes
+    with pytest.raises(ValueError, match="--max-mamba-cache-size .* leaves .* lower it"):
+        plan("qwen3_5_0_8b", available=64 * GiB, mem_budget_gb=0.5, max_mamba_cache_size=slots)
+    fits = plan("qwen3_5_0_8b", available=64 * GiB, mem_budget_gb=0.5,
+                max_mamba_cache_size=slots - 3)  # fmt: skip
+    assert fits.pool_bytes <= fits.budget_bytes
     with pytest.raises(ValueError, match="--max-running-requests 20 needs 60 state slots"):
         plan(
             "qwen3_5_0_8b",

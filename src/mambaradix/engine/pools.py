@@ -146,6 +146,13 @@ def plan_pools(
         rest = budget - slots * slot_bytes if cfg.max_mamba_cache_size > 0 else budget / (1 + ratio)
         tokens = min(int(max(rest, 0) // kv_bytes), MAX_TOKENS)
         if tokens < MIN_TOKENS:
+            if cfg.max_mamba_cache_size > 0 and MIN_TOKENS * kv_bytes > rest:
+                raise ValueError(
+                    f"--max-mamba-cache-size {slots} ({slots * slot_bytes / GiB:.2f} GB) leaves "
+                    f"{max(rest, 0) / GiB:.2f} GB of the pool budget ({budget / GiB:.2f} GB, "
+                    f"{source}), less than {MIN_TOKENS} KV tokens of {kv_bytes} B; lower it, "
+                    "raise --mem-fraction-static / --mem-budget-gb or set --max-total-tokens"
+                )
             if MIN_TOKENS * kv_bytes > budget:
                 raise ValueError(
                     f"the pool budget ({budget / GiB:.2f} GB, {source}) cannot hold "
