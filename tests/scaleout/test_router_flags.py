@@ -24,7 +24,7 @@ def test_cache_aware_thresholds_reach_the_gateway():
     assert flag(cmd, "--cache-threshold") == "0.6"
     default = ReplicaSet(EngineConfig(model_path="tiny:qwen3_next"), ServerConfig(),
                          ScaleOutConfig(dp_size=2)).gateway_cmd()  # fmt: skip
-    assert flag(default, "--balance-abs-threshold") == "2"  # not the gateway's 64
+    assert flag(default, "--balance-abs-threshold") == "8"  # not the gateway's 64
     so = ScaleOutConfig(dp_size=2, router_policy="round_robin")
     rr = ReplicaSet(EngineConfig(model_path="tiny:qwen3_next"), ServerConfig(), so).gateway_cmd()
     assert flag(rr, "--policy") == "round_robin" and "--balance-abs-threshold" not in rr

@@ -59,11 +59,11 @@ class ScaleOutConfig:
         "cache_aware", "Gateway routing policy (with --dp-size > 1).", POLICIES
     )
     router_balance_abs_threshold: int = opt(
-        2,
+        8,
         "cache_aware: the gateway sends a request to the least-loaded replica instead of the "
         "one its tree picks once the replicas' in-flight requests differ by more than this "
         "(and by --router-balance-rel-threshold). The gateway's default, 64, is sized for GPU "
-        "servers; a CPU replica runs a few requests at a time.",
+        "servers batching hundreds; 8 is about one CPU replica's decode batch.",
     )
     router_balance_rel_threshold: float = opt(
         1.5, "cache_aware: ... and the busiest replica has more than this times the idlest's."
