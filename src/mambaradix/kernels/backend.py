@@ -129,6 +129,11 @@ class KernelBackend(ABC):
         """``weight * rms_norm(x) * silu(gate)``."""
 
     @abstractmethod
+    def rms_norm_gate_first(self, x: Tensor, gate: Tensor, weight: Tensor, eps: float,
+                            group_size: int) -> Tensor:  # fmt: skip
+        """``weight * rms_norm(x * silu(gate))``, each group of ``group_size`` on its own."""
+
+    @abstractmethod
     def rms_norm_rope(self, x: Tensor, weight: Tensor, eps: float, zero_centered: bool,
                       cos: Tensor, sin: Tensor) -> Tensor:  # fmt: skip
         """Per-head RMSNorm of ``x`` ``[T, H, D]`` then rotate-half RoPE of its first

@@ -158,6 +158,33 @@ def rms_norm_gated(
     return out.view(x.shape)
 
 
+def rms_norm_gate_first(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int
+) -> torch.Tensor:
+    """``kernels.norm.rms_norm_gate_first``: silu in torch (fp32, as the reference), the
+    product, the per-group norm and the weight in one C pass per group."""
+    fn = _native_fn(native.load("rms_norm"), "rms_norm_gate_first", x.dtype)
+    dim = x.shape[-1]
+    rows = gates = None
+    fits = fn is not None and x.dtype == gate.dtype and x.numel() and x.shape == gate.shape
+    if fits and x.device.type == "cpu" and group_size > 0 and dim % group_size == 0:
+        if _cpu_dense(weight, x.dtype) and weight.numel() == dim:
+            try:  # views: leading dims must merge
+                rows = x.view(-1, dim)
+                gates = F.silu(gate.reshape(-1, dim).float())  # a copy if strided or bf16
+            except RuntimeError:
+                rows = None
+    if rows is None or rows.stride(1) != 1 or gates.stride(1) != 1:
+        _fallback("rms_norm_gate_first", x, gate, weight)
+        return norm.rms_norm_gate_first(x, gate, weight, eps, group_size)
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    fn(
+        rows.shape[0], group_size, dim // group_size, rows.data_ptr(), rows.stride(0),
+        gates.data_ptr(), gates.stride(0), weight.data_ptr(), eps, out.data_ptr(),
+    )  # fmt: skip
+    return out.view(x.shape)
+
+
 def attention_decode(
     q: torch.Tensor,
     k_pool: torch.Tensor,

@@ -16,6 +16,7 @@ class CpuBackend(TorchBackend):
     linear = staticmethod(cpu.linear)
     rms_norm = staticmethod(cpu.rms_norm)
     rms_norm_gated = staticmethod(cpu.rms_norm_gated)
+    rms_norm_gate_first = staticmethod(cpu.rms_norm_gate_first)
     rms_norm_rope = staticmethod(cpu.rms_norm_rope)
     moe_pad = staticmethod(cpu.moe_pad)
     moe_unpad = staticmethod(cpu.moe_unpad)
@@ -28,7 +29,8 @@ class CpuBackend(TorchBackend):
     def native_ops(self) -> list[str]:
         return [
             "gdn_decode", "paged_attention_decode", "conv1d_decode", "mamba2_decode",
-            "linear (bf16, decode)", "rms_norm", "rms_norm_gated", "rms_norm_rope", "moe_pad",
+            "linear (bf16, decode)", "rms_norm", "rms_norm_gated", "rms_norm_gate_first",
+            "rms_norm_rope", "moe_pad",
             "moe_unpad",
         ]  # fmt: skip
 

@@ -119,6 +119,13 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR, _PTR, _I64,      # cos, sin, rotary dim
             _PTR,                  # out
         ],
+        "rms_norm_gate_first": [
+            _I64, _I64, _I64,      # rows, group size, groups
+            _PTR, _I64,            # x, its row stride
+            _PTR, _I64,            # silu(gate), its row stride
+            _PTR, ctypes.c_float,  # weight, eps
+            _PTR,                  # out
+        ],
         "rms_norm_gated": [
             _I64, _I64,            # rows, dim
             _PTR, _I64,            # x, its row stride
@@ -133,6 +140,7 @@ SIGNATURES: dict[str, dict[str, list]] = {
 for _lib, _name in (
     ("rms_norm", "rms_norm"),
     ("rms_norm", "rms_norm_gated"),
+    ("rms_norm", "rms_norm_gate_first"),
     ("rms_norm", "rms_norm_rope"),
     ("gated_delta_decode", "gated_delta_decode"),
     ("attention_decode", "attention_decode"),  # bf16 pools; q, shared piece and out fp32

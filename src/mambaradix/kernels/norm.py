@@ -22,6 +22,17 @@ def rms_norm(
     return weight * y.to(x.dtype)
 
 
+def rms_norm_gate_first(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int
+) -> torch.Tensor:
+    """``weight * norm(x * silu(gate))`` with each group of ``group_size`` features normalised
+    on its own (Mamba2's output norm), in x's dtype; ``gate`` has x's shape."""
+    y = x.float() * F.silu(gate.float())
+    shape = y.shape
+    y = rms_normalize(y.reshape(*shape[:-1], shape[-1] // group_size, group_size), eps)
+    return weight * y.reshape(shape).to(x.dtype)
+
+
 def rms_norm_gated(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:

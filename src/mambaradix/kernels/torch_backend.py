@@ -60,6 +60,7 @@ class TorchBackend(KernelBackend):
     linear = staticmethod(F.linear)
     rms_norm = staticmethod(norm.rms_norm)
     rms_norm_gated = staticmethod(norm.rms_norm_gated)
+    rms_norm_gate_first = staticmethod(norm.rms_norm_gate_first)
     rms_norm_rope = staticmethod(rope.rms_norm_rope)
     moe_pad = staticmethod(moe.moe_pad)
     moe_unpad = staticmethod(moe.moe_unpad)

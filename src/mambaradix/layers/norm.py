@@ -57,5 +57,6 @@ class GatedRMSNorm(KernelUser, nn.Module):
         if self.norm_before_gate:
             y = self.weight * self._norm(x).to(dtype)
             return (y * F.silu(gate.float())).to(dtype)
-        y = x.float() * F.silu(gate.float())
-        return self.weight * self._norm(y).to(dtype)
+        return self.ops.rms_norm_gate_first(
+            x, gate, self.weight, self.eps, self.group_size or x.shape[-1]
+        )

@@ -60,6 +60,25 @@ ALWAYS_INLINE void norm_gated(
     }
 }
 
+/* Mamba2's gate-first norm of one group: v = x * silu(gate) in fp32, out = weight *
+ * round(v / rms(v)) (the reference normalises in fp32, rounds, then multiplies by the weight in
+ * the model's dtype). */
+ALWAYS_INLINE void norm_gate_first(
+    int64_t dim, const void *x, int64_t xo, const float *gr, const void *weight, int64_t wo,
+    float eps, void *out, int64_t oo, const int bf)
+{
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; i++) {
+        const float v = ld(x, xo + i, bf) * gr[i];
+        ss += v * v;
+    }
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++)
+        st(out, oo + i, ld(weight, wo + i, bf) * rnd(ld(x, xo + i, bf) * gr[i] * inv, bf), bf);
+}
+
 ALWAYS_INLINE void norm_rope(
     int64_t D, const void *x, int64_t xo, const void *weight, float eps, int zero_centered,
     const float *c, const float *s, int64_t rd, void *out, int64_t oo, const int bf)
@@ -142,4 +161,27 @@ void rms_norm_rope_bf16(int64_t T, int64_t H, int64_t D, const uint16_t *x, int6
     for (int64_t r = 0; r < T * H; r++)
         norm_rope(D, x, (r / H) * x_stride_t + (r % H) * x_stride_h, weight, eps,
                   zero_centered, cos + (r / H) * rd, sin + (r / H) * rd, rd, out, r * D, 1);
+}
+
+/* rows x groups of `dim` (the group size): x and the silu'd gate row-strided, out dense */
+#define GATE_FIRST_BODY(bf)                                                                    \
+    ROWS_PARALLEL                                                                              \
+    for (int64_t r = 0; r < rows * groups; r++) {                                              \
+        const int64_t row = r / groups, g = r % groups;                                        \
+        norm_gate_first(dim, x, row * x_stride + g * dim, gate + row * gate_stride + g * dim,  \
+                        weight, g * dim, eps, out, r * dim, bf);                               \
+    }
+
+void rms_norm_gate_first(int64_t rows, int64_t dim, int64_t groups, const float *x,
+                         int64_t x_stride, const float *gate, int64_t gate_stride,
+                         const float *weight, float eps, float *out)
+{
+    GATE_FIRST_BODY(0)
+}
+
+void rms_norm_gate_first_bf16(int64_t rows, int64_t dim, int64_t groups, const uint16_t *x,
+                              int64_t x_stride, const float *gate, int64_t gate_stride,
+                              const uint16_t *weight, float eps, uint16_t *out)
+{
+    GATE_FIRST_BODY(1)
 }
