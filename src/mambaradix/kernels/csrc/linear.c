@@ -2,12 +2,13 @@
  * rows m, w [N, K] row-major (nn.Linear's weight), x rows strided, out [M, N] dense.
  *
  * Why: a decode step reads every weight once for one or a few tokens, so it runs at the speed
- * the weights stream from memory. torch's bf16 linear for one row reaches 3-9 GB/s here where
- * the machine reads ~25 GB/s (fp32: ~30 GB/s): bf16 decode paid three times its weight reads.
+ * the weights stream from memory. torch's bf16 linear for one row read its weights at 14-20
+ * GB/s here (bench/bench_linear.py, weights out of cache) where a plain read reaches 31-50;
+ * this kernel reaches 24-31.
  *
  * How: output features are split over the threads; each weight row is streamed once and
- * dotted with every x row while it sits in L1. Products are exact (bf16 x bf16 fits in fp32)
- * and accumulate in fp32 lanes summed at the end, in an order fixed by K alone: a row's result
+ * dotted with every x row while it sits in L1. Products are exact (bf16 x bf16 fits in fp32;
+ * the AVX-512 instruction flushes denormals) and accumulate in fp32 lanes summed at the end, in an order fixed by K alone: a row's result
  * never depends on the other rows of the batch or the thread count. The bias is added in fp32
  * before the single rounding to bf16, as torch's addmm does.
  */
