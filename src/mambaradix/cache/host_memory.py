@@ -23,7 +23,7 @@ def lazy_zeros(
     """A zero tensor; on the CPU, backed by an anonymous mapping faulted in page by page. The
     tensor holds the mapping; it is unmapped when the last view of the tensor is freed."""
     device = torch.device(device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < MAPPED_MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -6,9 +6,13 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_normalize(x: torch.Tensor, eps: float, group_size: int | None = None) -> torch.Tensor:
+    """``x / rms(x)`` in fp32 over the last dim, or over each group of ``group_size`` of it."""
     xf = x.float()
-    return xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if group_size is None or group_size == xf.shape[-1]:
+        return xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    shape = xf.shape
+    return rms_normalize(xf.reshape(*shape[:-1], -1, group_size), eps).reshape(shape)
 
 
 def rms_norm(
@@ -27,10 +31,8 @@ def rms_norm_gate_first(
 ) -> torch.Tensor:
     """``weight * norm(x * silu(gate))`` with each group of ``group_size`` features normalised
     on its own (Mamba2's output norm), in x's dtype; ``gate`` has x's shape."""
-    y = x.float() * F.silu(gate.float())
-    shape = y.shape
-    y = rms_normalize(y.reshape(*shape[:-1], shape[-1] // group_size, group_size), eps)
-    return weight * y.reshape(shape).to(x.dtype)
+    y = rms_normalize(x.float() * F.silu(gate.float()), eps, group_size)
+    return weight * y.to(x.dtype)
 
 
 def rms_norm_gated(

@@ -42,20 +42,13 @@ class GatedRMSNorm(KernelUser, nn.Module):
         self.group_size = group_size
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.group_size is None or self.group_size == x.shape[-1]:
-            return rms_normalize(x, self.eps)
-        shape = x.shape
-        xg = x.reshape(*shape[:-1], shape[-1] // self.group_size, self.group_size)
-        return rms_normalize(xg, self.eps).reshape(shape)
-
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         whole = self.group_size is None or self.group_size == x.shape[-1]
         if self.norm_before_gate and whole:
             return self.ops.rms_norm_gated(x, gate, self.weight, self.eps)
         if self.norm_before_gate:
-            y = self.weight * self._norm(x).to(dtype)
+            y = self.weight * rms_normalize(x, self.eps, self.group_size).to(dtype)
             return (y * F.silu(gate.float())).to(dtype)
         return self.ops.rms_norm_gate_first(
             x, gate, self.weight, self.eps, self.group_size or x.shape[-1]
