@@ -210,6 +210,49 @@ def test_gated_delta_decode_bf16_real_shapes(hk, hv, monkeypatch):
 
 
 @pytest.mark.parametrize(
+    "channels,width,activation",
+    [
+        (1792 + 8, 4, "silu"),  # Granite-4.0-H-350M's Mamba2 xBC (+ a tail of 8 channels)
+        (6144, 4, "silu"),  # Qwen3.5-0.8B's Gated DeltaNet q, k, v
+        (1024 + 5, 3, None),  # LFM2-350M's short conv (+ a tail of 5)
+    ],
+)
+def test_conv1d_update_bf16_real_shapes(channels, width, activation, monkeypatch):
+    """The decode conv step, 16 channels a vector for widths 3 and 4 (the scalar loop for the
+    tail): the state shifts exactly and only in the batch's slots; the output is what the torch
+    reference computes (it rounds alike: each product, the sum, the bias add), to 1 ulp where the
+    activation's exp differs in its last bits, and equal almost everywhere."""
+    from mambaradix.kernels import conv as conv_ref
+
+    g = torch.Generator().manual_seed(channels)
+    B, S = 3, 6
+    x_wide = torch.randn(B, channels + 40, generator=g).bfloat16()
+    x = x_wide[:, 8 : 8 + channels]  # a row-strided view, as the projection split gives it
+    pool = torch.randn(S, channels, width - 1, generator=g).bfloat16()
+    weight = (torch.randn(channels, width, generator=g) * 0.5).bfloat16()
+    bias = torch.randn(channels, generator=g).bfloat16() if activation else None
+    slots = torch.tensor([4, 0, 2])
+    want, want_state = conv_ref.causal_conv1d_update(
+        x, pool[slots].clone(), weight, bias, activation
+    )
+    got_pool = pool.clone()
+    monkeypatch.setattr(cpu, "_fallback", None)  # the native path must run
+    got = cpu.conv1d_update(x, got_pool, slots, weight, bias, activation)
+    monkeypatch.undo()
+    assert got is not None and got.dtype == torch.bfloat16
+    assert torch.equal(got_pool[slots], want_state)
+    others = [s for s in range(S) if s not in slots.tolist()]
+    assert torch.equal(got_pool[others], pool[others])
+    e = ulps(got, want, floor=want.abs().mean())
+    assert e.max() <= 1 and (e > 0).float().mean() <= 0.01, (e.max(), (e > 0).float().mean())
+    # negative control: a state that did not shift gives other outputs
+    stale = cpu.conv1d_update(x, pool.clone(), slots, weight, bias, activation)
+    assert torch.equal(stale, got)  # same start state, same result
+    again = cpu.conv1d_update(x, got_pool, slots, weight, bias, activation)
+    assert ulps(again, want, floor=want.abs().mean()).mean() > 0.5
+
+
+@pytest.mark.parametrize(
     "hq,hkv,d,sizes",
     [
         (16, 2, 256, [(4, 300), (3, 130), (2, 0)]),  # Qwen3-Next / Qwen3.5: head 256, GQA 8

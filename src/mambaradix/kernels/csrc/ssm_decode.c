@@ -16,40 +16,74 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "conv_window.h"
 #include "vec_math.h"
 
-#define CONV_CHUNK 256 /* channels per parallel task, vectorised within */
+#define CONV_CHUNK 256 /* channels per parallel task */
+#define CONV_SERIAL 16384 /* fewer channels than this in a step (B x C) run on one thread */
 
-static inline __attribute__((always_inline)) void conv_update(
-    int64_t B, const int64_t *slots, const void *x, int64_t x_stride, void *conv_pool,
-    const void *weight, const void *bias, void *out, int64_t C, int64_t kernel, int silu,
-    const int bf)
+/* Channels c0 .. c1 - 1 of request b. bf16 with kernel width 3 or 4 runs 16 channels a vector
+ * (conv_window.h), the same roundings as the scalar loop, which takes the rest. */
+static inline __attribute__((always_inline)) void conv_channels(
+    int64_t b, int64_t c0, int64_t c1, const int64_t *slots, const void *x, int64_t x_stride,
+    void *conv_pool, const void *weight, const void *bias, void *out, int64_t C, int64_t kernel,
+    int silu, const int bf)
 {
     const int64_t k1 = kernel - 1;
-    const int64_t chunks = (C + CONV_CHUNK - 1) / CONV_CHUNK;
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t ch = 0; ch < chunks; ch++) {
-            const int64_t c1 = (ch + 1) * CONV_CHUNK < C ? (ch + 1) * CONV_CHUNK : C;
-#pragma omp simd
-            for (int64_t c = ch * CONV_CHUNK; c < c1; c++) {
-                const int64_t s0 = (slots[b] * C + c) * k1, w = c * kernel;
-                const float xc = ld(x, b * x_stride + c, bf);
-                float acc = 0.0f;
-                for (int64_t j = 0; j < k1; j++)
-                    acc += rnd(ld(weight, w + j, bf) * ld(conv_pool, s0 + j, bf), bf);
-                acc = rnd(acc + rnd(ld(weight, w + k1, bf) * xc, bf), bf);
-                for (int64_t j = 0; j + 1 < k1; j++)
-                    st(conv_pool, s0 + j, ld(conv_pool, s0 + j + 1, bf), bf);
-                if (k1 > 0)
-                    st(conv_pool, s0 + k1 - 1, xc, bf);
-                if (bias)
-                    acc = rnd(acc + ld(bias, c, bf), bf);
-                st(out, b * C + c, silu ? acc / (1.0f + exp_poly(-acc)) : acc, bf);
-            }
+    int64_t c = c0;
+#if HAVE_CONV_WINDOW
+    if (bf && (kernel == 3 || kernel == 4)) {
+        const uint16_t *xr = (const uint16_t *)x + b * x_stride;
+        uint16_t *state = (uint16_t *)conv_pool + slots[b] * C * k1;
+        for (; c + 16 <= c1; c += 16) {
+            __m512 win[4], wv[4];
+            cw_window16(c, (int)kernel, xr, state, (const uint16_t *)weight, win, wv);
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t j = 0; j < k1; j++)
+                acc = _mm512_add_ps(acc, cw_round_bf16(_mm512_mul_ps(wv[j], win[j])));
+            acc = cw_round_bf16(
+                _mm512_add_ps(acc, cw_round_bf16(_mm512_mul_ps(wv[k1], win[k1]))));
+            if (bias)
+                acc = cw_round_bf16(_mm512_add_ps(
+                    acc, cw_bf16_to_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)bias + c)))));
+            if (silu)
+                acc = _mm512_div_ps(acc, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                       cw_exp_poly(_mm512_sub_ps(_mm512_setzero_ps(), acc))));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + b * C + c), cw_ps_to_bf16(acc));
         }
     }
+#endif
+    for (; c < c1; c++) {
+        const int64_t s0 = (slots[b] * C + c) * k1, w = c * kernel;
+        const float xc = ld(x, b * x_stride + c, bf);
+        float acc = 0.0f;
+        for (int64_t j = 0; j < k1; j++)
+            acc += rnd(ld(weight, w + j, bf) * ld(conv_pool, s0 + j, bf), bf);
+        acc = rnd(acc + rnd(ld(weight, w + k1, bf) * xc, bf), bf);
+        for (int64_t j = 0; j + 1 < k1; j++)
+            st(conv_pool, s0 + j, ld(conv_pool, s0 + j + 1, bf), bf);
+        if (k1 > 0)
+            st(conv_pool, s0 + k1 - 1, xc, bf);
+        if (bias)
+            acc = rnd(acc + ld(bias, c, bf), bf);
+        st(out, b * C + c, silu ? acc / (1.0f + exp_poly(-acc)) : acc, bf);
+    }
 }
+
+/* The parallel loop sits in each exported function, so that `bf` is a constant inside its
+ * outlined region (vec_math.h). */
+#define CONV_UPDATE(bf)                                                                  \
+    do {                                                                                 \
+        const int64_t chunks = (C + CONV_CHUNK - 1) / CONV_CHUNK;                        \
+        _Pragma("omp parallel for collapse(2) schedule(static) if (B * C >= CONV_SERIAL)") \
+        for (int64_t b = 0; b < B; b++)                                                  \
+            for (int64_t ch = 0; ch < chunks; ch++) {                                    \
+                const int64_t c0 = ch * CONV_CHUNK;                                      \
+                const int64_t c1 = c0 + CONV_CHUNK < C ? c0 + CONV_CHUNK : C;            \
+                conv_channels(b, c0, c1, slots, x, x_stride, conv_pool, weight, bias, out, \
+                              C, kernel, silu, bf);                                      \
+            }                                                                            \
+    } while (0)
 
 static inline __attribute__((always_inline)) void m2_step(
     int64_t B, const int64_t *slots, float *ssm_pool, const void *x, int64_t x_stride,
@@ -91,16 +125,15 @@ static inline __attribute__((always_inline)) void m2_step(
 #define CONV_ARGS                                                                        \
     int64_t B, const int64_t *slots, const void *x, int64_t x_stride, void *conv_pool,   \
         const void *weight, const void *bias, void *out, int64_t C, int64_t kernel, int silu
-#define CONV_PASS B, slots, x, x_stride, conv_pool, weight, bias, out, C, kernel, silu
 #define STEP_ARGS                                                                        \
     int64_t B, const int64_t *slots, float *ssm_pool, const void *x, int64_t x_stride,   \
         const float *dt, const float *A, const void *Bm, const void *Cm, int64_t bc_stride, \
         const void *D, float *y, int64_t H, int64_t P, int64_t G, int64_t N
 #define STEP_PASS B, slots, ssm_pool, x, x_stride, dt, A, Bm, Cm, bc_stride, D, y, H, P, G, N
 
-void conv1d_update(CONV_ARGS) { conv_update(CONV_PASS, 0); }
+void conv1d_update(CONV_ARGS) { CONV_UPDATE(0); }
 
-void conv1d_update_bf16(CONV_ARGS) { conv_update(CONV_PASS, 1); }
+void conv1d_update_bf16(CONV_ARGS) { CONV_UPDATE(1); }
 
 void mamba2_step(STEP_ARGS) { m2_step(STEP_PASS, 0); }
 
