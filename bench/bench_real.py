@@ -187,11 +187,19 @@ AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=getattr(torch, sys.argv[
 print(json.dumps({"load": time.perf_counter() - t0}))
 """
 
+BANDWIDTH_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[4])
+from bench_real import read_bandwidth
+print(json.dumps({"read_bytes_s": read_bandwidth(int(sys.argv[2]))}))
+"""
+
 
 def fresh(script: str, folder: Path, threads: int, dtype: str) -> dict[str, float]:
     """Run ``script`` in a new interpreter (the clock starts at its first line)."""
+    here = str(Path(__file__).parent)
     out = subprocess.run(
-        [sys.executable, "-c", script, str(folder), str(threads), dtype],
+        [sys.executable, "-c", script, str(folder), str(threads), dtype, here],
         capture_output=True, text=True, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -302,7 +310,6 @@ def line(preset: str, what: str, **fields: Any) -> None:
 def run_preset(preset: str, args: argparse.Namespace, flops: float) -> None:
     from tqdm import tqdm
 
-    from mambaradix.engine.cpu_runtime import release_thread_pool
     from mambaradix.engine.engine import Engine
 
     folder = checkpoint(preset)
@@ -336,10 +343,12 @@ def run_preset(preset: str, args: argparse.Namespace, flops: float) -> None:
     # Batch 1 against the bandwidth limit: the read bandwidth of this shared machine moved by
     # up to 1.5x within a minute here, so each decode run is paired with a reading taken just
     # before it, and the ratio is the median of the pairs.
+    # The reading runs in a process of its own: torch ops on this thread beside the engine
+    # would start a second OpenMP pool and slow the engine's (engine.cpu_runtime; measured
+    # here: 21 against 35 tok/s, and still ~30 after releasing that pool).
     pairs = []
     for s in range(3):
-        bw_now = read_bandwidth(args.threads)
-        release_thread_pool()  # this thread's pool would slow the engine's (engine.cpu_runtime)
+        bw_now = fresh(BANDWIDTH_SCRIPT, folder, args.threads, dtype)["read_bytes_s"]
         pairs.append((engine_decode(eng, 1, vocab, args.b1_steps, s), bw_now))
     decode = {1: max(tok_s for tok_s, _ in pairs)}
     b1_of_limit = statistics.median(tok_s * read_bytes / bw_now for tok_s, bw_now in pairs)
