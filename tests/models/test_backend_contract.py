@@ -101,6 +101,16 @@ class _Ops:
              _rand(g, n, 1, N, dtype=dt)) for n in (Tp, Td)
         ]  # fmt: skip
         self.m2_A, self.m2_D = -torch.rand(H, generator=g) - 0.1, _rand(g, H, dtype=dt)
+        # the fused Mamba2 decode step: xBC and raw dt as views of one projection row
+        self.m2_shape = (H, P, 1, N)
+        cm = H * P + 2 * N
+        self.m2_conv = dict(conv_pool=_rand(g, SLOTS, cm, K - 1, dtype=dt))
+        self.m2_conv_w, self.m2_conv_b = (
+            _rand(g, cm, K, dtype=dt, scale=0.3),
+            _rand(g, cm, dtype=dt),
+        )
+        self.m2_proj = _rand(g, Td, 16 + cm + H, dtype=dt)
+        self.m2_params = (_rand(g, H, dtype=dt, scale=0.5), _rand(g, H, dtype=dt))  # A_log, dt_bias
         # attention: 8 query heads, 2 KV heads of 128 (GQA 4)
         self.kv = dict(
             k_pool=_rand(g, KV_LEN, 2, 128, dtype=dt), v_pool=_rand(g, KV_LEN, 2, 128, dtype=dt)
@@ -160,6 +170,20 @@ class _Ops:
                              pools["ssm_pool"], self.layout)  # fmt: skip
         return [y], pools
 
+    def mamba2_mixer_decode(self, be):
+        pools = {
+            **{k: v.clone() for k, v in self.m2_conv.items()},
+            "ssm_pool": self.m2["ssm_pool"].clone(),
+        }
+        H, P, G, N = self.m2_shape
+        xbc = self.m2_proj[:, 16 : 16 + H * P + 2 * G * N]
+        dt_raw = self.m2_proj[:, 16 + H * P + 2 * G * N :]
+        y = be.mamba2_mixer_decode(
+            xbc, dt_raw, pools["conv_pool"], pools["ssm_pool"], self.layout, self.m2_conv_w,
+            self.m2_conv_b, "silu", *self.m2_params, (0.0, float("inf")), self.m2_D, self.m2_shape,
+        )  # fmt: skip
+        return [y], pools
+
     def attention(self, be):
         pools = {k: v.clone() for k, v in self.kv.items()}
         lay = self.layout
@@ -205,7 +229,7 @@ class _Ops:
 
 
 STATE_OPS = ["conv_prefill", "conv_decode", "gdn_prefill", "gdn_decode", "mamba2_prefill",
-             "mamba2_decode", "attention", "per_token"]  # fmt: skip
+             "mamba2_decode", "mamba2_mixer_decode", "attention", "per_token"]  # fmt: skip
 PREFILL_OPS = {"conv_prefill": "conv_pool", "gdn_prefill": "ssm_pool", "mamba2_prefill": "ssm_pool"}
 
 
@@ -243,6 +267,8 @@ def contract_failures(backend, case: Case) -> list[str]:
         ("conv_decode", "conv_pool"),
         ("gdn_decode", "ssm_pool"),
         ("mamba2_decode", "ssm_pool"),
+        ("mamba2_mixer_decode", "conv_pool"),
+        ("mamba2_mixer_decode", "ssm_pool"),
     ):
         _, pools = getattr(ops, name)(backend)
         for src, dst in zip(dec.snapshot_src.tolist(), dec.snapshot_slots.tolist()):

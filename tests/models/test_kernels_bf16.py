@@ -253,6 +253,63 @@ def test_conv1d_update_bf16_real_shapes(channels, width, activation, monkeypatch
 
 
 @pytest.mark.parametrize(
+    "heads,groups,dt_limit",
+    [
+        (24, 1, (0.0, float("inf"))),  # Granite-4.0-H-350M: 24 heads of 64, one group
+        (64, 8, (0.001, 0.1)),  # Nemotron-H-like: 8 groups, a clamped dt
+    ],
+)
+def test_fused_mamba2_decode_matches_the_composed_step(heads, groups, dt_limit, monkeypatch):
+    """The cpu backend's one-call Mamba2 decode (conv, dt, scan from the projection's views)
+    against the torch backend's composition of the same steps, at published shapes, bf16: conv
+    states equal, fp32 scan states to fp32 rounding, outputs to 1 ulp; only the batch's slots
+    change. Control: the composition with another dt_bias is far off, so the match is not
+    vacuous (its mean error is several times the bound met here)."""
+    from mambaradix.core import ForwardReq
+    from mambaradix.layout import ForwardLayout
+
+    P, N, K, S = 64, 128, 4, 6
+    C = heads * P + 2 * groups * N
+    g = torch.Generator().manual_seed(heads)
+    reqs = [
+        ForwardReq(5 + i, [1], torch.arange(6 + i), slot, []) for i, slot in enumerate((4, 1, 3))
+    ]
+    layout = ForwardLayout.build(reqs)
+    proj = torch.randn(3, 100 + C + heads, generator=g).bfloat16()
+    xbc, dt_raw = proj[:, 100 : 100 + C], proj[:, 100 + C :]
+    conv_pool = torch.randn(S, C, K - 1, generator=g).bfloat16()
+    ssm_pool = torch.randn(S, heads, P, N, generator=g) * 0.1
+    w = (torch.randn(C, K, generator=g) * 0.3).bfloat16()
+    b = torch.randn(C, generator=g).bfloat16()
+    A_log, dt_bias, D = (
+        (torch.randn(heads, generator=g) * 0.5).bfloat16(),
+        torch.randn(heads, generator=g).bfloat16(),
+        torch.randn(heads, generator=g).bfloat16(),
+    )
+    shape = (heads, P, groups, N)
+
+    def run(backend, bias=dt_bias):
+        pools = conv_pool.clone(), ssm_pool.clone()
+        y = backend.mamba2_mixer_decode(xbc, dt_raw, *pools, layout, w, b, "silu", A_log, bias,
+                                        dt_limit, D, shape)  # fmt: skip
+        return y, *pools
+
+    want, want_conv, want_ssm = run(TorchBackend())
+    monkeypatch.setattr(TorchBackend, "mamba2_mixer_decode", None)  # the native path must run
+    got, got_conv, got_ssm = run(CpuBackend())
+    monkeypatch.undo()
+    assert got.dtype == torch.bfloat16 and got.shape == (3, heads, P)
+    assert torch.equal(got_conv, want_conv)
+    assert torch.equal(got_ssm[[0, 2, 5]], ssm_pool[[0, 2, 5]])  # slots outside the batch
+    scale = want_ssm.abs().mean()
+    assert (got_ssm - want_ssm).abs().max() <= 1e-5 * scale * 100
+    e = ulps(got, want, floor=want.float().abs().mean())
+    assert e.max() <= 1 and e.mean() <= 0.05, (e.max(), e.mean())
+    other, _, _ = run(TorchBackend(), bias=dt_bias + 1)
+    assert ulps(other, want, floor=want.float().abs().mean()).mean() > 0.1  # >> e.mean()
+
+
+@pytest.mark.parametrize(
     "hq,hkv,d,sizes",
     [
         (16, 2, 256, [(4, 300), (3, 130), (2, 0)]),  # Qwen3-Next / Qwen3.5: head 256, GQA 8

@@ -115,6 +115,16 @@ class KernelBackend(ABC):
                       layout: ForwardLayout) -> Tensor:  # fmt: skip
         """One scan step of the decodes; returns ``[D, H, P]`` fp32."""
 
+    @abstractmethod
+    def mamba2_mixer_decode(self, xbc: Tensor, dt_raw: Tensor, conv_pool: Tensor,
+                            ssm_pool: Tensor, layout: ForwardLayout, conv_weight: Tensor,
+                            conv_bias: Tensor | None, activation: str | None, A_log: Tensor,
+                            dt_bias: Tensor, dt_limit: tuple[float, float], D: Tensor | None,
+                            shape: tuple[int, int, int, int]) -> Tensor:  # fmt: skip
+        """One fused decode step of the decodes (``xbc`` ``[D, C]`` before the conv, ``dt_raw``
+        ``[D, H]`` before softplus; ``shape`` = ``(H, P, G, N)``): conv, dt, scan; both states
+        updated in the pool. Returns ``[D, H, P]`` in ``xbc``'s dtype."""
+
     # ------------------------------------------------------------ per-token ops
     @abstractmethod
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -427,6 +427,62 @@ def mamba2_step(
     return y
 
 
+def mamba2_decode(
+    xbc: torch.Tensor,
+    dt_raw: torch.Tensor,
+    conv_pool: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    slots: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    activation: str | None,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float],
+    D: torch.Tensor | None,
+    shape: tuple[int, int, int, int],
+) -> torch.Tensor | None:
+    """A Mamba2 decode step in one C call (``csrc/ssm_decode.c`` ``mamba2_decode``): the conv
+    of ``xbc`` ``[B, C]`` and the scan step with ``dt_raw`` ``[B, H]`` processed inside, both
+    row-strided views of one projection; states in place at ``slots``. ``shape`` is
+    ``(H, P, G, N)``. Returns ``y`` ``[B, H, P]`` in the model dtype, or None where the C code
+    does not cover the inputs (the caller composes the separate steps)."""
+    dt = xbc.dtype
+    fn = _native_fn(native.load("ssm_decode"), "mamba2_decode", dt)
+    H, P, G, N = shape
+    C = H * P + 2 * G * N
+    fits = (
+        fn is not None
+        and activation in _SILU
+        and _cpu_rows(xbc, dt)
+        and _cpu_rows(dt_raw, dt)
+        and xbc.stride(0) == dt_raw.stride(0)
+        and xbc.shape[1] == C
+        and tuple(dt_raw.shape[1:]) == (H,)
+        and all(_cpu_dense(t, dt) for t in (conv_pool, conv_weight, A_log, dt_bias))
+        and (conv_bias is None or _cpu_dense(conv_bias, dt))
+        and (D is None or _cpu_dense(D, dt))
+        and tuple(conv_pool.shape[1:]) == (C, conv_weight.shape[1] - 1)
+        and _cpu_dense(ssm_pool, torch.float32)
+        and tuple(ssm_pool.shape[1:]) == (H, P, N)
+        and H % G == 0
+        and slots.device.type == "cpu"
+    )
+    if not fits:  # no warning: the steps composed instead name their own fallbacks
+        return None
+    slots = slots.to(torch.int64).contiguous()
+    B = xbc.shape[0]
+    y = torch.empty(B, H, P, dtype=dt)
+    fn(
+        B, slots.data_ptr(), xbc.data_ptr(), dt_raw.data_ptr(), xbc.stride(0),
+        conv_pool.data_ptr(), conv_weight.data_ptr(),
+        None if conv_bias is None else conv_bias.data_ptr(), conv_weight.shape[1],
+        _SILU[activation], ssm_pool.data_ptr(), A_log.data_ptr(), dt_bias.data_ptr(),
+        dt_limit[0], dt_limit[1], None if D is None else D.data_ptr(), y.data_ptr(), H, P, G, N,
+    )  # fmt: skip
+    return y
+
+
 # The C kernel streams each weight row once and dots it with every x row held in L1: best for
 # one row, and for up to LINEAR_NATIVE_MAX_ROWS rows while they fit in LINEAR_NATIVE_X_BYTES;
 # beyond, torch's blocked matmul (oneDNN) wins. Measured by bench/bench_linear.py: one row

@@ -29,6 +29,7 @@ class CpuBackend(TorchBackend):
     def native_ops(self) -> list[str]:
         return [
             "gdn_decode", "paged_attention_decode", "conv1d_decode", "mamba2_decode",
+            "mamba2_mixer_decode",
             "linear (bf16, decode)", "rms_norm", "rms_norm_gated", "rms_norm_gate_first",
             "rms_norm_rope", "moe_pad",
             "moe_unpad",
@@ -48,4 +49,20 @@ class CpuBackend(TorchBackend):
         if y is None:
             return super().mamba2_decode(x, dt, A, B, C, D, ssm_pool, layout)
         _copy_decode_snapshots(ssm_pool, dec)
+        return y
+
+    def mamba2_mixer_decode(self, xbc, dt_raw, conv_pool, ssm_pool, layout, conv_weight,
+                            conv_bias, activation, A_log, dt_bias, dt_limit, D, shape):  # fmt: skip
+        dec = layout.decode
+        y = cpu.mamba2_decode(
+            xbc, dt_raw, conv_pool, ssm_pool, dec.state_slots, conv_weight, conv_bias,
+            activation, A_log, dt_bias, dt_limit, D, shape,
+        )  # fmt: skip
+        if y is None:  # the composition of this backend's conv and scan steps
+            return super().mamba2_mixer_decode(
+                xbc, dt_raw, conv_pool, ssm_pool, layout, conv_weight, conv_bias, activation,
+                A_log, dt_bias, dt_limit, D, shape,
+            )  # fmt: skip
+        for pool in (conv_pool, ssm_pool):
+            _copy_decode_snapshots(pool, dec)
         return y

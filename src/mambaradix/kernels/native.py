@@ -69,6 +69,18 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR,                  # y [B, H, P] fp32
             _I64, _I64, _I64, _I64,  # H, P, G, N
         ],
+        "mamba2_decode": [
+            _I64, _PTR,            # B, slots
+            _PTR, _PTR, _I64,      # xBC, raw dt (views of one projection), their row stride
+            _PTR, _PTR, _PTR,      # conv pool, conv weight, conv bias (nullable)
+            _I64, _INT,            # conv kernel width, silu
+            _PTR,                  # ssm pool (fp32)
+            _PTR, _PTR,            # A_log, dt_bias
+            ctypes.c_float, ctypes.c_float,  # dt limits
+            _PTR,                  # D (nullable)
+            _PTR,                  # y [B, H, P], model dtype
+            _I64, _I64, _I64, _I64,  # H, P, G, N
+        ],
     },
     "attention_decode": {
         "attention_decode": [
@@ -147,6 +159,7 @@ for _lib, _name in (
     ("moe", "moe_pad"),
     ("ssm_decode", "conv1d_update"),
     ("ssm_decode", "mamba2_step"),  # bf16 x, B, C, D; the state, dt and y fp32
+    ("ssm_decode", "mamba2_decode"),  # bf16 inputs, parameters and y; the state fp32
 ):
     SIGNATURES[_lib][_name + "_bf16"] = SIGNATURES[_lib][_name]
 SIGNATURES["moe"]["moe_unpad_bf16"] = [*SIGNATURES["moe"]["moe_unpad"], _INT]  # + out is bf16

@@ -9,7 +9,8 @@ Per token: ``in_proj -> [gate z | xBC | dt]``; ``xBC`` goes through a causal dep
 State contract (see ``models/base.py``): request i starts from
 ``state_pool.conv[j][slot_i]`` / ``temporal[j][slot_i]``, leaves its final state there and
 writes the state after n new tokens into every snapshot slot ``(n, slot)``. The backend
-(``self.ops``) runs the conv and the scan: decodes one step, prefill segments the chunked scan.
+(``self.ops``) runs the conv and the scan: prefill segments the chunked scan, decodes one fused
+step (conv, dt, scan: ``mamba2_mixer_decode``).
 """
 
 from __future__ import annotations
@@ -99,26 +100,26 @@ class Mamba2Mixer(KernelUser, nn.Module):
         conv_pool, ssm_pool = ctx.state_pool.conv[j], ctx.state_pool.temporal[j]
         proj = self.in_proj(hidden)
         gate, xbc, dt_raw = proj.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
-        y = torch.empty(
-            (hidden.shape[0], self.num_heads, self.head_dim),
-            dtype=torch.float32,
-            device=hidden.device,
-        )
+        y = hidden.new_empty((hidden.shape[0], self.num_heads, self.head_dim))
         weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
-        A = -torch.exp(self.A_log.float())
-        parts = (
-            (layout.prefill, ops.conv1d_prefill, ops.mamba2_prefill),
-            (layout.decode, ops.conv1d_decode, ops.mamba2_decode),
-        )
-        for part, conv_op, scan_op in parts:
-            if part is None:
-                continue
-            rows = part.rows
-            conv_out = conv_op(rows.take(xbc), weight, bias, conv_pool, layout, self.activation)
+        if layout.prefill is not None:
+            rows = layout.prefill.rows
+            conv_out = ops.conv1d_prefill(
+                rows.take(xbc), weight, bias, conv_pool, layout, self.activation
+            )
             x, b, c = self._split_xbc(conv_out)
             dt = process_dt(rows.take(dt_raw), self.dt_bias, self.dt_limit)
-            y = rows.put(y, scan_op(x, dt, A, b, c, self.D, ssm_pool, layout))
-        out = self.norm(y.view(-1, self.intermediate).to(hidden.dtype), gate)
+            A = -torch.exp(self.A_log.float())
+            y = rows.put(y, ops.mamba2_prefill(x, dt, A, b, c, self.D, ssm_pool, layout))
+        if layout.decode is not None:
+            rows = layout.decode.rows
+            shape = (self.num_heads, self.head_dim, self.n_groups, self.d_state)
+            step = ops.mamba2_mixer_decode(
+                rows.take(xbc), rows.take(dt_raw), conv_pool, ssm_pool, layout, weight, bias,
+                self.activation, self.A_log, self.dt_bias, self.dt_limit, self.D, shape,
+            )  # fmt: skip
+            y = rows.put(y, step)
+        out = self.norm(y.view(-1, self.intermediate), gate)
         return self.out_proj(out)
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

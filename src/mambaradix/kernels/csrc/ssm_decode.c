@@ -7,6 +7,8 @@
  * mamba2_step: per request b and head h (group g = h / (H / G)), S = ssm_pool[slots[b]][h]
  *   ([P][N], fp32): S = exp(dt A) S + dt x B^T;  y = S C + D x, all in fp32; y fp32.
  *   x, B and C rows are addressed with their own row strides (views of the conv output).
+ * mamba2_decode: the two above as one step from the input projection's xBC and raw dt rows,
+ *   with dt's softplus and clamp and A = -exp(A_log) inside (see m2_decode_team).
  *
  * The `_bf16` variants read and write the model's bf16 tensors (x, the conv pool and weights,
  * B, C, D, the conv output) and round where the torch reference holds a bf16 tensor (each
@@ -15,6 +17,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "conv_window.h"
 #include "vec_math.h"
@@ -85,6 +88,34 @@ static inline __attribute__((always_inline)) void conv_channels(
             }                                                                            \
     } while (0)
 
+/* Head h of request b: S = exp(dt A) S + dt x B^T, y = S C + D x (S fp32, in place); x, B and
+ * C read as `bf` data at their element offsets, y stored as `ybf` data. */
+static inline __attribute__((always_inline)) void m2_head(
+    float *S, const void *x, int64_t xo, const void *Bm, int64_t bo, const void *Cm, int64_t co,
+    float d, float a, float skip, void *y, int64_t yo, int64_t P, int64_t N, const int bf,
+    const int ybf)
+{
+    const float decay = expf(d * a);
+    float bv[N], cv[N]; /* the group's B and C in fp32, so the loop below vectorises */
+    for (int64_t n = 0; n < N; n++) {
+        bv[n] = ld(Bm, bo + n, bf);
+        cv[n] = ld(Cm, co + n, bf);
+    }
+    for (int64_t p = 0; p < P; p++) {
+        const float xv = ld(x, xo + p, bf);
+        const float xdt = xv * d;
+        float *row = S + p * N;
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t n = 0; n < N; n++) {
+            const float s = row[n] * decay + xdt * bv[n];
+            row[n] = s;
+            acc += s * cv[n];
+        }
+        st(y, yo + p, acc + skip * xv, ybf);
+    }
+}
+
 static inline __attribute__((always_inline)) void m2_step(
     int64_t B, const int64_t *slots, float *ssm_pool, const void *x, int64_t x_stride,
     const float *dt, const float *A, const void *Bm, const void *Cm, int64_t bc_stride,
@@ -94,32 +125,48 @@ static inline __attribute__((always_inline)) void m2_step(
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < H; h++) {
-            const int64_t g = h / hpg;
-            const float d = dt[b * H + h];
-            const float decay = expf(d * A[h]);
-            const float skip = D ? ld(D, h, bf) : 0.0f;
-            float *S = ssm_pool + (slots[b] * H + h) * P * N;
-            const int64_t bc = b * bc_stride + g * N;
-            float bv[N], cv[N]; /* the group's B and C in fp32, so the loop below vectorises */
-            for (int64_t n = 0; n < N; n++) {
-                bv[n] = ld(Bm, bc + n, bf);
-                cv[n] = ld(Cm, bc + n, bf);
-            }
-            for (int64_t p = 0; p < P; p++) {
-                const float xv = ld(x, b * x_stride + h * P + p, bf);
-                const float xdt = xv * d;
-                float *row = S + p * N;
-                float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t n = 0; n < N; n++) {
-                    const float s = row[n] * decay + xdt * bv[n];
-                    row[n] = s;
-                    acc += s * cv[n];
-                }
-                y[(b * H + h) * P + p] = acc + skip * xv;
-            }
+            const int64_t bc = b * bc_stride + (h / hpg) * N;
+            m2_head(ssm_pool + (slots[b] * H + h) * P * N, x, b * x_stride + h * P, Bm, bc, Cm,
+                    bc, dt[b * H + h], A[h], D ? ld(D, h, bf) : 0.0f, y, (b * H + h) * P, P, N,
+                    bf, 0);
         }
     }
+}
+
+/* A whole Mamba2 decode step from the input projection's xBC and raw dt rows (row-strided
+ * views of it, same stride): conv (+ activation) into `conv_out` ([B][C] scratch, model dtype,
+ * as the reference holds it), then per head dt = clamp(softplus(dt_raw + dt_bias)),
+ * A = -exp(A_log) and the scan step; y [B][H][P] in the model dtype. One call where the
+ * composed step took ten torch operations between the two kernels. Called by every thread of
+ * the exported functions' parallel regions. */
+static inline __attribute__((always_inline)) void m2_decode_team(
+    int64_t B, const int64_t *slots, const void *xbc, const void *dt_raw, int64_t in_stride,
+    void *conv_pool, const void *conv_w, const void *conv_b, int64_t kernel, int silu,
+    float *ssm_pool, const void *A_log, const void *dt_bias, float dt_lo, float dt_hi,
+    const void *D, void *y, int64_t H, int64_t P, int64_t G, int64_t N, void *conv_out,
+    const int bf)
+{
+    const int64_t C = H * P + 2 * G * N, hpg = H / G;
+    const int64_t chunks = (C + CONV_CHUNK - 1) / CONV_CHUNK;
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t ch = 0; ch < chunks; ch++) {
+            const int64_t c0 = ch * CONV_CHUNK, c1 = c0 + CONV_CHUNK < C ? c0 + CONV_CHUNK : C;
+            conv_channels(b, c0, c1, slots, xbc, in_stride, conv_pool, conv_w, conv_b, conv_out,
+                          C, kernel, silu, bf);
+        }
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            /* softplus as torch computes it: linear above 20 */
+            const float raw = ld(dt_raw, b * in_stride + h, bf) + ld(dt_bias, h, bf);
+            const float sp = raw > 20.0f ? raw : log1pf(expf(raw));
+            const float d = fminf(fmaxf(sp, dt_lo), dt_hi);
+            const int64_t row = b * C, bc = row + H * P + (h / hpg) * N;
+            m2_head(ssm_pool + (slots[b] * H + h) * P * N, conv_out, row + h * P, conv_out, bc,
+                    conv_out, bc + G * N, d, -expf(ld(A_log, h, bf)), D ? ld(D, h, bf) : 0.0f, y,
+                    (b * H + h) * P, P, N, bf, bf);
+        }
 }
 
 #define CONV_ARGS                                                                        \
@@ -138,3 +185,21 @@ void conv1d_update_bf16(CONV_ARGS) { CONV_UPDATE(1); }
 void mamba2_step(STEP_ARGS) { m2_step(STEP_PASS, 0); }
 
 void mamba2_step_bf16(STEP_ARGS) { m2_step(STEP_PASS, 1); }
+
+#define DECODE_ARGS                                                                        \
+    int64_t B, const int64_t *slots, const void *xbc, const void *dt_raw, int64_t in_stride, \
+        void *conv_pool, const void *conv_w, const void *conv_b, int64_t kernel, int silu,   \
+        float *ssm_pool, const void *A_log, const void *dt_bias, float dt_lo, float dt_hi,   \
+        const void *D, void *y, int64_t H, int64_t P, int64_t G, int64_t N
+#define DECODE_STEP(bf, T)                                                                  \
+    do {                                                                                    \
+        T *conv_out = malloc(sizeof(T) * (size_t)(B * (H * P + 2 * G * N)));                \
+        _Pragma("omp parallel") m2_decode_team(                                             \
+            B, slots, xbc, dt_raw, in_stride, conv_pool, conv_w, conv_b, kernel, silu,       \
+            ssm_pool, A_log, dt_bias, dt_lo, dt_hi, D, y, H, P, G, N, conv_out, bf);         \
+        free(conv_out);                                                                     \
+    } while (0)
+
+void mamba2_decode(DECODE_ARGS) { DECODE_STEP(0, float); }
+
+void mamba2_decode_bf16(DECODE_ARGS) { DECODE_STEP(1, uint16_t); }
