@@ -212,6 +212,8 @@ class _Ops:
         outs = [
             be.rms_norm(x, w, 1e-6, False),
             be.rms_norm(x, w, 1e-6, True),
+            *be.add_rms_norm(x, gate, w, 1e-6, False, 0.5),
+            *be.add_rms_norm(x, gate, w, 1e-6, True),
             be.rms_norm_gated(x, gate, w, 1e-6),
             be.rms_norm_rope(heads, w[:128], 1e-6, True, cos, sin),
             experts_forward(x, weights, ids, gate_up, down, torch.nn.functional.silu, be),

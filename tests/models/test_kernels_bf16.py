@@ -68,6 +68,34 @@ def test_rms_norm_bf16(dim, zero_centered):
     assert bad.mean() > 0.5 or bad.max() > 2.0  # the tolerance catches bf16 accumulation
 
 
+@pytest.mark.parametrize(
+    "dim,scale,zero_centered",
+    [
+        (768, 0.22, False),
+        (1024, 1.0, False),
+        (1024, 1.0, True),
+    ],  # Granite's multiplier; LFM2; Qwen3.5
+)
+def test_add_rms_norm_bf16(dim, scale, zero_centered, monkeypatch):
+    """A residual add and the next norm in one pass: the new residual is bit for bit what the
+    layer's own ops wrote (the product and the sum rounded to bf16), the norm within 1 ulp of the
+    reference, on row-strided inputs. Control: the sum without the scale is another tensor."""
+    g = torch.Generator().manual_seed(dim)
+    x = torch.randn(5, dim + 32, generator=g).bfloat16()[:, 16 : 16 + dim]
+    res = (torch.randn(5, dim + 8, generator=g) * 3).bfloat16()[:, :dim]
+    w = (torch.randn(dim, generator=g) * 0.2 + (0 if zero_centered else 1)).bfloat16()
+    want_h, want = norm.add_rms_norm(x, res, w, EPS, zero_centered, scale)
+    monkeypatch.setattr(cpu, "_fallback", None)  # the native path must run
+    h, got = cpu.add_rms_norm(x, res, w, EPS, zero_centered, scale)
+    monkeypatch.undo()
+    assert torch.equal(h, want_h)
+    assert (
+        got.dtype == torch.bfloat16 and ulps(got, want, floor=want.float().abs().mean()).max() <= 1
+    )
+    if scale != 1.0:
+        assert not torch.equal(cpu.add_rms_norm(x, res, w, EPS, zero_centered)[0], h)
+
+
 def test_native_bf16_norm_paths_do_not_fall_back(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("fell back to the torch reference")

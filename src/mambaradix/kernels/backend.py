@@ -135,6 +135,11 @@ class KernelBackend(ABC):
         """RMSNorm over the last dim (``zero_centered``: weight stored as an offset from 1)."""
 
     @abstractmethod
+    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                     zero_centered: bool, scale: float = 1.0) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """``h = residual + x * scale`` and ``rms_norm(h)``: returns ``(h, normed)``."""
+
+    @abstractmethod
     def rms_norm_gated(self, x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
         """``weight * rms_norm(x) * silu(gate)``."""
 

@@ -133,6 +133,38 @@ def rms_norm(
     return out.view(x.shape)
 
 
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.norm.add_rms_norm`` (a residual add, then its norm) in one C pass per row."""
+    fn = _native_fn(native.load("rms_norm"), "add_rms_norm", x.dtype)
+    k = x.shape[-1]
+    fits = (
+        fn is not None
+        and x.dim() == 2
+        and x.shape == residual.shape
+        and _cpu_rows(x, x.dtype)
+        and _cpu_rows(residual, x.dtype)
+        and _cpu_dense(weight, x.dtype)
+        and weight.shape == (k,)
+    )
+    if not fits:
+        _fallback("add_rms_norm", x, residual, weight)
+        return norm.add_rms_norm(x, residual, weight, eps, zero_centered, scale)
+    h, out = (torch.empty(x.shape, dtype=x.dtype) for _ in "ho")
+    fn(
+        x.shape[0], k, x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
+        scale, int(scale != 1.0), weight.data_ptr(), eps, int(zero_centered), h.data_ptr(),
+        out.data_ptr(),
+    )  # fmt: skip
+    return h, out
+
+
 def rms_norm_gated(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:

@@ -15,6 +15,7 @@ class CpuBackend(TorchBackend):
     attention_decode = staticmethod(cpu.attention_decode)
     linear = staticmethod(cpu.linear)
     rms_norm = staticmethod(cpu.rms_norm)
+    add_rms_norm = staticmethod(cpu.add_rms_norm)
     rms_norm_gated = staticmethod(cpu.rms_norm_gated)
     rms_norm_gate_first = staticmethod(cpu.rms_norm_gate_first)
     rms_norm_rope = staticmethod(cpu.rms_norm_rope)
@@ -29,10 +30,8 @@ class CpuBackend(TorchBackend):
     def native_ops(self) -> list[str]:
         return [
             "gdn_decode", "paged_attention_decode", "conv1d_decode", "mamba2_decode",
-            "mamba2_mixer_decode",
-            "linear (bf16, decode)", "rms_norm", "rms_norm_gated", "rms_norm_gate_first",
-            "rms_norm_rope", "moe_pad",
-            "moe_unpad",
+            "mamba2_mixer_decode", "linear (bf16, decode)", "rms_norm", "add_rms_norm",
+            "rms_norm_gated", "rms_norm_gate_first", "rms_norm_rope", "moe_pad", "moe_unpad",
         ]  # fmt: skip
 
     def conv1d_decode(self, x, weight, bias, conv_pool, layout, activation):

@@ -124,6 +124,14 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR, ctypes.c_float, _INT,  # weight, eps, zero-centred
             _PTR,                  # out
         ],
+        "add_rms_norm": [
+            _I64, _I64,            # rows, dim
+            _PTR, _I64,            # x, its row stride
+            _PTR, _I64,            # residual, its row stride
+            ctypes.c_float, _INT,  # scale, whether to multiply by it
+            _PTR, ctypes.c_float, _INT,  # weight, eps, zero-centred
+            _PTR, _PTR,            # h out, normed out (both dense)
+        ],
         "rms_norm_rope": [
             _I64, _I64, _I64,      # T, H, D
             _PTR, _I64, _I64,      # x, its token and head strides
@@ -151,6 +159,7 @@ SIGNATURES: dict[str, dict[str, list]] = {
 # The bf16 twins take the same arguments (bf16 data behind the same pointers).
 for _lib, _name in (
     ("rms_norm", "rms_norm"),
+    ("rms_norm", "add_rms_norm"),
     ("rms_norm", "rms_norm_gated"),
     ("rms_norm", "rms_norm_gate_first"),
     ("rms_norm", "rms_norm_rope"),

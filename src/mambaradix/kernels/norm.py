@@ -26,6 +26,20 @@ def rms_norm(
     return weight * y.to(x.dtype)
 
 
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual block's end and the next norm: ``h = residual + x * scale`` (in x's dtype, as
+    a layer writes it) and ``rms_norm(h)``; returns ``(h, normed)``."""
+    h = residual + (x * scale if scale != 1.0 else x)
+    return h, rms_norm(h, weight, eps, zero_centered)
+
+
 def rms_norm_gate_first(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int
 ) -> torch.Tensor:

@@ -59,6 +59,7 @@ class TorchBackend(KernelBackend):
     attention_decode = staticmethod(attention.attention_decode)
     linear = staticmethod(F.linear)
     rms_norm = staticmethod(norm.rms_norm)
+    add_rms_norm = staticmethod(norm.add_rms_norm)
     rms_norm_gated = staticmethod(norm.rms_norm_gated)
     rms_norm_gate_first = staticmethod(norm.rms_norm_gate_first)
     rms_norm_rope = staticmethod(rope.rms_norm_rope)

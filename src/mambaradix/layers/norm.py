@@ -24,6 +24,12 @@ class RMSNorm(KernelUser, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps, self.zero_centered)
 
+    def add_and_norm(
+        self, residual: torch.Tensor, x: torch.Tensor, scale: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h = residual + x * scale`` and this norm of it, in one op: ``(h, norm(h))``."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered, scale)
+
 
 class GatedRMSNorm(KernelUser, nn.Module):
     """``norm_before_gate``: ``w * norm(x) * silu(gate)`` (Gated DeltaNet); otherwise

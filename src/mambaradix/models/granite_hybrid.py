@@ -194,8 +194,7 @@ class GraniteHybridLayer(nn.Module):
             x = self.mamba(x, ctx)
         else:
             x = self.self_attn(x, ctx, rotary, cos_sin)
-        h = h + x * self.residual_multiplier
-        x = self.post_attention_layernorm(h)
+        h, x = self.post_attention_layernorm.add_and_norm(h, x, self.residual_multiplier)
         y = self.shared_mlp(x)
         if self.block_sparse_moe is not None:
             y = y + self.block_sparse_moe(x)

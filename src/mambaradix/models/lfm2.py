@@ -103,8 +103,8 @@ class Lfm2Layer(nn.Module):
             x = self.self_attn(x, ctx, rotary, cos_sin)
         else:
             x = self.conv(x, ctx)
-        h = h + x
-        return h + self.feed_forward(self.ffn_norm(h))
+        h, x = self.ffn_norm.add_and_norm(h, x)
+        return h + self.feed_forward(x)
 
 
 class _Lfm2Body(nn.Module):

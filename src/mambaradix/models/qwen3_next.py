@@ -88,8 +88,8 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, ctx, cos_sin)
         else:
             h = self.linear_attn(h, ctx)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_and_norm(x, h)
+        return x + self.mlp(h)
 
 
 class Qwen3NextForCausalLM(HybridCausalLM):

@@ -4,7 +4,8 @@
  * rms_norm_gated also multiplies by a gate row (silu already applied by the caller, where it
  * vectorises): out[r] = weight * norm(x[r]) * gate[r]. rms_norm_rope normalises each head of
  * x [T, H, D] (rows t*x_stride_t + h*x_stride_h) and rotates its first rd features with
- * cos/sin [T, rd], rotate-half pairs (d, d + rd/2); out is [T, H, D].
+ * cos/sin [T, rd], rotate-half pairs (d, d + rd/2); out is [T, H, D]. add_rms_norm first
+ * adds a residual (h = residual + x * scale, also written out) and normalises h.
  *
  * Each kernel is written once for both dtypes (vec_math.h: ld / st / rnd with the dtype a
  * constant). The plain variants are fp32; the *_bf16 variants read and write bf16 (x, weight,
@@ -123,6 +124,39 @@ void rms_norm_bf16(int64_t rows, int64_t dim, const uint16_t *x, int64_t x_strid
     for (int64_t r = 0; r < rows; r++)
         norm(dim, x, r * x_stride, weight, eps, zero_centered, out, r * dim, 1);
 }
+
+/* A residual block's end and the next norm: h = residual + x * scale, rounded as the layer's
+ * tensors hold it (the product, then the sum), written to h_out; out = the norm of h. */
+ALWAYS_INLINE void add_norm(
+    int64_t dim, const void *x, int64_t xo, const void *res, int64_t ro, float scale,
+    int scaled, const void *weight, float eps, int zero_centered, void *h_out, void *out,
+    int64_t oo, const int bf)
+{
+    if (scaled) {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++)
+            st(h_out, oo + i, ld(res, ro + i, bf) + rnd(ld(x, xo + i, bf) * scale, bf), bf);
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++)
+            st(h_out, oo + i, ld(res, ro + i, bf) + ld(x, xo + i, bf), bf);
+    }
+    norm(dim, h_out, oo, weight, eps, zero_centered, out, oo, bf);
+}
+
+#define ADD_NORM_ARGS(T)                                                                  \
+    int64_t rows, int64_t dim, const T *x, int64_t x_stride, const T *res,               \
+        int64_t res_stride, float scale, int scaled, const T *weight, float eps,         \
+        int zero_centered, T *h_out, T *out
+#define ADD_NORM_LOOP(bf)                                                                 \
+    ROWS_PARALLEL                                                                         \
+    for (int64_t r = 0; r < rows; r++)                                                    \
+        add_norm(dim, x, r * x_stride, res, r * res_stride, scale, scaled, weight, eps,   \
+                 zero_centered, h_out, out, r * dim, bf)
+
+void add_rms_norm(ADD_NORM_ARGS(float)) { ADD_NORM_LOOP(0); }
+
+void add_rms_norm_bf16(ADD_NORM_ARGS(uint16_t)) { ADD_NORM_LOOP(1); }
 
 void rms_norm_gated(int64_t rows, int64_t dim, const float *x, int64_t x_stride,
                     const float *gate, int64_t gate_stride, const float *weight, float eps,
