@@ -148,9 +148,9 @@ def mamba2_chunk_scan(
         out.index_copy_(0, rows, src.float())
         return out.view(NC, Q, *src.shape[1:])
 
-    # head-major layouts so every contraction is one batched matmul
-    xdt = padded(xf * dtf[..., None]).view(NC, Q, G, hpg, P).permute(0, 2, 3, 1, 4)
-    xdt = xdt.contiguous()  # [NC, G, hpg, Q, P]
+    # token-major padded inputs; the head-major views below feed the batched matmuls
+    xdt_t = padded(xf * dtf[..., None])  # [NC, Q, H, P]
+    xdt = xdt_t.view(NC, Q, G, hpg, P).permute(0, 2, 3, 1, 4).contiguous()  # [NC,G,hpg,Q,P]
     dA = padded(dtf * A.float()[None, :]).permute(0, 2, 1)  # [NC, H, Q]
     Bg = padded(B).permute(0, 2, 1, 3)  # [NC, G, Q, N]
     Cg = padded(C).permute(0, 2, 1, 3)
@@ -162,9 +162,12 @@ def mamba2_chunk_scan(
     cb = Cg @ Bg.transpose(-1, -2)  # [NC, G, Q, Q]
     y = (decay_ls * cb[:, :, None]) @ xdt  # [NC, G, hpg, Q, P]
 
-    # 2. state contributed by each chunk on its own (zero start state)
-    decay_to_end = torch.exp((cs[:, :, -1:] - cs).float()).view(NC, G, hpg, Q, 1)
-    chunk_states = (xdt * decay_to_end).transpose(-1, -2) @ Bg[:, :, None]  # [NC,G,hpg,P,N]
+    # 2. state contributed by each chunk on its own (zero start state): per chunk and group one
+    # [hpg*P, Q] @ [Q, N] product (B broadcast over the group's heads cost a copy and many
+    # small products)
+    decay_to_end = torch.exp((cs[:, :, -1:] - cs).float())  # [NC, H, Q]
+    weighted = xdt_t * decay_to_end.permute(0, 2, 1)[..., None]  # [NC, Q, H, P]
+    chunk_states = weighted.view(NC, Q, G, hpg * P).permute(0, 2, 3, 1) @ Bg  # [NC,G,hpg*P,N]
     chunk_states = chunk_states.reshape(NC, H, P, N)
     chunk_decay = torch.exp(cs[:, :, -1].float())  # [NC, H]
 
@@ -178,10 +181,11 @@ def mamba2_chunk_scan(
         h = h + chunk_states.index_select(0, chunk_ids)
         cur.index_copy_(0, seq_ids, h)
 
-    # 4. start state -> outputs of the chunk (off-diagonal blocks)
+    # 4. start state -> outputs of the chunk (off-diagonal blocks): per chunk and group one
+    # [Q, N] @ [N, hpg*P] product
     decay_in = torch.exp(cs.float()).view(NC, G, hpg, Q, 1)
-    start_g = start.view(NC, G, hpg, P, N)
-    y = y + (Cg[:, :, None] @ start_g.transpose(-1, -2)) * decay_in
+    off = Cg @ start.view(NC, G, hpg * P, N).transpose(-1, -2)  # [NC, G, Q, hpg*P]
+    y = y + off.view(NC, G, Q, hpg, P).permute(0, 1, 3, 2, 4) * decay_in
 
     y = y.permute(0, 3, 1, 2, 4).reshape(NC * Q, H, P).index_select(0, rows)
     if D is not None:
