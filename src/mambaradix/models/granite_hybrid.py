@@ -188,8 +188,15 @@ class GraniteHybridLayer(nn.Module):
         )
         self.shared_mlp = GraniteSharedMLP(h, config.shared_intermediate_size, config.hidden_act)
 
-    def forward(self, h, ctx: ForwardContext, rotary, cos_sin) -> torch.Tensor:
-        x = self.input_layernorm(h)
+    def forward(self, h, ctx: ForwardContext, rotary, cos_sin, pending=None):
+        """``pending``: the previous layer's feed-forward output, not yet in ``h`` (its residual
+        add is fused with this layer's first norm). Returns ``(h, y)``: this layer's own
+        feed-forward output left pending for the next one (``residual_multiplier`` is one
+        config value for every layer)."""
+        if pending is None:
+            x = self.input_layernorm(h)
+        else:
+            h, x = self.input_layernorm.add_and_norm(h, pending, self.residual_multiplier)
         if self.kind == MAMBA:
             x = self.mamba(x, ctx)
         else:
@@ -198,7 +205,7 @@ class GraniteHybridLayer(nn.Module):
         y = self.shared_mlp(x)
         if self.block_sparse_moe is not None:
             y = y + self.block_sparse_moe(x)
-        return h + y * self.residual_multiplier
+        return h, y
 
 
 class _GraniteBody(nn.Module):
@@ -248,6 +255,7 @@ class GraniteHybridForCausalLM(HybridCausalLM):
 
     def body(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cos_sin = self.rotary(ctx.layout.positions) if self.rotary is not None else None
+        pending = None
         for layer in self.model.layers:
-            h = layer(h, ctx, self.rotary, cos_sin)
-        return h
+            h, pending = layer(h, ctx, self.rotary, cos_sin, pending)
+        return h + pending * self.model.layers[-1].residual_multiplier

@@ -97,14 +97,19 @@ class Lfm2Layer(nn.Module):
         self.operator_norm = RMSNorm(h, config.norm_eps)
         self.ffn_norm = RMSNorm(h, config.norm_eps)
 
-    def forward(self, h, ctx: ForwardContext, rotary, cos_sin) -> torch.Tensor:
-        x = self.operator_norm(h)
+    def forward(self, h, ctx: ForwardContext, rotary, cos_sin, pending=None):
+        """``pending``: the previous layer's feed-forward output, not yet in ``h`` (added with
+        this layer's first norm). Returns ``(h, y)`` with this layer's own left pending."""
+        if pending is None:
+            x = self.operator_norm(h)
+        else:
+            h, x = self.operator_norm.add_and_norm(h, pending)
         if self.is_attention:
             x = self.self_attn(x, ctx, rotary, cos_sin)
         else:
             x = self.conv(x, ctx)
         h, x = self.ffn_norm.add_and_norm(h, x)
-        return h + self.feed_forward(x)
+        return h, self.feed_forward(x)
 
 
 class _Lfm2Body(nn.Module):
@@ -149,6 +154,7 @@ class Lfm2ForCausalLM(HybridCausalLM):
 
     def body(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cos_sin = self.rotary(ctx.layout.positions) if self.rotary is not None else None
+        pending = None
         for layer in self.model.layers:
-            h = layer(h, ctx, self.rotary, cos_sin)
-        return h
+            h, pending = layer(h, ctx, self.rotary, cos_sin, pending)
+        return h + pending

@@ -82,14 +82,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(hidden, eps, zero_centered=True)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, cos_sin) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, cos_sin, pending=None):
+        """``pending``: the previous layer's MLP output, not yet in ``x`` (added with this
+        layer's first norm). Returns ``(x, y)`` with this layer's own left pending."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_and_norm(x, pending)
         if self.mixer_kind == "attn":
             h = self.self_attn(h, ctx, cos_sin)
         else:
             h = self.linear_attn(h, ctx)
         x, h = self.post_attention_layernorm.add_and_norm(x, h)
-        return x + self.mlp(h)
+        return x, self.mlp(h)
 
 
 class Qwen3NextForCausalLM(HybridCausalLM):
@@ -169,9 +174,10 @@ class Qwen3NextForCausalLM(HybridCausalLM):
 
     def body(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cos_sin = self.rotary(ctx.layout.positions) if self.num_attn_layers else None
+        pending = None
         for layer in self.layers:
-            x = layer(x, ctx, cos_sin)
-        return x
+            x, pending = layer(x, ctx, cos_sin, pending)
+        return x + pending
 
     # ------------------------------------------------------------------ weights
 
