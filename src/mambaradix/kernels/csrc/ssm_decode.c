@@ -116,21 +116,16 @@ static inline __attribute__((always_inline)) void m2_head(
     }
 }
 
-static inline __attribute__((always_inline)) void m2_step(
-    int64_t B, const int64_t *slots, float *ssm_pool, const void *x, int64_t x_stride,
-    const float *dt, const float *A, const void *Bm, const void *Cm, int64_t bc_stride,
-    const void *D, float *y, int64_t H, int64_t P, int64_t G, int64_t N, const int bf)
+/* Request b, head h of a scan step on the conv output's views (m2_head's addressing). */
+static inline __attribute__((always_inline)) void m2_step_head(
+    int64_t b, int64_t h, const int64_t *slots, float *ssm_pool, const void *x,
+    int64_t x_stride, const float *dt, const float *A, const void *Bm, const void *Cm,
+    int64_t bc_stride, const void *D, float *y, int64_t H, int64_t P, int64_t G, int64_t N,
+    const int bf)
 {
-    const int64_t hpg = H / G;
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t h = 0; h < H; h++) {
-            const int64_t bc = b * bc_stride + (h / hpg) * N;
-            m2_head(ssm_pool + (slots[b] * H + h) * P * N, x, b * x_stride + h * P, Bm, bc, Cm,
-                    bc, dt[b * H + h], A[h], D ? ld(D, h, bf) : 0.0f, y, (b * H + h) * P, P, N,
-                    bf, 0);
-        }
-    }
+    const int64_t bc = b * bc_stride + (h / (H / G)) * N;
+    m2_head(ssm_pool + (slots[b] * H + h) * P * N, x, b * x_stride + h * P, Bm, bc, Cm, bc,
+            dt[b * H + h], A[h], D ? ld(D, h, bf) : 0.0f, y, (b * H + h) * P, P, N, bf, 0);
 }
 
 /* A whole Mamba2 decode step from the input projection's xBC and raw dt rows (row-strided
@@ -176,15 +171,21 @@ static inline __attribute__((always_inline)) void m2_decode_team(
     int64_t B, const int64_t *slots, float *ssm_pool, const void *x, int64_t x_stride,   \
         const float *dt, const float *A, const void *Bm, const void *Cm, int64_t bc_stride, \
         const void *D, float *y, int64_t H, int64_t P, int64_t G, int64_t N
-#define STEP_PASS B, slots, ssm_pool, x, x_stride, dt, A, Bm, Cm, bc_stride, D, y, H, P, G, N
+#define STEP_PASS slots, ssm_pool, x, x_stride, dt, A, Bm, Cm, bc_stride, D, y, H, P, G, N
 
 void conv1d_update(CONV_ARGS) { CONV_UPDATE(0); }
 
 void conv1d_update_bf16(CONV_ARGS) { CONV_UPDATE(1); }
 
-void mamba2_step(STEP_ARGS) { m2_step(STEP_PASS, 0); }
+#define M2_STEP(bf)                                                                      \
+    _Pragma("omp parallel for collapse(2) schedule(static)")                             \
+    for (int64_t b = 0; b < B; b++)                                                      \
+        for (int64_t h = 0; h < H; h++)                                                  \
+            m2_step_head(b, h, STEP_PASS, bf)
 
-void mamba2_step_bf16(STEP_ARGS) { m2_step(STEP_PASS, 1); }
+void mamba2_step(STEP_ARGS) { M2_STEP(0); }
+
+void mamba2_step_bf16(STEP_ARGS) { M2_STEP(1); }
 
 #define DECODE_ARGS                                                                        \
     int64_t B, const int64_t *slots, const void *xbc, const void *dt_raw, int64_t in_stride, \
