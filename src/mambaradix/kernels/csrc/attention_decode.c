@@ -89,7 +89,7 @@ static inline __attribute__((always_inline)) void attend_own(
     const int64_t *restrict slots, const int64_t n, float scale,
     const float *restrict so, const float *restrict sl,
     float *restrict scores, float *restrict acc, float *restrict weight,
-    float *restrict inv_total, float *restrict out, const int bf)
+    float *restrict inv_total, float *restrict kbuf, float *restrict out, const int bf)
 {
     int64_t rows[8];  /* element index of each key's (or value's) row in its pool */
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
@@ -98,12 +98,18 @@ static inline __attribute__((always_inline)) void attend_own(
             rows[t] = (slots[j0 + (t < nb ? t : nb - 1)] * Hkv + h) * D;
         for (int64_t t = 0; j0 + 8 + t < n && t < 8; t++)
             __builtin_prefetch(pool_at(k_pool, (slots[j0 + 8 + t] * Hkv + h) * D, bf));
+        /* the block's keys widened once, then dotted with each of the r query heads */
+        for (int t = 0; t < 8; t++)
+            for (int64_t c = 0; c < D; c += 8) {
+                const v8 kv = pool8(k_pool, rows[t] + c, bf);
+                memcpy(kbuf + t * D + c, &kv, sizeof kv);
+            }
         for (int64_t i = 0; i < r; i++) {
             v8 a[8] = {0};
             for (int64_t c = 0; c < D; c += 8) {
                 const v8 qv = load8(qb + i * D + c);
                 for (int t = 0; t < 8; t++)
-                    a[t] += qv * pool8(k_pool, rows[t] + c, bf);
+                    a[t] += qv * load8(kbuf + t * D + c);
             }
             const v8 sv = sum_lanes8(a) * scale;
             float *si = scores + i * n + j0;
@@ -139,6 +145,11 @@ static inline __attribute__((always_inline)) void attend_own(
             rows[t] = (slots[j0 + (t < nb ? t : nb - 1)] * Hkv + h) * Dv;
         for (int64_t t = 0; j0 + 8 + t < n && t < 8; t++)
             __builtin_prefetch(pool_at(v_pool, (slots[j0 + 8 + t] * Hkv + h) * Dv, bf));
+        for (int t = 0; t < 8; t++)
+            for (int64_t c = 0; c < Dv; c += 8) {
+                const v8 vv = pool8(v_pool, rows[t] + c, bf);
+                memcpy(kbuf + t * Dv + c, &vv, sizeof vv);
+            }
         for (int64_t i = 0; i < r; i++) {
             float p[8] = {0};  /* a short block's repeated keys weigh 0 */
             for (int64_t t = 0; t < nb; t++)
@@ -146,7 +157,7 @@ static inline __attribute__((always_inline)) void attend_own(
             for (int64_t c = 0; c < Dv; c += 8) {
                 v8 s = load8(acc + i * Dv + c);
                 for (int t = 0; t < 8; t++)
-                    s += p[t] * pool8(v_pool, rows[t] + c, bf);
+                    s += p[t] * load8(kbuf + t * Dv + c);
                 memcpy(acc + i * Dv + c, &s, sizeof s);
             }
         }
@@ -183,6 +194,7 @@ static inline __attribute__((always_inline)) void decode_team(
         /* per-thread scratch; scores grow to the longest own span this thread meets */
         float *scores = NULL, *acc = malloc(sizeof(float) * r * Dv);
         float *weight = malloc(sizeof(float) * r), *inv_total = malloc(sizeof(float) * r);
+        float *kbuf = malloc(sizeof(float) * 8 * (D > Dv ? D : Dv)); /* 8 rows widened */
         int64_t cap = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < B * Hkv; task++) {
@@ -200,7 +212,7 @@ static inline __attribute__((always_inline)) void decode_team(
             const float *qb = q + (b * Hq + h * r) * D;
             float *o = out + (b * Hq + h * r) * Dv;
 #define ATTEND(d, dv) attend_own(r, Hkv, h, d, dv, qb, k_pool, v_pool, slots, n, scale, so, sl, \
-                                 scores, acc, weight, inv_total, o, bf)
+                                 scores, acc, weight, inv_total, kbuf, o, bf)
             if (D == 32 && Dv == 32)
                 ATTEND(32, 32);
             else if (D == 64 && Dv == 64)
@@ -217,6 +229,7 @@ static inline __attribute__((always_inline)) void decode_team(
         free(acc);
         free(weight);
         free(inv_total);
+        free(kbuf);
     }
 }
 
