@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ChunkPlan", "mamba2_chunk_scan", "mamba2_step", "process_dt"]
+__all__ = ["ChunkPlan", "mamba2_chunk_scan", "mamba2_step", "process_dt", "split_xbc"]
 
 
 def process_dt(
@@ -34,6 +34,17 @@ def process_dt(
     if lo > 0.0 or hi != float("inf"):
         dt = dt.clamp(min=lo, max=hi)
     return dt
+
+
+def split_xbc(
+    xbc: torch.Tensor, shape: tuple[int, int, int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv output ``[T, H*P + 2*G*N]`` as views ``x [T, H, P]``, ``B`` and ``C``
+    ``[T, G, N]``; ``shape`` is ``(H, P, G, N)``."""
+    H, P, G, N = shape
+    x, B, C = xbc.split([H * P, G * N, G * N], dim=-1)
+    t = xbc.shape[0]
+    return x.reshape(t, H, P), B.reshape(t, G, N), C.reshape(t, G, N)
 
 
 @dataclass(slots=True)

@@ -200,16 +200,11 @@ class TorchBackend(KernelBackend):
                             conv_bias, activation, A_log, dt_bias, dt_limit, D,
                             shape) -> Tensor:  # fmt: skip
         """The composition: this backend's conv step, dt, then its scan step."""
-        H, P, G, N = shape
         conv_out = self.conv1d_decode(xbc, conv_weight, conv_bias, conv_pool, layout, activation)
-        x, B, C = conv_out.split([H * P, G * N, G * N], dim=-1)
-        n = conv_out.shape[0]
+        x, B, C = mamba2.split_xbc(conv_out, shape)
         dt = mamba2.process_dt(dt_raw, dt_bias, dt_limit)
         A = -torch.exp(A_log.float())
-        y = self.mamba2_decode(
-            x.reshape(n, H, P), dt, A, B.reshape(n, G, N), C.reshape(n, G, N), D, ssm_pool, layout
-        )
-        return y.to(xbc.dtype)
+        return self.mamba2_decode(x, dt, A, B, C, D, ssm_pool, layout).to(xbc.dtype)
 
 
 # --------------------------------------------------------------------------- plans

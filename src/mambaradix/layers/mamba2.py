@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from mambaradix.core import StateLayerSpec
-from mambaradix.kernels.mamba2 import process_dt
+from mambaradix.kernels.mamba2 import process_dt, split_xbc
 from mambaradix.layers.norm import GatedRMSNorm
 from mambaradix.layers.ops import KernelUser, Linear
 from mambaradix.layout import ForwardContext
@@ -55,6 +55,7 @@ class Mamba2Mixer(KernelUser, nn.Module):
         self.n_groups, self.d_state = n_groups, d_state
         self.intermediate = num_heads * head_dim
         self.conv_dim = self.intermediate + 2 * n_groups * d_state
+        self.scan_shape = (num_heads, head_dim, n_groups, d_state)  # (H, P, G, N)
         self.conv_kernel = conv_kernel
         self.state_index = state_index
         self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
@@ -107,27 +108,16 @@ class Mamba2Mixer(KernelUser, nn.Module):
             conv_out = ops.conv1d_prefill(
                 rows.take(xbc), weight, bias, conv_pool, layout, self.activation
             )
-            x, b, c = self._split_xbc(conv_out)
+            x, b, c = split_xbc(conv_out, self.scan_shape)
             dt = process_dt(rows.take(dt_raw), self.dt_bias, self.dt_limit)
             A = -torch.exp(self.A_log.float())
             y = rows.put(y, ops.mamba2_prefill(x, dt, A, b, c, self.D, ssm_pool, layout))
         if layout.decode is not None:
             rows = layout.decode.rows
-            shape = (self.num_heads, self.head_dim, self.n_groups, self.d_state)
             step = ops.mamba2_mixer_decode(
                 rows.take(xbc), rows.take(dt_raw), conv_pool, ssm_pool, layout, weight, bias,
-                self.activation, self.A_log, self.dt_bias, self.dt_limit, self.D, shape,
+                self.activation, self.A_log, self.dt_bias, self.dt_limit, self.D, self.scan_shape,
             )  # fmt: skip
             y = rows.put(y, step)
         out = self.norm(y.view(-1, self.intermediate), gate)
         return self.out_proj(out)
-
-    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        gn = self.n_groups * self.d_state
-        x, b, c = xbc.split([self.intermediate, gn, gn], dim=-1)
-        t = xbc.shape[0]
-        return (
-            x.reshape(t, self.num_heads, self.head_dim),
-            b.reshape(t, self.n_groups, self.d_state),
-            c.reshape(t, self.n_groups, self.d_state),
-        )

@@ -70,6 +70,12 @@ CW_INLINE __m256i cw_ps_to_bf16(__m512 v)
 
 CW_INLINE __m512 cw_round_bf16(__m512 v) { return cw_bf16_to_ps(cw_ps_to_bf16(v)); }
 
+/* 16 bf16 values at p as fp32 */
+CW_INLINE __m512 cw_load_bf16(const void *p)
+{
+    return cw_bf16_to_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
 /* exp_poly of 16 lanes */
 CW_INLINE __m512 cw_exp_poly(__m512 x)
 {
@@ -92,6 +98,13 @@ CW_INLINE __m512 cw_exp_poly(__m512 x)
     const __m512i two_n = _mm512_slli_epi32(
         _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(y, _mm512_castsi512_ps(two_n));
+}
+
+/* v / (1 + exp_poly(-v)) of 16 lanes (the kernels' SiLU) */
+CW_INLINE __m512 cw_silu(__m512 v)
+{
+    return _mm512_div_ps(
+        v, _mm512_add_ps(_mm512_set1_ps(1.0f), cw_exp_poly(_mm512_sub_ps(_mm512_setzero_ps(), v))));
 }
 
 /* Channels c .. c + 15 of one request, kernel width K (3 or 4): the window win[0 .. K-1]

@@ -44,14 +44,11 @@ static inline __attribute__((always_inline)) void gdn_conv(
             __m512 win[4], wv[4];
             cw_window16(c, (int)kernel, (const uint16_t *)x + xb, (uint16_t *)conv_pool + cs,
                         (const uint16_t *)weight, win, wv);
-            __m512 acc = bias ? cw_bf16_to_ps(_mm256_loadu_si256(
-                                    (const __m256i *)((const uint16_t *)bias + c)))
-                              : _mm512_setzero_ps();
+            __m512 acc = bias ? cw_load_bf16((const uint16_t *)bias + c) : _mm512_setzero_ps();
             for (int64_t j = 0; j <= k1; j++)
                 acc = _mm512_add_ps(acc, _mm512_mul_ps(wv[j], win[j]));
             if (silu)
-                acc = _mm512_div_ps(acc, _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                                       cw_exp_poly(_mm512_sub_ps(_mm512_setzero_ps(), acc))));
+                acc = cw_silu(acc);
             _mm512_storeu_ps(y + c, cw_round_bf16(acc));
         }
     }

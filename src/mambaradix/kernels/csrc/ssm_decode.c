@@ -47,11 +47,9 @@ static inline __attribute__((always_inline)) void conv_channels(
             acc = cw_round_bf16(
                 _mm512_add_ps(acc, cw_round_bf16(_mm512_mul_ps(wv[k1], win[k1]))));
             if (bias)
-                acc = cw_round_bf16(_mm512_add_ps(
-                    acc, cw_bf16_to_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)bias + c)))));
+                acc = cw_round_bf16(_mm512_add_ps(acc, cw_load_bf16((const uint16_t *)bias + c)));
             if (silu)
-                acc = _mm512_div_ps(acc, _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                                       cw_exp_poly(_mm512_sub_ps(_mm512_setzero_ps(), acc))));
+                acc = cw_silu(acc);
             _mm256_storeu_si256((__m256i *)((uint16_t *)out + b * C + c), cw_ps_to_bf16(acc));
         }
     }
