@@ -459,6 +459,75 @@ def mamba2_step(
     return y
 
 
+def mamba2_scan(
+    ssm_pool: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: list[int],
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    snapshots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> torch.Tensor | None:
+    """The Mamba2 prefill scan of varlen segments in place on ``ssm_pool`` (C, token after
+    token: ``kernels.mamba2.mamba2_chunk_scan``'s results): segment s is rows ``cu_seqlens[s] :
+    cu_seqlens[s + 1]`` of ``x`` ``[T, H, P]``, ``dt`` ``[T, H]`` (processed), ``B`` / ``C``
+    ``[T, G, N]`` (views of the conv output, token- or channel-major), its state in
+    ``ssm_pool[slots[s]]``.
+    ``snapshots`` = int64 (segment, offset, slot) per snapshot, sorted by segment then offset
+    (``scan_snapshots``): the state after that many tokens of the segment goes to the slot.
+    Returns ``y`` ``[T, H, P]`` fp32, or None where the C code does not cover the inputs."""
+    xd = x.dtype
+    fn = _native_fn(native.load("ssm_decode"), "mamba2_scan", xd)
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    fits = (
+        fn is not None
+        and _cpu_dense(ssm_pool, torch.float32)
+        and tuple(ssm_pool.shape[1:]) == (H, P, N)
+        and all(t.device.type == "cpu" and t.dtype == xd for t in (x, B, C))
+        and x.stride(1) == P * x.stride(2)  # channels h * P + p at one stride
+        and B.stride() == C.stride()
+        and B.stride(1) == N * B.stride(2)
+        and H % G == 0
+        and (D is None or _cpu_dense(D, xd))
+        and slots.device.type == "cpu"
+        and len(cu_seqlens) == slots.shape[0] + 1
+        and cu_seqlens[-1] == T
+    )
+    if not fits:
+        _fallback("mamba2_scan", x, ssm_pool, B)
+        return None
+    slots = slots.to(torch.int64).contiguous()
+    cu = torch.tensor(cu_seqlens, dtype=torch.int64)
+    dt = dt.float().contiguous()
+    A = A.float().contiguous()
+    snap_seq, snap_off, snap_slot = snapshots
+    y = torch.empty(T, H, P, dtype=torch.float32)
+    fn(
+        slots.shape[0], cu.data_ptr(), slots.data_ptr(), ssm_pool.data_ptr(), x.data_ptr(),
+        x.stride(0), x.stride(2), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(),
+        B.stride(0), B.stride(2), None if D is None else D.data_ptr(), y.data_ptr(), H, P, G, N,
+        snap_seq.shape[0], snap_seq.data_ptr(), snap_off.data_ptr(), snap_slot.data_ptr(),
+    )  # fmt: skip
+    return y
+
+
+def scan_snapshots(
+    seqs: list[int], offsets: list[int], slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layout's snapshots as ``mamba2_scan`` takes them: int64 (segment, offset, slot),
+    sorted by segment, then offset."""
+    order = sorted(range(len(seqs)), key=lambda k: (seqs[k], offsets[k]))
+    return (
+        torch.tensor([seqs[k] for k in order], dtype=torch.int64),
+        torch.tensor([offsets[k] for k in order], dtype=torch.int64),
+        slots.to(torch.int64)[order].contiguous() if order else torch.empty(0, dtype=torch.int64),
+    )
+
+
 def mamba2_decode(
     xbc: torch.Tensor,
     dt_raw: torch.Tensor,

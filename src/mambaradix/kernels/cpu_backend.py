@@ -29,9 +29,10 @@ class CpuBackend(TorchBackend):
 
     def native_ops(self) -> list[str]:
         return [
-            "gdn_decode", "paged_attention_decode", "conv1d_decode", "mamba2_decode",
-            "mamba2_mixer_decode", "linear (bf16, decode)", "rms_norm", "add_rms_norm",
-            "rms_norm_gated", "rms_norm_gate_first", "rms_norm_rope", "moe_pad", "moe_unpad",
+            "gdn_decode", "paged_attention_decode", "conv1d_decode", "mamba2_prefill",
+            "mamba2_decode", "mamba2_mixer_decode", "linear (bf16, decode)", "rms_norm",
+            "add_rms_norm", "rms_norm_gated", "rms_norm_gate_first", "rms_norm_rope", "moe_pad",
+            "moe_unpad",
         ]  # fmt: skip
 
     def conv1d_decode(self, x, weight, bias, conv_pool, layout, activation):
@@ -40,6 +41,17 @@ class CpuBackend(TorchBackend):
         if y is None:
             return super().conv1d_decode(x, weight, bias, conv_pool, layout, activation)
         _copy_decode_snapshots(conv_pool, dec)
+        return y
+
+    def mamba2_prefill(self, x, dt, A, B, C, D, ssm_pool, layout):
+        seg = layout.prefill
+        snaps = self._plan(layout).get(
+            ("scan_snapshots",),
+            lambda: cpu.scan_snapshots(seg.snapshot_seqs, seg.snapshot_offsets, seg.snapshot_slots),
+        )
+        y = cpu.mamba2_scan(ssm_pool, seg.state_slots, seg.cu_list, x, dt, A, B, C, D, snaps)
+        if y is None:
+            return super().mamba2_prefill(x, dt, A, B, C, D, ssm_pool, layout)
         return y
 
     def mamba2_decode(self, x, dt, A, B, C, D, ssm_pool, layout):

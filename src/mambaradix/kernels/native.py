@@ -81,6 +81,17 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR,                  # y [B, H, P], model dtype
             _I64, _I64, _I64, _I64,  # H, P, G, N
         ],
+        "mamba2_scan": [
+            _I64, _PTR, _PTR,      # S segments, cu_seqlens [S+1], slots [S]
+            _PTR,                  # ssm pool (fp32)
+            _PTR, _I64, _I64,      # x, its token and channel strides
+            _PTR, _PTR,            # dt [T, H] fp32, A [H] fp32
+            _PTR, _PTR, _I64, _I64,  # B, C, their token and channel strides
+            _PTR,                  # D (nullable)
+            _PTR,                  # y [T, H, P] fp32
+            _I64, _I64, _I64, _I64,  # H, P, G, N
+            _I64, _PTR, _PTR, _PTR,  # K snapshots: segment, offset, slot (by segment, offset)
+        ],
     },
     "attention_decode": {
         "attention_decode": [
@@ -169,6 +180,7 @@ for _lib, _name in (
     ("ssm_decode", "conv1d_update"),
     ("ssm_decode", "mamba2_step"),  # bf16 x, B, C, D; the state, dt and y fp32
     ("ssm_decode", "mamba2_decode"),  # bf16 inputs, parameters and y; the state fp32
+    ("ssm_decode", "mamba2_scan"),  # bf16 x, B, C, D; the state, dt and y fp32
 ):
     SIGNATURES[_lib][_name + "_bf16"] = SIGNATURES[_lib][_name]
 SIGNATURES["moe"]["moe_unpad_bf16"] = [*SIGNATURES["moe"]["moe_unpad"], _INT]  # + out is bf16

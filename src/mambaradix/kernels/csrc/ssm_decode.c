@@ -1,4 +1,5 @@
-/* Decode steps of the conv and of the Mamba2 scan for B requests, in place on the state pools.
+/* Decode steps of the conv and of the Mamba2 scan for B requests, and the Mamba2 prefill scan,
+ * in place on the state pools.
  *
  * conv_update: per request b (slot s = slots[b]) and channel c, window = [conv_pool[s][c][0 ..
  *   K-2], x[b][c]]; out[b][c] = act(sum_k w[c][k] window[k] + bias[c]); conv_pool[s][c] <-
@@ -9,6 +10,8 @@
  *   x, B and C rows are addressed with their own row strides (views of the conv output).
  * mamba2_decode: the two above as one step from the input projection's xBC and raw dt rows,
  *   with dt's softplus and clamp and A = -exp(A_log) inside (see m2_decode_team).
+ * mamba2_scan: the prefill scan of S varlen segments, token after token with the step above
+ *   (see m2_scan_task); the state after any token is there for a snapshot.
  *
  * The `_bf16` variants read and write the model's bf16 tensors (x, the conv pool and weights,
  * B, C, D, the conv output) and round where the torch reference holds a bf16 tensor (each
@@ -202,3 +205,193 @@ void mamba2_step_bf16(STEP_ARGS) { M2_STEP(1); }
 void mamba2_decode(DECODE_ARGS) { DECODE_STEP(0, float); }
 
 void mamba2_decode_bf16(DECODE_ARGS) { DECODE_STEP(1, uint16_t); }
+
+#define SCAN_BLOCK 32 /* tokens whose inputs are gathered at a time */
+
+/* out[j][i] = src[(t0 + j) * ts + c0 + i * cs] in fp32 for j < nb, i < width, reading along
+ * whichever stride is 1: channel-major rows at a power-of-two stride (T = 2,048 bf16 tokens is
+ * 4 KB) all fall in one L1 set, so a token at a time would reload each line for every token. */
+static inline __attribute__((always_inline)) void scan_gather(
+    float *out, const void *src, int64_t t0, int64_t nb, int64_t ts, int64_t c0, int64_t cs,
+    int64_t width, const int bf)
+{
+    if (ts == 1) {
+        for (int64_t i = 0; i < width; i++)
+            for (int64_t j = 0; j < nb; j++)
+                out[j * width + i] = ld(src, t0 + j + c0 + i * cs, bf);
+    } else {
+        for (int64_t j = 0; j < nb; j++)
+            for (int64_t i = 0; i < width; i++)
+                out[j * width + i] = ld(src, (t0 + j) * ts + c0 + i * cs, bf);
+    }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_SCAN_VEC 1
+
+/* One token of a head's scan on its state held transposed, st [N][P] (fp32, in L1): 16 values
+ * of p at a time, so that y needs no horizontal sums: for each n, h[n][p] = decay h[n][p] +
+ * (x[p] dt) B[n] and y[p] += h[n][p] C[n], three vector operations (fused multiply-adds) per 16
+ * state values, y in registers; two accumulator sets shorten the dependency chains. NV = P / 16
+ * is a constant at each call site, so the loops over it unroll into registers. */
+static inline __attribute__((always_inline)) void m2_token_vec(
+    float *st, const float *xt, const float *bt, const float *ct, float d, float decay,
+    float skip, float *yout, int64_t N, const int NV)
+{
+    __m512 xdt[NV], y0[NV], y1[NV];
+    const __m512 dv = _mm512_set1_ps(d), dec = _mm512_set1_ps(decay);
+    for (int i = 0; i < NV; i++) {
+        xdt[i] = _mm512_mul_ps(_mm512_loadu_ps(xt + 16 * i), dv);
+        y0[i] = _mm512_setzero_ps();
+        y1[i] = _mm512_setzero_ps();
+    }
+    const int64_t P = 16 * NV;
+    int64_t n = 0;
+    for (; n + 2 <= N; n += 2) {
+        const __m512 b0 = _mm512_set1_ps(bt[n]), c0 = _mm512_set1_ps(ct[n]);
+        const __m512 b1 = _mm512_set1_ps(bt[n + 1]), c1 = _mm512_set1_ps(ct[n + 1]);
+        float *r0 = st + n * P, *r1 = r0 + P;
+        for (int i = 0; i < NV; i++) {
+            const __m512 h0 =
+                _mm512_fmadd_ps(_mm512_loadu_ps(r0 + 16 * i), dec, _mm512_mul_ps(xdt[i], b0));
+            _mm512_storeu_ps(r0 + 16 * i, h0);
+            y0[i] = _mm512_fmadd_ps(h0, c0, y0[i]);
+            const __m512 h1 =
+                _mm512_fmadd_ps(_mm512_loadu_ps(r1 + 16 * i), dec, _mm512_mul_ps(xdt[i], b1));
+            _mm512_storeu_ps(r1 + 16 * i, h1);
+            y1[i] = _mm512_fmadd_ps(h1, c1, y1[i]);
+        }
+    }
+    for (; n < N; n++) {
+        const __m512 b0 = _mm512_set1_ps(bt[n]), c0 = _mm512_set1_ps(ct[n]);
+        float *r0 = st + n * P;
+        for (int i = 0; i < NV; i++) {
+            const __m512 h0 =
+                _mm512_fmadd_ps(_mm512_loadu_ps(r0 + 16 * i), dec, _mm512_mul_ps(xdt[i], b0));
+            _mm512_storeu_ps(r0 + 16 * i, h0);
+            y0[i] = _mm512_fmadd_ps(h0, c0, y0[i]);
+        }
+    }
+    const __m512 sk = _mm512_set1_ps(skip);
+    for (int i = 0; i < NV; i++)
+        _mm512_storeu_ps(yout + 16 * i, _mm512_fmadd_ps(sk, _mm512_loadu_ps(xt + 16 * i),
+                                                        _mm512_add_ps(y0[i], y1[i])));
+}
+#endif
+
+/* A head's state [P][N] from or to its transposed working copy [N][P]. */
+static inline void transpose_state(float *dst, const float *src, int64_t rows, int64_t cols)
+{
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++)
+            dst[c * rows + r] = src[r * cols + c];
+}
+
+/* Segment s, head h of a prefill scan: rows cu[s] .. cu[s+1] - 1 of x, dt, B, C and y, the
+ * state ssm_pool[slots[s]][h] carried token after token, and copied into
+ * ssm_pool[snap_slot[k]][h] after snap_off[k] tokens for each snapshot k of the segment
+ * (snap_seq[k] == s; the caller sorts them by segment, then offset). x is addressed by a token
+ * and a channel stride (the prefill conv leaves it channel-major); B and C come as fp32
+ * [T][2][G][N] (bc32, see M2_SCAN). A head's state (16-32 KB at the published shapes) stays in
+ * L1 for the whole segment, each token reading and writing it once, where the chunked form
+ * (kernels/mamba2.py) suits wide matrix units better than two cores. With AVX-512 and P a
+ * multiple of 16 up to 128 the state is worked on transposed (m2_token_vec); otherwise in place
+ * in the pool by the decode step's m2_head. */
+static inline __attribute__((always_inline)) void m2_scan_task(
+    int64_t s, int64_t h, const int64_t *cu, const int64_t *slots, float *ssm_pool,
+    const void *x, int64_t x_ts, int64_t x_cs, const float *dt, const float *A,
+    const float *bc32, const void *D, float *y, int64_t H, int64_t P, int64_t G, int64_t N,
+    int64_t K, const int64_t *snap_seq, const int64_t *snap_off, const int64_t *snap_slot,
+    const int bf)
+{
+    const int64_t size = P * N, xc = h * P * x_cs, g = h / (H / G);
+    float *state = ssm_pool + (slots[s] * H + h) * size;
+    const float a = A[h], skip = D ? ld(D, h, bf) : 0.0f;
+    float xt[SCAN_BLOCK][P];
+#if HAVE_SCAN_VEC
+    const int vec = P % 16 == 0 && P <= 128;
+    float *st = vec ? malloc(sizeof(float) * (size_t)size) : NULL;
+    if (st)
+        transpose_state(st, state, P, N);
+#else
+    float *st = NULL;
+#endif
+    int64_t t = cu[s];
+    for (int64_t k = 0; k <= K; k++) {
+        if (k < K && snap_seq[k] != s)
+            continue;
+        const int64_t stop = k < K ? cu[s] + snap_off[k] : cu[s + 1];
+        while (t < stop) {
+            const int64_t nb = stop - t < SCAN_BLOCK ? stop - t : SCAN_BLOCK;
+            scan_gather(&xt[0][0], x, t, nb, x_ts, xc, x_cs, P, bf);
+            for (int64_t j = 0; j < nb; j++, t++) {
+                const float *bt = bc32 + (t * 2 * G + g) * N, *ct = bt + G * N;
+                const float d = dt[t * H + h];
+                float *yo = y + (t * H + h) * P;
+#if HAVE_SCAN_VEC
+                if (st) {
+                    const float decay = expf(d * a);
+                    switch (P / 16) {
+                    case 1: m2_token_vec(st, xt[j], bt, ct, d, decay, skip, yo, N, 1); break;
+                    case 2: m2_token_vec(st, xt[j], bt, ct, d, decay, skip, yo, N, 2); break;
+                    case 3: m2_token_vec(st, xt[j], bt, ct, d, decay, skip, yo, N, 3); break;
+                    case 4: m2_token_vec(st, xt[j], bt, ct, d, decay, skip, yo, N, 4); break;
+                    case 5: m2_token_vec(st, xt[j], bt, ct, d, decay, skip, yo, N, 5); break;
+                    case 6: m2_token_vec(st, xt[j], bt, ct, d, decay, skip, yo, N, 6); break;
+                    case 7: m2_token_vec(st, xt[j], bt, ct, d, decay, skip, yo, N, 7); break;
+                    default: m2_token_vec(st, xt[j], bt, ct, d, decay, skip, yo, N, 8); break;
+                    }
+                    continue;
+                }
+#endif
+                m2_head(state, xt[j], 0, bt, 0, ct, 0, d, a, skip, yo, 0, P, N, 0, 0);
+            }
+        }
+        float *dst = k < K ? ssm_pool + (snap_slot[k] * H + h) * size : state;
+        if (st)
+            transpose_state(dst, st, N, P);
+        else if (k < K)
+            for (int64_t i = 0; i < size; i++)
+                dst[i] = state[i];
+    }
+    free(st);
+}
+
+#define SCAN_ARGS                                                                          \
+    int64_t S, const int64_t *cu, const int64_t *slots, float *ssm_pool, const void *x,   \
+        int64_t x_ts, int64_t x_cs, const float *dt, const float *A, const void *Bm,       \
+        const void *Cm, int64_t bc_ts, int64_t bc_cs, const void *D, float *y, int64_t H,  \
+        int64_t P, int64_t G, int64_t N, int64_t K, const int64_t *snap_seq,               \
+        const int64_t *snap_off, const int64_t *snap_slot
+/* B and C of every token into fp32 [T][2][G][N] once (every head of a group reads them), then
+ * the (segment, head) tasks. */
+#define M2_SCAN(bf)                                                                          \
+    do {                                                                                     \
+        const int64_t T = cu[S], GN = G * N;                                                 \
+        float *bc32 = malloc(sizeof(float) * (size_t)(T * 2 * GN));                          \
+        _Pragma("omp parallel")                                                              \
+        {                                                                                    \
+            _Pragma("omp for schedule(static)")                                              \
+            for (int64_t t = 0; t < T; t += SCAN_BLOCK) {                                    \
+                const int64_t nb = T - t < SCAN_BLOCK ? T - t : SCAN_BLOCK;                  \
+                float blk[SCAN_BLOCK * GN];                                                  \
+                for (int64_t m = 0; m < 2; m++) {                                            \
+                    scan_gather(blk, m ? Cm : Bm, t, nb, bc_ts, 0, bc_cs, GN, bf);           \
+                    for (int64_t j = 0; j < nb; j++)                                         \
+                        for (int64_t i = 0; i < GN; i++)                                     \
+                            bc32[((t + j) * 2 + m) * GN + i] = blk[j * GN + i];              \
+                }                                                                            \
+            }                                                                                \
+            _Pragma("omp for collapse(2) schedule(dynamic, 1)")                              \
+            for (int64_t s = 0; s < S; s++)                                                  \
+                for (int64_t h = 0; h < H; h++)                                              \
+                    m2_scan_task(s, h, cu, slots, ssm_pool, x, x_ts, x_cs, dt, A, bc32, D, y, H, \
+                                 P, G, N, K, snap_seq, snap_off, snap_slot, bf);             \
+        }                                                                                    \
+        free(bc32);                                                                          \
+    } while (0)
+
+void mamba2_scan(SCAN_ARGS) { M2_SCAN(0); }
+
+void mamba2_scan_bf16(SCAN_ARGS) { M2_SCAN(1); }
