@@ -1,5 +1,6 @@
-"""The native Mamba2 prefill scan (``cpu.mamba2_scan``, the cpu backend's ``mamba2_prefill``)
-against the torch chunked scan, at published shapes and at shapes off its vector path."""
+"""The native prefill scans (``cpu.mamba2_scan`` and ``cpu.gated_delta_scan``: the cpu backend's
+``mamba2_prefill`` and ``gdn_prefill``) against the torch chunked forms, at published shapes and
+at shapes off their vector paths."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import shutil
 
 import pytest
 import torch
+from test_kernels_bf16 import ulps
 
 from mambaradix.core import ForwardReq
 from mambaradix.kernels import native
 from mambaradix.kernels.cpu_backend import CpuBackend
+from mambaradix.kernels.gated_delta import gdn_gates
 from mambaradix.kernels.mamba2 import process_dt, split_xbc
 from mambaradix.kernels.torch_backend import TorchBackend
 from mambaradix.layout import ForwardLayout
@@ -21,21 +24,23 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _case(shape, lens, snapshots, dtype, channel_major, seed):
-    """A prefill layout of segments ``lens`` (state slots 5, 1, 3, ...; ``snapshots[i]`` the
-    offsets segment i snapshots, into slots from 8 up), and the scan's inputs as views of one
-    conv output (channel-major as the prefill conv leaves it, or token-major)."""
-    H, P, G, N = shape
-    g = torch.Generator().manual_seed(seed)
-    slot_of = [5, 1, 3, 0][: len(lens)]
+def _layout(lens, snapshots):
+    """Prefill segments ``lens`` in state slots 5, 1, 3; ``snapshots[i]`` the offsets segment i
+    snapshots, into slots from 8 up."""
     spare = iter(range(8, 64))
     reqs = [
-        ForwardReq(
-            0, list(range(n)), torch.arange(n), slot_of[i], [(k, next(spare)) for k in snapshots[i]]
-        )
-        for i, n in enumerate(lens)
+        ForwardReq(0, list(range(n)), torch.arange(n), slot, [(k, next(spare)) for k in offsets])
+        for n, slot, offsets in zip(lens, [5, 1, 3], snapshots)
     ]
-    layout = ForwardLayout.build(reqs)
+    return ForwardLayout.build(reqs)
+
+
+def _case(shape, lens, snapshots, dtype, channel_major, seed):
+    """``_layout``'s prefill and the scan's inputs as views of one conv output (channel-major as
+    the prefill conv leaves it, or token-major)."""
+    H, P, G, N = shape
+    g = torch.Generator().manual_seed(seed)
+    layout = _layout(lens, snapshots)
     T, C = sum(lens), H * P + 2 * G * N
     conv_out = torch.randn(C, T, generator=g).to(dtype).t() if channel_major else None
     if conv_out is None:
@@ -96,3 +101,74 @@ def test_native_scan_snapshot_control(monkeypatch):
     scale = at40[8].abs().mean()
     assert (at40[8] - at41[8]).abs().max() > 100 * 5e-5 * scale
     assert torch.equal(at40[5], at41[5])  # the same final state either way
+
+
+def _gdn_case(hk, hv, dk, dv, lens, snapshots, dtype, channel_major, seed):
+    """``_layout``'s prefill and the Gated DeltaNet prefill's inputs as views of one conv
+    output."""
+    g_ = torch.Generator().manual_seed(seed)
+    layout = _layout(lens, snapshots)
+    T, C = sum(lens), 2 * hk * dk + hv * dv
+    conv_out = (
+        torch.randn(C, T, generator=g_).to(dtype).t()
+        if channel_major
+        else torch.randn(T, C, generator=g_).to(dtype)
+    )
+    q, k, v = conv_out.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    a, b = torch.randn(T, hv, generator=g_).to(dtype), torch.randn(T, hv, generator=g_).to(dtype)
+    g, beta = gdn_gates(a, b, torch.rand(hv, generator=g_), torch.randn(hv, generator=g_))
+    inputs = (q.reshape(T, hk, dk), k.reshape(T, hk, dk), v.reshape(T, hv, dv), g, beta)
+    pool = torch.randn(64, hv, dk, dv, generator=g_) * 0.1
+    return layout, inputs, pool
+
+
+def _gdn_run(backend, layout, inputs, pool):
+    pool = pool.clone()
+    return backend.gdn_prefill(*inputs, pool, layout), pool
+
+
+@pytest.mark.parametrize(
+    "hk,hv,dk,dv,dtype,channel_major",
+    [
+        (16, 16, 128, 128, torch.bfloat16, True),  # Qwen3.5-0.8B, as the conv leaves it
+        (4, 8, 128, 128, torch.bfloat16, False),  # Qwen3-Next's 2 value heads a key head
+        (2, 4, 16, 48, torch.float32, True),  # a vector block of 32 columns + 16 scalar ones
+        (1, 2, 7, 5, torch.float32, False),  # odd dims: the scalar path only
+    ],
+)
+def test_native_gdn_scan_matches_the_chunked_rule(hk, hv, dk, dv, dtype, channel_major,
+                                                  monkeypatch):  # fmt: skip
+    """Outputs, final states and every snapshot of the native Gated DeltaNet prefill equal the
+    chunked reference's: states to fp32 rounding, bf16 outputs within 1 ulp (almost all
+    equal); slots outside the forward untouched."""
+    lens = [150, 64, 3]
+    snaps = [[1, 64, 100, 150], [37, 37], [1, 3]]
+    layout, inputs, pool = _gdn_case(hk, hv, dk, dv, lens, snaps, dtype, channel_major, seed=dk)
+    want, want_pool = _gdn_run(TorchBackend(), layout, inputs, pool)
+    monkeypatch.setattr(TorchBackend, "gdn_prefill", None)  # the native path must run
+    got, got_pool = _gdn_run(CpuBackend(), layout, inputs, pool)
+    assert got.dtype == dtype and got.shape == want.shape
+    touched = [5, 1, 3, *range(8, 16)]
+    untouched = [i for i in range(64) if i not in touched]
+    assert torch.equal(got_pool[untouched], pool[untouched])
+    scale = want_pool[touched].abs().mean()
+    err = (got_pool[touched] - want_pool[touched]).abs().max() / scale
+    assert err <= 2e-4, err
+    if dtype == torch.bfloat16:
+        e = ulps(got, want, floor=want.float().abs().mean())
+        assert e.max() <= 1 and e.mean() <= 0.01, (e.max(), e.mean())  # seen: 1, 8e-5
+    else:
+        assert (got - want).abs().max() <= 1e-4 * want.abs().mean()
+
+
+def test_native_gdn_scan_snapshot_control(monkeypatch):
+    """The snapshot after 40 tokens is not the state after 41 (far beyond the tolerance met
+    above), and the final state does not depend on where snapshots are taken."""
+    case = (16, 16, 128, 128)
+    layout, inputs, pool = _gdn_case(*case, [80], [[40]], torch.bfloat16, True, seed=2)
+    later, _, _ = _gdn_case(*case, [80], [[41]], torch.bfloat16, True, seed=2)
+    monkeypatch.setattr(TorchBackend, "gdn_prefill", None)
+    out40, at40 = _gdn_run(CpuBackend(), layout, inputs, pool)
+    out41, at41 = _gdn_run(CpuBackend(), later, inputs, pool)
+    assert (at40[8] - at41[8]).abs().max() > 100 * 2e-4 * at40[8].abs().mean()
+    assert torch.equal(at40[5], at41[5]) and torch.equal(out40, out41)

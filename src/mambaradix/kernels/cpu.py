@@ -506,13 +506,66 @@ def mamba2_scan(
     A = A.float().contiguous()
     snap_seq, snap_off, snap_slot = snapshots
     y = torch.empty(T, H, P, dtype=torch.float32)
-    fn(
+    status = fn(
         slots.shape[0], cu.data_ptr(), slots.data_ptr(), ssm_pool.data_ptr(), x.data_ptr(),
         x.stride(0), x.stride(2), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(),
         B.stride(0), B.stride(2), None if D is None else D.data_ptr(), y.data_ptr(), H, P, G, N,
         snap_seq.shape[0], snap_seq.data_ptr(), snap_off.data_ptr(), snap_slot.data_ptr(),
     )  # fmt: skip
-    return y
+    return y if status == 0 else None  # -1: no memory for its scratch, nothing done
+
+
+def gated_delta_scan(
+    ssm_pool: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: list[int],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    snapshots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> torch.Tensor | None:
+    """The Gated DeltaNet prefill scan of varlen segments in place on ``ssm_pool`` (C, token
+    after token: ``kernels.gated_delta.chunk_gated_delta_rule``'s results, q and k
+    L2-normalised inside): segment s is rows ``cu_seqlens[s] : cu_seqlens[s + 1]`` of ``q``,
+    ``k`` ``[T, Hk, Dk]`` and ``v`` ``[T, Hv, Dv]`` (views of the conv output, token- or
+    channel-major), ``g`` / ``beta`` ``[T, Hv]``; its state in ``ssm_pool[slots[s]]``;
+    ``snapshots`` as ``mamba2_scan`` takes them. Returns the output ``[T, Hv, Dv]`` in ``v``'s
+    dtype, or None where the C code does not cover the inputs."""
+    vd = v.dtype
+    fn = _native_fn(native.load("gated_delta_scan"), "gated_delta_scan", vd)
+    T, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    fits = (
+        fn is not None
+        and _cpu_dense(ssm_pool, torch.float32)
+        and tuple(ssm_pool.shape[1:]) == (hv, dk, dv)
+        and all(t.device.type == "cpu" and t.dtype == vd for t in (q, k, v, beta))
+        and q.stride() == k.stride()
+        and q.stride(1) == dk * q.stride(2)  # channels h * Dk + i at one stride
+        and v.stride(1) == dv * v.stride(2)
+        and hv % hk == 0
+        and slots.device.type == "cpu"
+        and len(cu_seqlens) == slots.shape[0] + 1
+        and cu_seqlens[-1] == T
+    )
+    if not fits:
+        _fallback("gated_delta_scan", v, ssm_pool, beta)
+        return None
+    slots = slots.to(torch.int64).contiguous()
+    cu = torch.tensor(cu_seqlens, dtype=torch.int64)
+    g = g.float().contiguous()
+    beta = beta.contiguous()
+    snap_seq, snap_off, snap_slot = snapshots
+    out = torch.empty(T, hv, dv, dtype=vd)
+    status = fn(
+        slots.shape[0], cu.data_ptr(), slots.data_ptr(), ssm_pool.data_ptr(), q.data_ptr(),
+        k.data_ptr(), q.stride(0), q.stride(2), v.data_ptr(), v.stride(0), v.stride(2),
+        g.data_ptr(), beta.data_ptr(), out.data_ptr(), hk, hv, dk, dv, 1, snap_seq.shape[0],
+        snap_seq.data_ptr(), snap_off.data_ptr(), snap_slot.data_ptr(),
+    )  # fmt: skip
+    return out if status == 0 else None  # -1: no memory for its scratch, nothing done
 
 
 def scan_snapshots(

@@ -29,10 +29,10 @@ class CpuBackend(TorchBackend):
 
     def native_ops(self) -> list[str]:
         return [
-            "gdn_decode", "paged_attention_decode", "conv1d_decode", "mamba2_prefill",
-            "mamba2_decode", "mamba2_mixer_decode", "linear (bf16, decode)", "rms_norm",
-            "add_rms_norm", "rms_norm_gated", "rms_norm_gate_first", "rms_norm_rope", "moe_pad",
-            "moe_unpad",
+            "gdn_prefill", "gdn_decode", "paged_attention_decode", "conv1d_decode",
+            "mamba2_prefill", "mamba2_decode", "mamba2_mixer_decode", "linear (bf16, decode)",
+            "rms_norm", "add_rms_norm", "rms_norm_gated", "rms_norm_gate_first", "rms_norm_rope",
+            "moe_pad", "moe_unpad",
         ]  # fmt: skip
 
     def conv1d_decode(self, x, weight, bias, conv_pool, layout, activation):
@@ -43,12 +43,24 @@ class CpuBackend(TorchBackend):
         _copy_decode_snapshots(conv_pool, dec)
         return y
 
-    def mamba2_prefill(self, x, dt, A, B, C, D, ssm_pool, layout):
+    def _scan_snapshots(self, layout):
         seg = layout.prefill
-        snaps = self._plan(layout).get(
+        return self._plan(layout).get(
             ("scan_snapshots",),
             lambda: cpu.scan_snapshots(seg.snapshot_seqs, seg.snapshot_offsets, seg.snapshot_slots),
         )
+
+    def gdn_prefill(self, q, k, v, g, beta, ssm_pool, layout):
+        seg = layout.prefill
+        snaps = self._scan_snapshots(layout)
+        out = cpu.gated_delta_scan(ssm_pool, seg.state_slots, seg.cu_list, q, k, v, g, beta, snaps)
+        if out is None:
+            return super().gdn_prefill(q, k, v, g, beta, ssm_pool, layout)
+        return out
+
+    def mamba2_prefill(self, x, dt, A, B, C, D, ssm_pool, layout):
+        seg = layout.prefill
+        snaps = self._scan_snapshots(layout)
         y = cpu.mamba2_scan(ssm_pool, seg.state_slots, seg.cu_list, x, dt, A, B, C, D, snaps)
         if y is None:
             return super().mamba2_prefill(x, dt, A, B, C, D, ssm_pool, layout)

@@ -93,6 +93,18 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _I64, _PTR, _PTR, _PTR,  # K snapshots: segment, offset, slot (by segment, offset)
         ],
     },
+    "gated_delta_scan": {
+        "gated_delta_scan": [
+            _I64, _PTR, _PTR,      # S segments, cu_seqlens [S+1], slots [S]
+            _PTR,                  # ssm pool (fp32)
+            _PTR, _PTR, _I64, _I64,  # q, k, their token and channel strides
+            _PTR, _I64, _I64,      # v, its token and channel strides
+            _PTR, _PTR,            # g [T, Hv] fp32, beta [T, Hv]
+            _PTR,                  # out [T, Hv, Dv]
+            _I64, _I64, _I64, _I64, _INT,  # Hk, Hv, Dk, Dv, l2norm
+            _I64, _PTR, _PTR, _PTR,  # K snapshots: segment, offset, slot (by segment, offset)
+        ],
+    },
     "attention_decode": {
         "attention_decode": [
             _I64, _I64, _I64, _I64, _I64,  # B, Hq, Hkv, D, Dv
@@ -181,11 +193,14 @@ for _lib, _name in (
     ("ssm_decode", "mamba2_step"),  # bf16 x, B, C, D; the state, dt and y fp32
     ("ssm_decode", "mamba2_decode"),  # bf16 inputs, parameters and y; the state fp32
     ("ssm_decode", "mamba2_scan"),  # bf16 x, B, C, D; the state, dt and y fp32
+    ("gated_delta_scan", "gated_delta_scan"),  # bf16 q, k, v, beta, out; the state and g fp32
 ):
     SIGNATURES[_lib][_name + "_bf16"] = SIGNATURES[_lib][_name]
 SIGNATURES["moe"]["moe_unpad_bf16"] = [*SIGNATURES["moe"]["moe_unpad"], _INT]  # + out is bf16
 # functions that return a value (the others return nothing)
 RESULTS = {"moe_pad": _I64, "moe_pad_bf16": _I64, "linear_uses_dpbf16": _INT}
+RESULTS.update({f"{scan}{v}": _INT for scan in ("mamba2_scan", "gated_delta_scan")
+                for v in ("", "_bf16")})  # fmt: skip
 
 
 def cache_dir() -> Path:

@@ -11,7 +11,8 @@
  * mamba2_decode: the two above as one step from the input projection's xBC and raw dt rows,
  *   with dt's softplus and clamp and A = -exp(A_log) inside (see m2_decode_team).
  * mamba2_scan: the prefill scan of S varlen segments, token after token with the step above
- *   (see m2_scan_task); the state after any token is there for a snapshot.
+ *   (see m2_scan_task); the state after any token is there for a snapshot. Returns 0, or -1
+ *   (nothing done) when its scratch cannot be had.
  *
  * The `_bf16` variants read and write the model's bf16 tensors (x, the conv pool and weights,
  * B, C, D, the conv output) and round where the torch reference holds a bf16 tensor (each
@@ -206,26 +207,6 @@ void mamba2_decode(DECODE_ARGS) { DECODE_STEP(0, float); }
 
 void mamba2_decode_bf16(DECODE_ARGS) { DECODE_STEP(1, uint16_t); }
 
-#define SCAN_BLOCK 32 /* tokens whose inputs are gathered at a time */
-
-/* out[j][i] = src[(t0 + j) * ts + c0 + i * cs] in fp32 for j < nb, i < width, reading along
- * whichever stride is 1: channel-major rows at a power-of-two stride (T = 2,048 bf16 tokens is
- * 4 KB) all fall in one L1 set, so a token at a time would reload each line for every token. */
-static inline __attribute__((always_inline)) void scan_gather(
-    float *out, const void *src, int64_t t0, int64_t nb, int64_t ts, int64_t c0, int64_t cs,
-    int64_t width, const int bf)
-{
-    if (ts == 1) {
-        for (int64_t i = 0; i < width; i++)
-            for (int64_t j = 0; j < nb; j++)
-                out[j * width + i] = ld(src, t0 + j + c0 + i * cs, bf);
-    } else {
-        for (int64_t j = 0; j < nb; j++)
-            for (int64_t i = 0; i < width; i++)
-                out[j * width + i] = ld(src, (t0 + j) * ts + c0 + i * cs, bf);
-    }
-}
-
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_SCAN_VEC 1
@@ -370,6 +351,8 @@ static inline __attribute__((always_inline)) void m2_scan_task(
     do {                                                                                     \
         const int64_t T = cu[S], GN = G * N;                                                 \
         float *bc32 = malloc(sizeof(float) * (size_t)(T * 2 * GN));                          \
+        if (!bc32)                                                                           \
+            return -1; /* nothing touched: the caller runs the reference */                 \
         _Pragma("omp parallel")                                                              \
         {                                                                                    \
             _Pragma("omp for schedule(static)")                                              \
@@ -390,8 +373,9 @@ static inline __attribute__((always_inline)) void m2_scan_task(
                                  P, G, N, K, snap_seq, snap_off, snap_slot, bf);             \
         }                                                                                    \
         free(bc32);                                                                          \
+        return 0;                                                                            \
     } while (0)
 
-void mamba2_scan(SCAN_ARGS) { M2_SCAN(0); }
+int mamba2_scan(SCAN_ARGS) { M2_SCAN(0); }
 
-void mamba2_scan_bf16(SCAN_ARGS) { M2_SCAN(1); }
+int mamba2_scan_bf16(SCAN_ARGS) { M2_SCAN(1); }

@@ -76,4 +76,25 @@ static inline float rnd(float v, int bf)
     return bf ? round_bf16(v) : v;
 }
 
+/* The prefill scans' inputs: views of a conv output, token- or channel-major. */
+#define SCAN_BLOCK 32 /* tokens whose inputs are gathered at a time */
+
+/* out[j][i] = src[(t0 + j) * ts + c0 + i * cs] in fp32 for j < nb, i < width, reading along
+ * whichever stride is 1: channel-major rows at a power-of-two stride (T = 2,048 bf16 tokens is
+ * 4 KB) all fall in one L1 set, so a token at a time would reload each line for every token. */
+static inline __attribute__((always_inline)) void scan_gather(
+    float *out, const void *src, int64_t t0, int64_t nb, int64_t ts, int64_t c0, int64_t cs,
+    int64_t width, const int bf)
+{
+    if (ts == 1) {
+        for (int64_t i = 0; i < width; i++)
+            for (int64_t j = 0; j < nb; j++)
+                out[j * width + i] = ld(src, t0 + j + c0 + i * cs, bf);
+    } else {
+        for (int64_t j = 0; j < nb; j++)
+            for (int64_t i = 0; i < width; i++)
+                out[j * width + i] = ld(src, (t0 + j) * ts + c0 + i * cs, bf);
+    }
+}
+
 #endif
