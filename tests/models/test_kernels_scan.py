@@ -1,6 +1,7 @@
-"""The native prefill scans (``cpu.mamba2_scan`` and ``cpu.gated_delta_scan``: the cpu backend's
-``mamba2_prefill`` and ``gdn_prefill``) against the torch chunked forms, at published shapes and
-at shapes off their vector paths."""
+"""The native prefill kernels (``cpu.mamba2_scan``, ``cpu.gated_delta_scan`` and
+``cpu.conv1d_prefill``: the cpu backend's ``mamba2_prefill``, ``gdn_prefill`` and
+``conv1d_prefill``) against the torch reference (the chunked forms of the scans), at published
+shapes and at shapes off their vector paths."""
 
 from __future__ import annotations
 
@@ -172,3 +173,57 @@ def test_native_gdn_scan_snapshot_control(monkeypatch):
     out41, at41 = _gdn_run(CpuBackend(), later, inputs, pool)
     assert (at40[8] - at41[8]).abs().max() > 100 * 2e-4 * at40[8].abs().mean()
     assert torch.equal(at40[5], at41[5]) and torch.equal(out40, out41)
+
+
+@pytest.mark.parametrize(
+    "channels,width,activation,bias,dtype",
+    [
+        (1792 + 256, 4, "silu", True, torch.bfloat16),  # Granite-4.0-H-350M's xBC
+        (6144, 4, "silu", False, torch.bfloat16),  # Qwen3.5-0.8B's q|k|v
+        (1024, 3, None, False, torch.bfloat16),  # LFM2-350M's short conv
+        (40, 4, "silu", True, torch.bfloat16),  # 8 channels past the vectors: scalar tail
+        (37, 2, "silu", True, torch.float32),  # fp32, odd channels, width 2
+    ],
+)
+def test_native_conv_prefill_matches_the_reference(channels, width, activation, bias, dtype,
+                                                   monkeypatch):  # fmt: skip
+    """The cpu backend's one-pass conv prefill against the torch reference over several
+    segments with row-strided inputs: outputs equal (bf16: the same two roundings), every final
+    and snapshot state equal, including snapshots before K-1 tokens (carried-in inputs)."""
+    g = torch.Generator().manual_seed(channels)
+    lens, snaps = [150, 64, 3], [[1, 64, 100, 150], [2, 2], [1, 3]]
+    layout = _layout(lens, snaps)
+    T = sum(lens)
+    x = torch.randn(T, channels + 100, generator=g).to(dtype)[:, 50 : 50 + channels]
+    w = (torch.randn(channels, width, generator=g) * 0.4).to(dtype)
+    b = torch.randn(channels, generator=g).to(dtype) if bias else None
+    pool = torch.randn(64, channels, width - 1, generator=g).to(dtype)
+
+    def run(backend):
+        p = pool.clone()
+        return backend.conv1d_prefill(x, w, b, p, layout, activation), p
+
+    want, want_pool = run(TorchBackend())
+    monkeypatch.setattr(TorchBackend, "conv1d_prefill", None)  # the native path must run
+    got, got_pool = run(CpuBackend())
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(got_pool, want_pool)
+    tol = 1e-6 if dtype == torch.float32 else 0.0
+    assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+
+
+def test_native_conv_prefill_snapshot_control(monkeypatch):
+    """The state after 40 tokens is not the state after 41 (so the equality above is not
+    vacuous), and neither is the carried-in state."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(80, 64, generator=g).bfloat16()
+    w = torch.randn(64, 4, generator=g).bfloat16()
+    pool = torch.randn(64, 64, 3, generator=g).bfloat16()
+    monkeypatch.setattr(TorchBackend, "conv1d_prefill", None)
+    states = []
+    for n in (40, 41):
+        p = pool.clone()
+        CpuBackend().conv1d_prefill(x, w, None, p, _layout([80], [[n]]), "silu")
+        states.append(p)
+    assert not torch.equal(states[0][8], states[1][8])
+    assert not torch.equal(states[0][8], pool[8]) and torch.equal(states[0][5], states[1][5])

@@ -459,6 +459,53 @@ def mamba2_step(
     return y
 
 
+def conv1d_prefill(
+    x: torch.Tensor,
+    conv_pool: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: list[int],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    snapshots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> torch.Tensor | None:
+    """The causal conv of varlen prefill segments (C, one pass): ``kernels.conv.causal_conv1d``
+    with every segment's state carried from and to ``conv_pool[slots[s]]`` and the state after
+    each snapshot's offset written to its slot (``snapshots`` as ``mamba2_scan`` takes them).
+    ``x`` ``[T, C]`` may have strided rows. Returns ``[T, C]`` (token-major), or None where the
+    C code does not cover the inputs."""
+    xd = x.dtype
+    fn = _native_fn(native.load("conv_prefill"), "conv1d_prefill", xd)
+    T, C = x.shape
+    fits = (
+        fn is not None
+        and _cpu_rows(x, xd)
+        and _cpu_dense(conv_pool, xd)
+        and conv_pool.shape[1] == C
+        and _cpu_dense(weight, xd)
+        and weight.shape == (C, conv_pool.shape[2] + 1)
+        and (bias is None or _cpu_dense(bias, xd))
+        and activation in _SILU
+        and slots.device.type == "cpu"
+        and len(cu_seqlens) == slots.shape[0] + 1
+        and cu_seqlens[-1] == T
+    )
+    if not fits:
+        _fallback("conv1d_prefill", x, conv_pool, weight)
+        return None
+    slots = slots.to(torch.int64).contiguous()
+    cu = torch.tensor(cu_seqlens, dtype=torch.int64)
+    snap_seq, snap_off, snap_slot = snapshots
+    out = torch.empty(T, C, dtype=xd)
+    status = fn(
+        slots.shape[0], cu.data_ptr(), slots.data_ptr(), x.data_ptr(), x.stride(0),
+        conv_pool.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+        out.data_ptr(), C, weight.shape[1], _SILU[activation], snap_seq.shape[0],
+        snap_seq.data_ptr(), snap_off.data_ptr(), snap_slot.data_ptr(),
+    )  # fmt: skip
+    return out if status == 0 else None  # -1: a kernel wider than the C code holds
+
+
 def mamba2_scan(
     ssm_pool: torch.Tensor,
     slots: torch.Tensor,

@@ -29,10 +29,10 @@ class CpuBackend(TorchBackend):
 
     def native_ops(self) -> list[str]:
         return [
-            "gdn_prefill", "gdn_decode", "paged_attention_decode", "conv1d_decode",
-            "mamba2_prefill", "mamba2_decode", "mamba2_mixer_decode", "linear (bf16, decode)",
-            "rms_norm", "add_rms_norm", "rms_norm_gated", "rms_norm_gate_first", "rms_norm_rope",
-            "moe_pad", "moe_unpad",
+            "gdn_prefill", "gdn_decode", "paged_attention_decode", "conv1d_prefill",
+            "conv1d_decode", "mamba2_prefill", "mamba2_decode", "mamba2_mixer_decode",
+            "linear (bf16, decode)", "rms_norm", "add_rms_norm", "rms_norm_gated",
+            "rms_norm_gate_first", "rms_norm_rope", "moe_pad", "moe_unpad",
         ]  # fmt: skip
 
     def conv1d_decode(self, x, weight, bias, conv_pool, layout, activation):
@@ -49,6 +49,16 @@ class CpuBackend(TorchBackend):
             ("scan_snapshots",),
             lambda: cpu.scan_snapshots(seg.snapshot_seqs, seg.snapshot_offsets, seg.snapshot_slots),
         )
+
+    def conv1d_prefill(self, x, weight, bias, conv_pool, layout, activation):
+        seg = layout.prefill
+        snaps = self._scan_snapshots(layout)
+        y = cpu.conv1d_prefill(
+            x, conv_pool, seg.state_slots, seg.cu_list, weight, bias, activation, snaps
+        )
+        if y is None:
+            return super().conv1d_prefill(x, weight, bias, conv_pool, layout, activation)
+        return y
 
     def gdn_prefill(self, q, k, v, g, beta, ssm_pool, layout):
         seg = layout.prefill

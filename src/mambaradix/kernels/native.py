@@ -93,6 +93,17 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _I64, _PTR, _PTR, _PTR,  # K snapshots: segment, offset, slot (by segment, offset)
         ],
     },
+    "conv_prefill": {
+        "conv1d_prefill": [
+            _I64, _PTR, _PTR,      # S segments, cu_seqlens [S+1], slots [S]
+            _PTR, _I64,            # x, its row stride
+            _PTR,                  # conv pool
+            _PTR, _PTR,            # weight [C, K], bias (nullable)
+            _PTR,                  # out [T, C]
+            _I64, _I64, _INT,      # C, kernel width, silu
+            _I64, _PTR, _PTR, _PTR,  # K snapshots: segment, offset, slot (by segment, offset)
+        ],
+    },
     "gated_delta_scan": {
         "gated_delta_scan": [
             _I64, _PTR, _PTR,      # S segments, cu_seqlens [S+1], slots [S]
@@ -193,13 +204,14 @@ for _lib, _name in (
     ("ssm_decode", "mamba2_step"),  # bf16 x, B, C, D; the state, dt and y fp32
     ("ssm_decode", "mamba2_decode"),  # bf16 inputs, parameters and y; the state fp32
     ("ssm_decode", "mamba2_scan"),  # bf16 x, B, C, D; the state, dt and y fp32
+    ("conv_prefill", "conv1d_prefill"),
     ("gated_delta_scan", "gated_delta_scan"),  # bf16 q, k, v, beta, out; the state and g fp32
 ):
     SIGNATURES[_lib][_name + "_bf16"] = SIGNATURES[_lib][_name]
 SIGNATURES["moe"]["moe_unpad_bf16"] = [*SIGNATURES["moe"]["moe_unpad"], _INT]  # + out is bf16
 # functions that return a value (the others return nothing)
 RESULTS = {"moe_pad": _I64, "moe_pad_bf16": _I64, "linear_uses_dpbf16": _INT}
-RESULTS.update({f"{scan}{v}": _INT for scan in ("mamba2_scan", "gated_delta_scan")
+RESULTS.update({f"{scan}{v}": _INT for scan in ("mamba2_scan", "gated_delta_scan", "conv1d_prefill")
                 for v in ("", "_bf16")})  # fmt: skip
 
 

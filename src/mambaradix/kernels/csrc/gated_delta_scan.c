@@ -154,9 +154,7 @@ static inline __attribute__((always_inline)) void gdn_scan_task(
     block_copy(block, ssm_pool + (slots[s] * hv + h) * size, dk, dv, c0, w, 1);
     int64_t t = cu[s];
     for (int64_t k = 0; k <= K; k++) {
-        if (k < K && snap_seq[k] != s)
-            continue;
-        const int64_t stop = k < K ? cu[s] + snap_off[k] : cu[s + 1];
+        const int64_t stop = scan_piece(s, &k, cu, K, snap_seq, snap_off);
         while (t < stop) {
             const int64_t nb = stop - t < SCAN_BLOCK ? stop - t : SCAN_BLOCK;
             scan_gather(vb, v, t, nb, v_ts, (h * dv + c0) * v_cs, v_cs, w, bf);

@@ -300,9 +300,7 @@ static inline __attribute__((always_inline)) void m2_scan_task(
 #endif
     int64_t t = cu[s];
     for (int64_t k = 0; k <= K; k++) {
-        if (k < K && snap_seq[k] != s)
-            continue;
-        const int64_t stop = k < K ? cu[s] + snap_off[k] : cu[s + 1];
+        const int64_t stop = scan_piece(s, &k, cu, K, snap_seq, snap_off);
         while (t < stop) {
             const int64_t nb = stop - t < SCAN_BLOCK ? stop - t : SCAN_BLOCK;
             scan_gather(&xt[0][0], x, t, nb, x_ts, xc, x_cs, P, bf);

@@ -79,6 +79,18 @@ static inline float rnd(float v, int bf)
 /* The prefill scans' inputs: views of a conv output, token- or channel-major. */
 #define SCAN_BLOCK 32 /* tokens whose inputs are gathered at a time */
 
+/* A prefill segment s runs in pieces: up to each of its snapshots' offsets (the snapshots
+ * sorted by segment, then offset), then to its end. Moves *k to the next snapshot of s (K: none
+ * left) and returns the row where that piece stops; the caller then writes the state into
+ * snapshot *k's slot, or (*k == K) the segment's own. Loop: for (k = 0; k <= K; k++). */
+static inline int64_t scan_piece(int64_t s, int64_t *k, const int64_t *cu, int64_t K,
+                                 const int64_t *snap_seq, const int64_t *snap_off)
+{
+    while (*k < K && snap_seq[*k] != s)
+        ++*k;
+    return *k < K ? cu[s] + snap_off[*k] : cu[s + 1];
+}
+
 /* out[j][i] = src[(t0 + j) * ts + c0 + i * cs] in fp32 for j < nb, i < width, reading along
  * whichever stride is 1: channel-major rows at a power-of-two stride (T = 2,048 bf16 tokens is
  * 4 KB) all fall in one L1 set, so a token at a time would reload each line for every token. */
