@@ -128,3 +128,42 @@ def test_linear_module_goes_through_its_backend(monkeypatch):
     lin.bind_ops(CpuBackend())
     got = lin(x)  # the C kernel (torch's matmul now refuses)
     assert (got.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2**-7
+
+
+@pytest.mark.parametrize(
+    "hidden,inter,m",  # (2 rows of 4,608 are past the 16 KB the C path takes)
+    [(768, 2048, 1), (768, 2048, 2), (1024, 4608, 1), (1024, 3584, 1), (1024, 3584, 2)],
+)
+def test_gated_mlp_is_the_composition_bit_for_bit(hidden, inter, m):
+    """The cpu backend's one-call gated MLP (Granite-4.0-H-350M's, LFM2-350M's and
+    Qwen3.5-0.8B's widths) gives exactly the composition of its own linear, SiLU and product,
+    in bf16; the C path runs (cpu.gated_mlp is not None). Control: another down projection
+    gives other outputs."""
+    g = torch.Generator().manual_seed(inter + m)
+    x = torch.randn(m, hidden, generator=g).bfloat16()
+    gate_up = (torch.randn(2 * inter, hidden, generator=g) * 0.05).bfloat16()
+    down = (torch.randn(hidden, inter, generator=g) * 0.05).bfloat16()
+    fused = cpu.gated_mlp(x, gate_up, down, "silu")
+    assert fused is not None and fused.shape == (m, hidden)
+    composed = TorchBackend.gated_mlp(CpuBackend(), x, gate_up, down, "silu")
+    assert torch.equal(fused, composed)
+    assert torch.equal(CpuBackend().gated_mlp(x, gate_up, down, "silu"), composed)
+    other = cpu.gated_mlp(x, gate_up, down.roll(1, dims=0), "silu")
+    assert not torch.equal(other, fused)
+
+
+def test_gated_mlp_falls_back_to_the_composition():
+    """Inputs the C code does not cover (fp32, another activation, a prefill-sized batch) get
+    None from cpu.gated_mlp and the composition from the backend."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 128, generator=g).bfloat16()
+    gate_up = torch.randn(512, 128, generator=g).bfloat16()
+    down = torch.randn(128, 256, generator=g).bfloat16()
+    for args in ((x, gate_up, down, "silu"), (x[:1].float(), gate_up.float(), down.float(),
+                 "silu"), (x[:1], gate_up, down, "gelu")):  # fmt: skip
+        assert cpu.gated_mlp(*args) is None
+        got = CpuBackend().gated_mlp(*args)
+        a, b = F.linear(args[0], args[1]).chunk(2, dim=-1)
+        act = F.gelu if args[3] == "gelu" else F.silu
+        want = F.linear(act(a) * b, args[2])
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

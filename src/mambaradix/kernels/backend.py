@@ -131,6 +131,12 @@ class KernelBackend(ABC):
         """``x @ weight.T + bias`` (``nn.Linear``: weight ``[out, in]``), in ``x``'s dtype."""
 
     @abstractmethod
+    def gated_mlp(self, x: Tensor, gate_up: Tensor, down: Tensor, act: str) -> Tensor:
+        """A gated feed-forward block without biases: ``[gate | up] = linear(x, gate_up)``
+        (``gate_up`` ``[2I, H]``, gate first), ``linear(act(gate) * up, down)`` (``down``
+        ``[H, I]``); ``act`` a Hugging Face ``hidden_act`` name."""
+
+    @abstractmethod
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float, zero_centered: bool) -> Tensor:
         """RMSNorm over the last dim (``zero_centered``: weight stored as an offset from 1)."""
 

@@ -692,6 +692,45 @@ LINEAR_NATIVE_MAX_ROWS = 8
 LINEAR_NATIVE_X_BYTES = 16 << 10
 
 
+def gated_mlp(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str
+) -> torch.Tensor | None:
+    """A SiLU-gated feed-forward block of a few bf16 rows (decode) in one C call
+    (``csrc/linear.c``): the backend op ``gated_mlp`` with the roundings of its composition.
+    Returns None for inputs it does not cover (the caller composes the block)."""
+    if x.dtype is not torch.bfloat16 or not x.is_cpu or act not in ("silu", "swish"):
+        return None
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    m, h = rows.shape
+    i = down.shape[1]
+    if (
+        m == 0
+        or m > LINEAR_NATIVE_MAX_ROWS
+        or (m > 1 and m * max(h, i) * 2 > LINEAR_NATIVE_X_BYTES)
+    ):
+        return None  # (as in ``linear``: both products' x rows must fit in L1)
+    lib = native.load("linear")
+    fits = (
+        lib is not None
+        and rows.stride(1) == 1
+        and _cpu_dense(gate_up, torch.bfloat16)
+        and _cpu_dense(down, torch.bfloat16)
+        and gate_up.shape == (2 * i, h)
+        and down.shape == (h, i)
+        and i % 64 == 0  # the C code's activation chunks
+    )
+    if not fits:
+        _fallback("gated_mlp", x, gate_up)
+        return None
+    scratch = torch.empty(3 * m * i, dtype=torch.bfloat16)  # gate|up [m, 2i], then [m, i]
+    out = torch.empty(m, h, dtype=torch.bfloat16)
+    lib.gated_mlp_bf16(
+        m, i, h, rows.data_ptr(), rows.stride(0), gate_up.data_ptr(), down.data_ptr(),
+        scratch.data_ptr(), scratch[2 * m * i :].data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    return out.view(x.shape)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear``; for a few bf16 rows (decode) in C at memory speed (``csrc/linear.c``).
     fp32 and larger batches stay with torch's matmul, which is as fast or faster there.

@@ -31,9 +31,13 @@ class CpuBackend(TorchBackend):
         return [
             "gdn_prefill", "gdn_decode", "paged_attention_decode", "conv1d_prefill",
             "conv1d_decode", "mamba2_prefill", "mamba2_decode", "mamba2_mixer_decode",
-            "linear (bf16, decode)", "rms_norm", "add_rms_norm", "rms_norm_gated",
-            "rms_norm_gate_first", "rms_norm_rope", "moe_pad", "moe_unpad",
+            "linear (bf16, decode)", "gated_mlp (bf16, decode)", "rms_norm", "add_rms_norm",
+            "rms_norm_gated", "rms_norm_gate_first", "rms_norm_rope", "moe_pad", "moe_unpad",
         ]  # fmt: skip
+
+    def gated_mlp(self, x, gate_up, down, act):
+        out = cpu.gated_mlp(x, gate_up, down, act)
+        return super().gated_mlp(x, gate_up, down, act) if out is None else out
 
     def conv1d_decode(self, x, weight, bias, conv_pool, layout, activation):
         dec = layout.decode

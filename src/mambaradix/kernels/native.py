@@ -149,6 +149,13 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR, _PTR,            # weight [N, K], bias (nullable)
             _PTR,                  # out [M, N]
         ],
+        "gated_mlp_bf16": [
+            _I64, _I64, _I64,      # M rows, I (intermediate), H (hidden)
+            _PTR, _I64,            # x, its row stride
+            _PTR, _PTR,            # gate_up [2I, H], down [H, I]
+            _PTR, _PTR,            # scratch: gate|up [M, 2I], act(gate) * up [M, I]
+            _PTR,                  # out [M, H]
+        ],
         "linear_uses_dpbf16": [],
     },
     "rms_norm": {

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mambaradix.kernels import attention, attention_plan, conv, gated_delta, mamba2, moe, norm, rope
+from mambaradix.kernels.activation import activation
 from mambaradix.kernels.backend import KernelBackend, register_backend
 from mambaradix.layout import DecodeRows, ForwardLayout, PrefillSegments
 
@@ -68,6 +69,11 @@ class TorchBackend(KernelBackend):
 
     def prepare(self, layout: ForwardLayout) -> None:
         layout.meta = TorchPlan(layout, self)
+
+    def gated_mlp(self, x, gate_up, down, act) -> Tensor:
+        """The composition: this backend's ``linear``, the activation, the product, ``linear``."""
+        gate, up = self.linear(x, gate_up, None).chunk(2, dim=-1)
+        return self.linear(activation(act)(gate) * up, down, None)
 
     def _plan(self, layout: ForwardLayout) -> TorchPlan:
         plan = layout.meta

@@ -95,18 +95,21 @@ class _Weight(nn.Module):
             self.weight.normal_(std=0.02)
 
 
-class GraniteSharedMLP(nn.Module):
-    """``output_linear(act(a) * b)`` with ``[a | b] = input_linear(x)``."""
+class GraniteSharedMLP(KernelUser, nn.Module):
+    """``output_linear(act(a) * b)`` with ``[a | b] = input_linear(x)``: the backend's
+    ``gated_mlp``."""
 
     def __init__(self, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
         self.input_linear = Linear(hidden, 2 * intermediate, bias=False)
         self.output_linear = Linear(intermediate, hidden, bias=False)
-        self.act = activation(act)
+        activation(act)  # an unsupported name fails here, at build
+        self.act_name = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, b = self.input_linear(x).chunk(2, dim=-1)
-        return self.output_linear(self.act(a) * b)
+        return self.ops.gated_mlp(
+            x, self.input_linear.weight, self.output_linear.weight, self.act_name
+        )
 
 
 class _Router(nn.Module):

@@ -12,7 +12,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mambaradix.layers.attention import pooled_attention
@@ -22,7 +21,7 @@ from mambaradix.layers.rotary import RotaryEmbedding
 from mambaradix.layers.short_conv import ShortConv
 from mambaradix.layout import ForwardContext
 from mambaradix.models.base import HybridCausalLM, pool_layer_indices
-from mambaradix.models.loader import assign_weights
+from mambaradix.models.loader import assign_weights, merge_weights
 from mambaradix.models.registry import register_model
 
 logger = logging.getLogger(__name__)
@@ -41,15 +40,20 @@ def ff_dim(config: Any) -> int:
     return dim
 
 
-class Lfm2FeedForward(nn.Module):
+FF_MERGE = {"w13": ("w1", "w3")}
+
+
+class Lfm2FeedForward(KernelUser, nn.Module):
+    """``w2(silu(w1 x) * w3 x)``, HF's ``w1`` and ``w3`` stacked as ``w13`` at load (one GEMM,
+    ``FF_MERGE``): the backend's ``gated_mlp``."""
+
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.w1 = Linear(hidden, intermediate, bias=False)
-        self.w3 = Linear(hidden, intermediate, bias=False)
+        self.w13 = Linear(hidden, 2 * intermediate, bias=False)
         self.w2 = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.ops.gated_mlp(x, self.w13.weight, self.w2.weight, "silu")
 
 
 class Lfm2Attention(KernelUser, nn.Module):
@@ -150,7 +154,7 @@ class Lfm2ForCausalLM(HybridCausalLM):
         return self.model.embedding_norm
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        assign_weights(self, self.without_tied_head(weights))
+        assign_weights(self, merge_weights(self.without_tied_head(weights), FF_MERGE))
 
     def body(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cos_sin = self.rotary(ctx.layout.positions) if self.rotary is not None else None
