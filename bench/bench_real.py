@@ -9,7 +9,7 @@ Per preset it prints, in a fixed format:
 - first request after start vs the same request later (median over the fresh starts);
 - prefill tok/s of one 512- and one 2,048-token prompt (the Engine, cache off), vs
   transformers' forward, and vs the bf16 matmul limit: matmul FLOP/s / (2 x linear parameters)
-  (the median of three runs, each against a matmul reading taken just before it);
+  (matmul FLOP/s: the median of six readings, one before each of the prefill runs);
 - decode tok/s at batch 1, 16 and 64 (the Engine: from the outputs' arrival times once every
   request of the batch decodes, so prefill drops out), vs transformers' cached decode (batch 1
   and 16), and batch 1 vs the bandwidth limit: read GB/s / bytes a decode step reads (the
@@ -347,21 +347,18 @@ def run_preset(preset: str, args: argparse.Namespace) -> None:
     )
     read_bytes, linear_params = weight_figures(eng.model)
     vocab = eng.model.vocab_size
-    # Prefill against the matmul limit, paired the same way as batch-1 decode below: this
-    # machine's bf16 matmul measured 399-866 GFLOP/s on one day, so a single reading at the
-    # start of the run gave "of limit" figures above 1. Each length runs three times, each
-    # after a matmul reading in a process of its own; "of limit" is the median of the pairs.
-    prefill, prefill_of_limit, prefill_flops = {}, {}, []
+    # Prefill against the matmul limit read during this preset: this machine's bf16 matmul
+    # measured 399-866 GFLOP/s on one day, so a single reading at the start of the run gave
+    # "of limit" figures above 1. Each length runs three times, each after a matmul reading in
+    # a process of its own; the limit is the median of the six readings (single readings still
+    # moved 2x within a minute: a ratio per pair was as noisy), "of limit" the best run over it.
+    prefill, prefill_flops = {}, []
     for n in (512, 2048):
         runs = []
         for _ in range(3):
-            flops_now = fresh(MATMUL_SCRIPT, folder, args.threads, dtype)["flops"]
-            runs.append((engine_prefill(eng, n, vocab, args.repeats), flops_now))
-            prefill_flops.append(flops_now)
-        prefill[n] = max(tok_s for tok_s, _ in runs)
-        prefill_of_limit[n] = statistics.median(
-            tok_s * 2 * linear_params / flops_now for tok_s, flops_now in runs
-        )
+            prefill_flops.append(fresh(MATMUL_SCRIPT, folder, args.threads, dtype)["flops"])
+            runs.append(engine_prefill(eng, n, vocab, args.repeats))
+        prefill[n] = max(runs)
     bar.update()
     # Batch 1 against the bandwidth limit: the read bandwidth of this shared machine moved by
     # up to 1.5x within a minute here, so each decode run is paired with a reading taken just
@@ -402,7 +399,7 @@ def run_preset(preset: str, args: argparse.Namespace) -> None:
     for n, ours in prefill.items():
         theirs = hf_prefill_s[n]
         line(preset, f"prefill_{n}", tok_s=ours, hf_tok_s=theirs, ratio_to_hf=ours / theirs,
-             limit_tok_s=prefill_limit, of_limit=prefill_of_limit[n])  # fmt: skip
+             limit_tok_s=prefill_limit, of_limit=ours / prefill_limit)  # fmt: skip
     decode_limit = b1_bw / read_bytes
     for batch, ours in decode.items():
         theirs = hf_decode_s.get(batch, nan)
