@@ -10,11 +10,13 @@ and input dtypes (the warm-up runs every path at engine start, so the start-up l
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from mambaradix.kernels import attention, attention_plan, gated_delta, moe, native, norm, rope
+from mambaradix.layout import PrefillSegments
 
 logger = logging.getLogger(__name__)
 
@@ -459,19 +461,62 @@ def mamba2_step(
     return y
 
 
+@dataclass(slots=True, frozen=True)
+class ScanSegments:
+    """A forward's prefill segments as the native prefill kernels take them, built once per
+    forward (``CpuBackend``'s plan) and shared by every layer: int64 state slots ``[S]`` and
+    ``cu_seqlens`` ``[S+1]``, and the snapshots as (segment, offset, slot), sorted by segment,
+    then offset (the order the kernels walk them in)."""
+
+    slots: torch.Tensor
+    cu: torch.Tensor
+    num_tokens: int
+    snap_seq: torch.Tensor
+    snap_off: torch.Tensor
+    snap_slot: torch.Tensor
+
+    @classmethod
+    def of(cls, seg: PrefillSegments) -> ScanSegments:
+        seqs, offs = seg.snapshot_seqs, seg.snapshot_offsets
+        order = sorted(range(len(seqs)), key=lambda k: (seqs[k], offs[k]))
+        long = torch.int64
+        return cls(
+            slots=seg.state_slots.to(long).contiguous(),
+            cu=torch.tensor(seg.cu_list, dtype=long),
+            num_tokens=seg.cu_list[-1],
+            snap_seq=torch.tensor([seqs[k] for k in order], dtype=long),
+            snap_off=torch.tensor([offs[k] for k in order], dtype=long),
+            snap_slot=seg.snapshot_slots.to(long)[order].contiguous()
+            if order
+            else torch.empty(0, dtype=long),
+        )
+
+    def covers(self, num_tokens: int) -> bool:
+        return self.slots.device.type == "cpu" and self.num_tokens == num_tokens
+
+    def head(self) -> tuple[int, int, int]:
+        """The kernels' first arguments: segment count, cu_seqlens, slots."""
+        return self.slots.shape[0], self.cu.data_ptr(), self.slots.data_ptr()
+
+    def snapshots(self) -> tuple[int, int, int, int]:
+        """The kernels' last arguments: snapshot count, segments, offsets, slots."""
+        return (
+            self.snap_seq.shape[0], self.snap_seq.data_ptr(), self.snap_off.data_ptr(),
+            self.snap_slot.data_ptr(),
+        )  # fmt: skip
+
+
 def conv1d_prefill(
     x: torch.Tensor,
     conv_pool: torch.Tensor,
-    slots: torch.Tensor,
-    cu_seqlens: list[int],
+    seg: ScanSegments,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     activation: str | None,
-    snapshots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ) -> torch.Tensor | None:
     """The causal conv of varlen prefill segments (C, one pass): ``kernels.conv.causal_conv1d``
-    with every segment's state carried from and to ``conv_pool[slots[s]]`` and the state after
-    each snapshot's offset written to its slot (``snapshots`` as ``mamba2_scan`` takes them).
+    with every segment's state carried from and to its slot in ``conv_pool`` and the state after
+    each snapshot's offset written to the snapshot's slot.
     ``x`` ``[T, C]`` may have strided rows. Returns ``[T, C]`` (token-major), or None where the
     C code does not cover the inputs."""
     xd = x.dtype
@@ -486,46 +531,36 @@ def conv1d_prefill(
         and weight.shape == (C, conv_pool.shape[2] + 1)
         and (bias is None or _cpu_dense(bias, xd))
         and activation in _SILU
-        and slots.device.type == "cpu"
-        and len(cu_seqlens) == slots.shape[0] + 1
-        and cu_seqlens[-1] == T
+        and seg.covers(T)
     )
     if not fits:
         _fallback("conv1d_prefill", x, conv_pool, weight)
         return None
-    slots = slots.to(torch.int64).contiguous()
-    cu = torch.tensor(cu_seqlens, dtype=torch.int64)
-    snap_seq, snap_off, snap_slot = snapshots
     out = torch.empty(T, C, dtype=xd)
     status = fn(
-        slots.shape[0], cu.data_ptr(), slots.data_ptr(), x.data_ptr(), x.stride(0),
-        conv_pool.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-        out.data_ptr(), C, weight.shape[1], _SILU[activation], snap_seq.shape[0],
-        snap_seq.data_ptr(), snap_off.data_ptr(), snap_slot.data_ptr(),
+        *seg.head(), x.data_ptr(), x.stride(0), conv_pool.data_ptr(), weight.data_ptr(),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), C, weight.shape[1],
+        _SILU[activation], *seg.snapshots(),
     )  # fmt: skip
     return out if status == 0 else None  # -1: a kernel wider than the C code holds
 
 
 def mamba2_scan(
     ssm_pool: torch.Tensor,
-    slots: torch.Tensor,
-    cu_seqlens: list[int],
+    seg: ScanSegments,
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor | None,
-    snapshots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ) -> torch.Tensor | None:
     """The Mamba2 prefill scan of varlen segments in place on ``ssm_pool`` (C, token after
-    token: ``kernels.mamba2.mamba2_chunk_scan``'s results): segment s is rows ``cu_seqlens[s] :
-    cu_seqlens[s + 1]`` of ``x`` ``[T, H, P]``, ``dt`` ``[T, H]`` (processed), ``B`` / ``C``
-    ``[T, G, N]`` (views of the conv output, token- or channel-major), its state in
-    ``ssm_pool[slots[s]]``.
-    ``snapshots`` = int64 (segment, offset, slot) per snapshot, sorted by segment then offset
-    (``scan_snapshots``): the state after that many tokens of the segment goes to the slot.
-    Returns ``y`` ``[T, H, P]`` fp32, or None where the C code does not cover the inputs."""
+    token: ``kernels.mamba2.mamba2_chunk_scan``'s results): segment s is rows ``cu[s] :
+    cu[s + 1]`` of ``x`` ``[T, H, P]``, ``dt`` ``[T, H]`` (processed), ``B`` / ``C``
+    ``[T, G, N]`` (views of the conv output, token- or channel-major), its state in its slot;
+    each snapshot's slot gets the state after that many tokens of its segment. Returns ``y``
+    ``[T, H, P]`` fp32, or None where the C code does not cover the inputs."""
     xd = x.dtype
     fn = _native_fn(native.load("ssm_decode"), "mamba2_scan", xd)
     T, H, P = x.shape
@@ -540,45 +575,37 @@ def mamba2_scan(
         and B.stride(1) == N * B.stride(2)
         and H % G == 0
         and (D is None or _cpu_dense(D, xd))
-        and slots.device.type == "cpu"
-        and len(cu_seqlens) == slots.shape[0] + 1
-        and cu_seqlens[-1] == T
+        and seg.covers(T)
     )
     if not fits:
         _fallback("mamba2_scan", x, ssm_pool, B)
         return None
-    slots = slots.to(torch.int64).contiguous()
-    cu = torch.tensor(cu_seqlens, dtype=torch.int64)
     dt = dt.float().contiguous()
     A = A.float().contiguous()
-    snap_seq, snap_off, snap_slot = snapshots
     y = torch.empty(T, H, P, dtype=torch.float32)
     status = fn(
-        slots.shape[0], cu.data_ptr(), slots.data_ptr(), ssm_pool.data_ptr(), x.data_ptr(),
-        x.stride(0), x.stride(2), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(),
-        B.stride(0), B.stride(2), None if D is None else D.data_ptr(), y.data_ptr(), H, P, G, N,
-        snap_seq.shape[0], snap_seq.data_ptr(), snap_off.data_ptr(), snap_slot.data_ptr(),
+        *seg.head(), ssm_pool.data_ptr(), x.data_ptr(), x.stride(0), x.stride(2), dt.data_ptr(),
+        A.data_ptr(), B.data_ptr(), C.data_ptr(), B.stride(0), B.stride(2),
+        None if D is None else D.data_ptr(), y.data_ptr(), H, P, G, N, *seg.snapshots(),
     )  # fmt: skip
     return y if status == 0 else None  # -1: no memory for its scratch, nothing done
 
 
 def gated_delta_scan(
     ssm_pool: torch.Tensor,
-    slots: torch.Tensor,
-    cu_seqlens: list[int],
+    seg: ScanSegments,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    snapshots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ) -> torch.Tensor | None:
     """The Gated DeltaNet prefill scan of varlen segments in place on ``ssm_pool`` (C, token
     after token: ``kernels.gated_delta.chunk_gated_delta_rule``'s results, q and k
-    L2-normalised inside): segment s is rows ``cu_seqlens[s] : cu_seqlens[s + 1]`` of ``q``,
-    ``k`` ``[T, Hk, Dk]`` and ``v`` ``[T, Hv, Dv]`` (views of the conv output, token- or
-    channel-major), ``g`` / ``beta`` ``[T, Hv]``; its state in ``ssm_pool[slots[s]]``;
-    ``snapshots`` as ``mamba2_scan`` takes them. Returns the output ``[T, Hv, Dv]`` in ``v``'s
+    L2-normalised inside): segment s is rows ``cu[s] : cu[s + 1]`` of ``q``, ``k``
+    ``[T, Hk, Dk]`` and ``v`` ``[T, Hv, Dv]`` (views of the conv output, token- or
+    channel-major), ``g`` / ``beta`` ``[T, Hv]``; states and snapshots as in ``mamba2_scan``.
+    Returns the output ``[T, Hv, Dv]`` in ``v``'s
     dtype, or None where the C code does not cover the inputs."""
     vd = v.dtype
     fn = _native_fn(native.load("gated_delta_scan"), "gated_delta_scan", vd)
@@ -593,39 +620,20 @@ def gated_delta_scan(
         and q.stride(1) == dk * q.stride(2)  # channels h * Dk + i at one stride
         and v.stride(1) == dv * v.stride(2)
         and hv % hk == 0
-        and slots.device.type == "cpu"
-        and len(cu_seqlens) == slots.shape[0] + 1
-        and cu_seqlens[-1] == T
+        and seg.covers(T)
     )
     if not fits:
         _fallback("gated_delta_scan", v, ssm_pool, beta)
         return None
-    slots = slots.to(torch.int64).contiguous()
-    cu = torch.tensor(cu_seqlens, dtype=torch.int64)
     g = g.float().contiguous()
     beta = beta.contiguous()
-    snap_seq, snap_off, snap_slot = snapshots
     out = torch.empty(T, hv, dv, dtype=vd)
     status = fn(
-        slots.shape[0], cu.data_ptr(), slots.data_ptr(), ssm_pool.data_ptr(), q.data_ptr(),
-        k.data_ptr(), q.stride(0), q.stride(2), v.data_ptr(), v.stride(0), v.stride(2),
-        g.data_ptr(), beta.data_ptr(), out.data_ptr(), hk, hv, dk, dv, 1, snap_seq.shape[0],
-        snap_seq.data_ptr(), snap_off.data_ptr(), snap_slot.data_ptr(),
+        *seg.head(), ssm_pool.data_ptr(), q.data_ptr(), k.data_ptr(), q.stride(0), q.stride(2),
+        v.data_ptr(), v.stride(0), v.stride(2), g.data_ptr(), beta.data_ptr(), out.data_ptr(),
+        hk, hv, dk, dv, 1, *seg.snapshots(),
     )  # fmt: skip
     return out if status == 0 else None  # -1: no memory for its scratch, nothing done
-
-
-def scan_snapshots(
-    seqs: list[int], offsets: list[int], slots: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A layout's snapshots as ``mamba2_scan`` takes them: int64 (segment, offset, slot),
-    sorted by segment, then offset."""
-    order = sorted(range(len(seqs)), key=lambda k: (seqs[k], offsets[k]))
-    return (
-        torch.tensor([seqs[k] for k in order], dtype=torch.int64),
-        torch.tensor([offsets[k] for k in order], dtype=torch.int64),
-        slots.to(torch.int64)[order].contiguous() if order else torch.empty(0, dtype=torch.int64),
-    )
 
 
 def mamba2_decode(

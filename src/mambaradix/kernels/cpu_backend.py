@@ -47,35 +47,26 @@ class CpuBackend(TorchBackend):
         _copy_decode_snapshots(conv_pool, dec)
         return y
 
-    def _scan_snapshots(self, layout):
-        seg = layout.prefill
+    def _segments(self, layout) -> cpu.ScanSegments:
+        """The prefill segments as the native prefill kernels take them, once per forward."""
         return self._plan(layout).get(
-            ("scan_snapshots",),
-            lambda: cpu.scan_snapshots(seg.snapshot_seqs, seg.snapshot_offsets, seg.snapshot_slots),
+            ("scan_segments",), lambda: cpu.ScanSegments.of(layout.prefill)
         )
 
     def conv1d_prefill(self, x, weight, bias, conv_pool, layout, activation):
-        seg = layout.prefill
-        snaps = self._scan_snapshots(layout)
-        y = cpu.conv1d_prefill(
-            x, conv_pool, seg.state_slots, seg.cu_list, weight, bias, activation, snaps
-        )
+        y = cpu.conv1d_prefill(x, conv_pool, self._segments(layout), weight, bias, activation)
         if y is None:
             return super().conv1d_prefill(x, weight, bias, conv_pool, layout, activation)
         return y
 
     def gdn_prefill(self, q, k, v, g, beta, ssm_pool, layout):
-        seg = layout.prefill
-        snaps = self._scan_snapshots(layout)
-        out = cpu.gated_delta_scan(ssm_pool, seg.state_slots, seg.cu_list, q, k, v, g, beta, snaps)
+        out = cpu.gated_delta_scan(ssm_pool, self._segments(layout), q, k, v, g, beta)
         if out is None:
             return super().gdn_prefill(q, k, v, g, beta, ssm_pool, layout)
         return out
 
     def mamba2_prefill(self, x, dt, A, B, C, D, ssm_pool, layout):
-        seg = layout.prefill
-        snaps = self._scan_snapshots(layout)
-        y = cpu.mamba2_scan(ssm_pool, seg.state_slots, seg.cu_list, x, dt, A, B, C, D, snaps)
+        y = cpu.mamba2_scan(ssm_pool, self._segments(layout), x, dt, A, B, C, D)
         if y is None:
             return super().mamba2_prefill(x, dt, A, B, C, D, ssm_pool, layout)
         return y

@@ -139,15 +139,7 @@ static inline __attribute__((always_inline)) void gdn_team(
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < 2 * hk; h++) { /* q heads, then k heads */
             float *vec = y + b * conv_dim + h * dk;
-            float scale = h < hk ? q_scale : 1.0f;
-            if (l2norm) {
-                float ss = 0.0f;
-                for (int64_t i = 0; i < dk; i++)
-                    ss += vec[i] * vec[i];
-                scale /= sqrtf(ss + 1e-6f);
-            }
-            for (int64_t i = 0; i < dk; i++)
-                vec[i] *= scale;
+            scale_l2(vec, vec, dk, h < hk ? q_scale : 1.0f, l2norm);
         }
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++)

@@ -16,7 +16,7 @@
  * q, k and v are addressed by a token and a channel stride (views of the prefill conv's
  * output, which is channel-major); g (fp32) and beta [T][Hv] dense; out [T][Hv][Dv] in the
  * model dtype. `_bf16`: bf16 q, k, v, beta and out; the state fp32. Snapshots sorted by
- * segment, then offset (cpu.scan_snapshots). Returns 0, or -1 (nothing done) when the scratch
+ * segment, then offset (cpu.ScanSegments). Returns 0, or -1 (nothing done) when the scratch
  * cannot be had.
  */
 #include <math.h>
@@ -126,20 +126,10 @@ static inline __attribute__((always_inline)) void gdn_prepare_qk(
     for (int m = 0; m < 2; m++)
         for (int64_t h = 0; h < hk; h++) {
             scan_gather(buf, m ? k : q, t0, nb, ts, h * dk * cs, cs, dk, bf);
-            for (int64_t j = 0; j < nb; j++) {
-                const float *src = buf + j * dk;
-                float *dst = qk32 + ((t0 + j) * 2 + m) * width + h * dk;
-                float scale = m ? 1.0f : q_scale;
-                if (l2norm) {
-                    float ss = 0.0f;
-                    for (int64_t i = 0; i < dk; i++)
-                        ss += src[i] * src[i];
-                    scale /= sqrtf(ss + 1e-6f);
-                }
-                for (int64_t i = 0; i < dk; i++)
-                    dst[i] = src[i] * scale;
-            }
-    }
+            for (int64_t j = 0; j < nb; j++)
+                scale_l2(qk32 + ((t0 + j) * 2 + m) * width + h * dk, buf + j * dk, dk,
+                         m ? 1.0f : q_scale, l2norm);
+        }
 }
 
 /* Segment s, value head h, columns c0 .. c0 + w - 1. */

@@ -76,6 +76,20 @@ static inline float rnd(float v, int bf)
     return bf ? round_bf16(v) : v;
 }
 
+/* dst = src * scale, scale divided by the L2 norm sqrt(sum src^2 + 1e-6) when l2norm: the q and
+ * k heads of the Gated DeltaNet kernels. dst may be src. */
+static inline void scale_l2(float *dst, const float *src, int64_t n, float scale, int l2norm)
+{
+    if (l2norm) {
+        float ss = 0.0f;
+        for (int64_t i = 0; i < n; i++)
+            ss += src[i] * src[i];
+        scale /= sqrtf(ss + 1e-6f);
+    }
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = src[i] * scale;
+}
+
 /* The prefill scans' inputs: views of a conv output, token- or channel-major. */
 #define SCAN_BLOCK 32 /* tokens whose inputs are gathered at a time */
 
