@@ -1,6 +1,8 @@
 """Our bf16 logits against transformers' bf16 logits of the same checkpoint (a Gated DeltaNet,
 a Mamba2 and an LFM2 short-conv hybrid): a 96-token prefill (every position) and 12 decode
-steps, each model with its own cache.
+steps, each model with its own cache; the LFM2 case once more on the cpu backend (native bf16
+kernels) with its prefill's matmuls in fp32 (``kernels.bf16_matmul``: the path a CPU whose bf16
+matmul is the slower one takes).
 
 Tolerance ``ATOL``: 0.15 nats, the largest difference of any log-softmax entry at any position.
 Two bf16 implementations round at different places: the logits leave a bf16 LM head at
@@ -16,6 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 from model_oracle import OracleCase, build_oracle
+
+from mambaradix.kernels import bf16_matmul
+from mambaradix.kernels.cpu_backend import CpuBackend
 
 PREFILL, DECODE = 96, 12
 ATOL = 0.15
@@ -56,15 +61,41 @@ def theirs(o, hf, toks: list[int]) -> torch.Tensor:
     return log_softmax(torch.cat(rows))
 
 
-@pytest.fixture(scope="module", params=CASES, ids=str)
+# Each case with the many-row matmuls as this CPU runs them (kernels.bf16_matmul measures),
+# and the LFM2 case again on the cpu backend with them forced through fp32 from every 32 rows
+# (the prefill's 96).
+RUNS = [(case, None) for case in CASES] + [(CASES[2], "fp32")]
+
+
+@pytest.fixture(scope="module", params=RUNS, ids=lambda r: f"{r[0]}-{r[1] or 'measured'}")
 def logprobs(request, tmp_path_factory):
     """(ours bf16, transformers bf16, transformers fp32, ours bf16 from a zeroed state)."""
+    case, mode = request.param
+    if mode is None:
+        return _logprobs(case, tmp_path_factory)
+    saved = bf16_matmul._choice
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bf16_matmul, "MIN_ROWS", 32)
+        calls, real = [], bf16_matmul.linear_fp32
+        mp.setattr(bf16_matmul, "linear_fp32", lambda *a: calls.append(1) or real(*a))
+        bf16_matmul.set_mode(mode)
+        try:
+            out = _logprobs(case, tmp_path_factory, CpuBackend())
+        finally:
+            bf16_matmul._choice = saved
+    assert len(calls) > 10, "the prefill's matmuls did not take the fp32 path"
+    return out
+
+
+def _logprobs(case, tmp_path_factory, backend=None):
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("bf16_oracle")
-    o = build_oracle(request.param, root, dtype=torch.bfloat16)
+    o = build_oracle(case, root, dtype=torch.bfloat16)
+    if backend is not None:
+        o.model.use_backend(backend)
     assert next(o.model.parameters()).dtype == torch.bfloat16
-    hf32 = AutoModelForCausalLM.from_pretrained(str(root / request.param.name),
+    hf32 = AutoModelForCausalLM.from_pretrained(str(root / case.name),
                                                 dtype=torch.float32).eval()  # fmt: skip
     toks = o.tokens(PREFILL + DECODE, seed=3)
     got = ours(o, toks)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mambaradix.kernels import cpu
+from mambaradix.kernels import bf16_matmul, cpu
 from mambaradix.kernels.cpu_backend import CpuBackend
 from mambaradix.kernels.torch_backend import TorchBackend
 from mambaradix.layers.ops import Linear
@@ -167,3 +167,87 @@ def test_gated_mlp_falls_back_to_the_composition():
         act = F.gelu if args[3] == "gelu" else F.silu
         want = F.linear(act(a) * b, args[2])
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+# --------------------------------------------------------------------------- many rows
+
+
+@pytest.fixture
+def matmul_mode(monkeypatch):
+    """Set ``kernels.bf16_matmul``'s path for one test; the process's choice comes back after."""
+    saved = bf16_matmul._choice
+    monkeypatch.delenv("MAMBARADIX_BF16_MATMUL", raising=False)
+    yield bf16_matmul.set_mode
+    bf16_matmul._choice = saved
+
+
+@pytest.mark.parametrize("k, n", SHAPES[:4])
+@pytest.mark.parametrize("m", [128, 300])
+def test_fp32_path_against_truth(k, n, m):
+    x, w, b = make(m, k, n, seed=k + n + m, bias=m == 300)
+    got = bf16_matmul.linear_fp32(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    err = err_in_ulps(got, x, w, b)
+    assert err.max() <= 1.0 and err.mean() <= 0.3, (err.max(), err.mean())  # as the kernel's
+    want = F.linear(x, w, b)  # torch's bf16 matmul: the same product, other sum order
+    assert (got.float() - want.float()).abs().max() <= 2 * (want.float().abs().max() * 2**-8)
+    if b is None and m == 128 and k == 768:
+        bad = err_in_ulps(bf16_accumulated(x, w), x, w, b)
+        assert bad.max() > 1.0 or bad.mean() > 0.3  # the bound catches bf16 accumulation
+
+
+def test_fp32_path_in_blocks_is_the_whole_product(monkeypatch):
+    x, w, b = make(130, 1000, 301, seed=11, bias=True)
+    whole = bf16_matmul.linear_fp32(x.view(2, 65, 1000), w, b)
+    assert whole.shape == (2, 65, 301)  # leading dims kept
+    monkeypatch.setattr(
+        bf16_matmul, "BLOCK_BYTES", 64 * 4 * 1000
+    )  # blocks of 64 rows, a tail of 45
+    blocked = bf16_matmul.linear_fp32(x, w, b)
+    err = err_in_ulps(blocked, x, w, b)
+    assert err.max() <= 1.0
+    assert (blocked.float() - whole.view(130, 301).float()).abs().max() <= (
+        whole.float().abs().max() * 2**-8
+    )  # at most a rounding step apart where the sum order differs
+    shifted = bf16_matmul.linear_fp32(x, w, torch.roll(b, 1))  # control: a bias off by a column
+    assert err_in_ulps(shifted, x, w, b).max() > 1.0
+
+
+def test_many_rows_take_the_chosen_path(matmul_mode, monkeypatch):
+    calls = []
+    real = bf16_matmul.linear_fp32
+    monkeypatch.setattr(bf16_matmul, "linear_fp32", lambda *a: calls.append(1) or real(*a))
+    x, w, b = make(bf16_matmul.MIN_ROWS, 768, 64, seed=4, bias=True)
+    matmul_mode("fp32")
+    assert err_in_ulps(cpu.linear(x, w, b), x, w, b).max() <= 1.0 and calls == [1]
+    cpu.linear(x[:-1], w, b)  # one row short: torch's bf16 matmul, as the C kernel's limit
+    assert calls == [1]
+    matmul_mode("bf16")
+    assert torch.equal(cpu.linear(x, w, b), F.linear(x, w, b)) and calls == [1]
+    xf, wf = x.float(), w.float()
+    matmul_mode("fp32")
+    assert torch.equal(cpu.linear(xf, wf, None), F.linear(xf, wf)) and calls == [1]  # fp32 data
+
+
+def test_choice_is_measured_once_or_taken_from_the_environment(matmul_mode, monkeypatch):
+    measured = []
+    monkeypatch.setattr(bf16_matmul, "_measure", lambda: measured.append(1) or "fp32")
+    matmul_mode("auto")
+    assert bf16_matmul.choice() == "fp32" and bf16_matmul.choice() == "fp32"
+    assert measured == [1]
+    for env in ("bf16", "FP32 "):
+        monkeypatch.setenv("MAMBARADIX_BF16_MATMUL", env)
+        matmul_mode("auto")
+        assert bf16_matmul.choice() == env.strip().lower() and measured == [1]
+    monkeypatch.setenv("MAMBARADIX_BF16_MATMUL", "fp16")
+    matmul_mode("auto")
+    with pytest.raises(ValueError, match="MAMBARADIX_BF16_MATMUL='fp16'"):
+        bf16_matmul.choice()
+    with pytest.raises(ValueError, match="expected one of auto, bf16, fp32"):
+        matmul_mode("float32")
+
+
+def test_measured_choice_needs_a_margin():
+    assert bf16_matmul.decide(bf16_s=1.0, fp32_s=0.85) == "fp32"
+    assert bf16_matmul.decide(bf16_s=1.0, fp32_s=0.95) == "bf16"  # within noise: keep bf16
+    assert bf16_matmul.decide(bf16_s=0.5, fp32_s=1.0) == "bf16"

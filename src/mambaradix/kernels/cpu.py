@@ -15,7 +15,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mambaradix.kernels import attention, attention_plan, gated_delta, moe, native, norm, rope
+from mambaradix.kernels import (
+    attention,
+    attention_plan,
+    bf16_matmul,
+    gated_delta,
+    moe,
+    native,
+    norm,
+    rope,
+)
 from mambaradix.layout import PrefillSegments
 
 logger = logging.getLogger(__name__)
@@ -740,8 +749,9 @@ def gated_mlp(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``; for a few bf16 rows (decode) in C at memory speed (``csrc/linear.c``).
-    fp32 and larger batches stay with torch's matmul, which is as fast or faster there.
+    """``F.linear``; for a few bf16 rows (decode) in C at memory speed (``csrc/linear.c``),
+    for many bf16 rows by whichever of torch's bf16 matmul and an fp32 one is faster on this
+    CPU (``kernels.bf16_matmul``); fp32 stays with torch's matmul.
     (Called ~140 times a decode step: the checks are written for speed, ~3 us of Python.)"""
     if x.dtype is not torch.bfloat16 or not x.is_cpu:
         return F.linear(x, weight, bias)
@@ -749,6 +759,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     rows = x if flat else x.reshape(-1, x.shape[-1])
     m, k = rows.shape
     if m == 0 or m > LINEAR_NATIVE_MAX_ROWS or (m > 1 and m * k * 2 > LINEAR_NATIVE_X_BYTES):
+        if weight.dtype is torch.bfloat16 and weight.is_cpu:
+            return bf16_matmul.linear(x, weight, bias)  # many rows: the faster of two paths
         return F.linear(x, weight, bias)
     lib = native.load("linear")
     fits = (
