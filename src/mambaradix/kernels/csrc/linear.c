@@ -26,6 +26,11 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define XR 4 /* x rows dotted with one loaded weight chunk */
+/* Weights are prefetched this many elements (2 KB) ahead of the loads: on an Intel Xeon VM one
+ * core's stream reached 20-21 GB/s for both threads without, 25-26 with (in-process A/B over
+ * 1 GB of weights; a plain read: 23-27); the hardware prefetchers alone kept too few lines in
+ * flight. Prefetches past the matrix's end are hints and never fault. */
+#define PF_DIST 1024
 #define ACT_CHUNK 64 /* gated_mlp_bf16's activation in chunks (I a multiple of it) */
 
 #if HAVE_DPBF16
@@ -45,6 +50,9 @@ ALWAYS_INLINE void dot_rows(const uint16_t *x, int64_t xs, const uint16_t *w, in
 #define LD(p) ((__m512bh)_mm512_loadu_si512((const void *)(p)))
     int64_t k = 0;
     for (; k + 128 <= K; k += 128) {
+        for (int j = 0; j < 4; j++) /* an address, not a pointer past the matrix */
+            _mm_prefetch((const char *)((uintptr_t)(w + k) + 2 * (PF_DIST + 32 * j)),
+                         _MM_HINT_T0);
         const __m512bh w0 = LD(w + k), w1 = LD(w + k + 32), w2 = LD(w + k + 64),
                        w3 = LD(w + k + 96);
         for (int r = 0; r < R; r++) {
