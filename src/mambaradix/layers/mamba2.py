@@ -16,6 +16,7 @@ step (conv, dt, scan: ``mamba2_mixer_decode``).
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from torch import nn
@@ -72,7 +73,10 @@ class Mamba2Mixer(KernelUser, nn.Module):
             bias=conv_bias,
         )
         self.dt_bias = nn.Parameter(torch.ones(num_heads))
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, num_heads + 1, dtype=torch.float32)))
+        # log(1..H) as Python numbers: built on the meta device (the loader's), torch.arange
+        # dispatches through torch's decompositions, whose first use imports torch._dynamo (~1.5 s
+        # of every start)
+        self.A_log = nn.Parameter(torch.tensor([math.log(h) for h in range(1, num_heads + 1)]))
         self.D = nn.Parameter(torch.ones(num_heads))
         self.norm = GatedRMSNorm(
             self.intermediate,
