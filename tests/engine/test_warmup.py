@@ -5,6 +5,9 @@ of it visible to requests."""
 from __future__ import annotations
 
 from engine_helpers import GREEDY, fake_engine, rand_tokens
+from fake_model import FakeModel
+
+from mambaradix.engine import runner as runner_module
 
 
 def test_warmup_runs_one_full_batch_and_frees_its_slots():
@@ -50,8 +53,6 @@ def test_warmup_runs_decode_shapes(monkeypatch):
     """The warm-up's second and third forwards are decode steps (one new token per request,
     over the keys before it) with the scheduler's slot table: all requests, then one."""
     shapes = []
-    from fake_model import FakeModel
-
     forward = FakeModel.forward
 
     def recording(self, ctx, all_logits=False):
@@ -67,11 +68,22 @@ def test_warmup_runs_decode_shapes(monkeypatch):
     assert shapes[3] == [(63, 1)]
 
 
-def test_warmup_batch_is_cut_to_its_budget():
-    """A slow model (here: a zero budget) runs the probe and the decode steps, not the batch."""
+def test_warmup_batch_is_cut_to_its_budget(monkeypatch):
+    """A slow model (here: a zero budget) runs the probe, a batch of WARMUP_MIN_TOKENS (its
+    last request cut to fit) and the decode steps."""
+    shapes: list[list[tuple[int, int]]] = []
+    recording = FakeModel.forward
+
+    def record(self, ctx, all_logits=False):
+        shapes.append([(r.prefix_len, len(r.input_ids)) for r in ctx.layout.reqs])
+        return recording(self, ctx, all_logits)
+
+    monkeypatch.setattr(runner_module, "WARMUP_MIN_TOKENS", 150)
     with fake_engine(max_prefill_tokens=300, chunked_prefill_size=64) as engine:
-        before = engine.model.forwards
+        monkeypatch.setattr(FakeModel, "forward", record)
         ran = engine.call(lambda: engine.runner.warmup(300, 64, budget_s=0.0))
-        assert ran == 0 and engine.model.forwards == before + 3
+        assert ran == 150
+        assert shapes == [[(0, 64)], [(0, 64), (0, 64), (0, 22)], [(63, 1), (63, 1), (21, 1)],
+                          [(63, 1)]]  # fmt: skip
         assert engine.kv_pool.available() == engine.kv_pool.size
         engine.check_integrity()

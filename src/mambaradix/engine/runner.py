@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 WARMUP_BUDGET_S = 3.0  # most the warm-up's batch forward may take, judged from a probe
 WARMUP_PROBE_TOKENS = 64
+WARMUP_MIN_TOKENS = 256  # the least the batch forward runs, whatever the probe says
 
 _KEEP_BATCHES = 4
 
@@ -150,7 +151,8 @@ class ModelRunner:
     def warmup(self, num_tokens: int, per_request: int, budget_s: float = WARMUP_BUDGET_S) -> int:
         """Pay the first forwards' one-time costs before any request: a short probe prefill,
         then one forward shaped like the largest prefill batch (``num_tokens`` new tokens in
-        requests of ``per_request``) cut to what the probe says fits in ``budget_s``, then a
+        requests of ``per_request``) cut to what the probe says fits in ``budget_s`` (but no
+        fewer than ``WARMUP_MIN_TOKENS``, the last request cut to fit), then a
         decode step of all those requests and one of a single request, on scratch KV and state
         slots freed afterwards. Returns the prefill tokens of the batch forward (fewer if the
         pools are small or the model is slow).
@@ -191,10 +193,16 @@ class ModelRunner:
             probe = ForwardReq(0, first.input_ids[:n0], first.kv_slots[:n0], first.state_slot)
             self._forward([probe], StateOps(clear=[probe.state_slot]))
             rate = n0 / max(time.perf_counter() - t0, 1e-9)
-            allowed, batch = int(budget_s * rate), []
+            # at least WARMUP_MIN_TOKENS: the probe pays first-call costs that make its rate
+            # look slow, and prefill-sized matmuls have one-time costs of their own
+            # (kernels.bf16_matmul measures its choice on the first)
+            allowed, batch = max(int(budget_s * rate), WARMUP_MIN_TOKENS), []
             for r in reqs:
-                if sum(x.extend_len for x in batch) + r.extend_len > allowed:
+                room = allowed - sum(x.extend_len for x in batch)
+                if room <= 0:
                     break
+                if r.extend_len > room:  # the last one cut to what is left
+                    r = ForwardReq(0, r.input_ids[:room], r.kv_slots[:room], r.state_slot)
                 batch.append(r)
             t1 = time.perf_counter()
             if batch:
