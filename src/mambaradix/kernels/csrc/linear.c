@@ -26,10 +26,10 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define XR 4 /* x rows dotted with one loaded weight chunk */
-/* Weights are prefetched this many elements (2 KB) ahead of the loads: on an Intel Xeon VM one
- * core's stream reached 20-21 GB/s for both threads without, 25-26 with (in-process A/B over
- * 1 GB of weights; a plain read: 23-27); the hardware prefetchers alone kept too few lines in
- * flight. Prefetches past the matrix's end are hints and never fault. */
+/* Weights are prefetched this many elements (2 KB) ahead of the loads: on an Intel Xeon VM the
+ * two threads streamed 20-21 GB/s without, 25-26 with (in-process A/B over 1 GB of weights; a
+ * plain read: 23-27); the hardware prefetchers alone kept too few lines in flight. Prefetches
+ * past the matrix's end are hints and never fault. */
 #define PF_DIST 1024
 #define ACT_CHUNK 64 /* gated_mlp_bf16's activation in chunks (I a multiple of it) */
 
