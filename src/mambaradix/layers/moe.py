@@ -2,13 +2,11 @@
 
 Experts are stored fused, the transformers >= 5 layout: ``experts.gate_up_proj``
 ``[E, 2*I, H]`` and ``experts.down_proj`` ``[E, H, I]``. Checkpoints that store one tensor per
-expert (``experts.{e}.gate_proj.weight`` ...) are stacked by ``stack_expert_weights``.
+expert (``experts.{e}.gate_proj.weight`` ...) are stacked while loading
+(``models.weights.stack_expert_weights``).
 """
 
 from __future__ import annotations
-
-import re
-from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -154,71 +152,3 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
-
-
-_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-def stack_expert_weights(
-    weights: Iterable[tuple[str, torch.Tensor]],
-    num_experts: Callable[[str], int] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pass weights through, replacing per-expert tensors by the fused ``gate_up_proj``
-    ``[E, 2I, H]`` / ``down_proj`` ``[E, H, I]`` stacks, laid out as ``expert_weights`` lays
-    out the parameters (so loading takes them as they are when the dtype matches).
-
-    ``num_experts(prefix)`` (the block's ``...experts`` module name -> E) lets a stack be
-    emitted as soon as its last expert arrived, holding at most one block's experts; without it
-    every block is held until the end of the checkpoint."""
-    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-
-    def ready(prefix: str, n: int, *kinds: str) -> bool:
-        return all(len(groups[prefix].get(k, {})) == n for k in kinds)
-
-    for name, t in weights:
-        m = _PER_EXPERT.match(name)
-        if m is None:
-            yield name, t
-            continue
-        prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
-        groups.setdefault(prefix, {}).setdefault(kind, {})[e] = t
-        del t
-        if num_experts is None:
-            continue
-        n = num_experts(prefix)
-        if kind in ("gate_proj", "up_proj") and ready(prefix, n, "gate_proj", "up_proj"):
-            yield (
-                f"{prefix}.gate_up_proj",
-                _stack(prefix, groups[prefix], n, "gate_proj", "up_proj"),
-            )
-        elif kind == "down_proj" and ready(prefix, n, "down_proj"):
-            yield f"{prefix}.down_proj", _stack(prefix, groups[prefix], n, "down_proj")
-        if not groups[prefix]:
-            del groups[prefix]
-    for prefix, kinds in list(groups.items()):
-        n = 1 + max(max(d) for d in kinds.values())
-        if "gate_proj" in kinds or "up_proj" in kinds:
-            yield f"{prefix}.gate_up_proj", _stack(prefix, kinds, n, "gate_proj", "up_proj")
-        if "down_proj" in kinds:
-            yield f"{prefix}.down_proj", _stack(prefix, kinds, n, "down_proj")
-
-
-def _stack(prefix: str, kinds: dict[str, dict[int, torch.Tensor]], n: int, *parts: str):
-    """Pop the experts of ``parts`` and write them, concatenated along dim 0 per expert, into
-    one ``[E, out, in]`` tensor in the ``expert_weights`` memory layout."""
-    per = []
-    for kind in parts:
-        d = kinds.pop(kind, {})
-        if len(d) != n:
-            raise ValueError(f"{prefix}: expected {n} {kind} experts, found {len(d)}")
-        per.append(d)
-    first = per[0][0]
-    out_rows = sum(d[0].shape[0] for d in per)
-    stacked = torch.empty(n, first.shape[1], out_rows, dtype=first.dtype).transpose(1, 2)
-    for e in range(n):
-        row = 0
-        for d in per:
-            w = d.pop(e)
-            stacked[e, row : row + w.shape[0]] = w
-            row += w.shape[0]
-    return stacked

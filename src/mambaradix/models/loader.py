@@ -23,11 +23,13 @@ from torch import nn
 from mambaradix.models.registry import get_model_class
 from mambaradix.models.weights import (  # noqa: F401  (re-exported for the model modules)
     CheckpointError,
+    FileTensor,
     assign_weights,
     merge_weights,
     meta_tensors,
     no_init,
     read_safetensors,
+    scan_safetensors,
 )
 
 logger = logging.getLogger(__name__)
@@ -128,10 +130,11 @@ def weight_files(folder: Path) -> list[Path]:
     )
 
 
-def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every checkpoint tensor of the folder, one at a time, in its checkpoint dtype."""
+def iter_weights(folder: Path) -> Iterator[tuple[str, FileTensor]]:
+    """Every checkpoint tensor of the folder, in its checkpoint dtype, not read yet (each is read
+    into the parameter it fills)."""
     for f in weight_files(folder):
-        yield from read_safetensors(f)
+        yield from scan_safetensors(f)
 
 
 # --------------------------------------------------------------------------- entry points

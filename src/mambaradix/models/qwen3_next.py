@@ -19,7 +19,7 @@ from torch import nn
 from mambaradix.layers.attention import pooled_attention
 from mambaradix.layers.gated_delta_net import GDN_MERGES, GatedDeltaNet
 from mambaradix.layers.mlp import GATE_UP_MERGE, GatedMLP
-from mambaradix.layers.moe import SparseMoeBlock, stack_expert_weights
+from mambaradix.layers.moe import SparseMoeBlock
 from mambaradix.layers.norm import RMSNorm
 from mambaradix.layers.ops import KernelUser, Linear
 from mambaradix.layers.rotary import RotaryEmbedding
@@ -27,6 +27,7 @@ from mambaradix.layout import ForwardContext
 from mambaradix.models.base import HybridCausalLM
 from mambaradix.models.loader import assign_weights, merge_weights
 from mambaradix.models.registry import register_model
+from mambaradix.models.weights import Mapped, stack_expert_weights
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +201,9 @@ class Qwen3NextForCausalLM(HybridCausalLM):
         def regrouped(weights):  # GDN in_proj rows in the order the layer reads them
             for name, t in weights:
                 if name.endswith(".linear_attn.in_proj.weight"):
-                    t = self.get_submodule(name[: -len(".in_proj.weight")]).regroup_in_proj(t)
+                    layer = self.get_submodule(name[: -len(".in_proj.weight")])
+                    if layer.layout != "qwen3_5":  # qwen3_5 rows already are in that order
+                        t = Mapped(t, layer.regroup_in_proj)
                 yield name, t
 
         def num_experts(prefix: str) -> int:
