@@ -87,3 +87,23 @@ def test_warmup_batch_is_cut_to_its_budget(monkeypatch):
                           [(63, 1)]]  # fmt: skip
         assert engine.kv_pool.available() == engine.kv_pool.size
         engine.check_integrity()
+
+
+def test_malloc_keeps_freed_memory_before_the_warmup(monkeypatch):
+    """The warm-up grows the heap to a forward's working size; with glibc still returning freed
+    blocks to the OS that growth would be undone after every forward (the first request paying
+    it again), so the malloc settings come first."""
+    from mambaradix.engine import engine as engine_module
+
+    order = []
+    monkeypatch.setattr(engine_module, "keep_freed_memory", lambda: order.append("keep"))
+    warmup = runner_module.ModelRunner.warmup
+
+    def recording(self, *a, **k):
+        order.append("warmup")
+        return warmup(self, *a, **k)
+
+    monkeypatch.setattr(runner_module.ModelRunner, "warmup", recording)
+    with fake_engine():
+        pass
+    assert order == ["keep", "warmup"]

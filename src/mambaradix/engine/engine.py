@@ -149,6 +149,8 @@ class Engine:
         self.runner = ModelRunner(
             model, self.kv_pool, self.state_pool, cfg.device, self.backend, self.structured
         )
+        if cfg.device == "cpu":  # before the warm-up, whose heap growth is then kept
+            keep_freed_memory()
         if not cfg.skip_warmup:
             per_request = cfg.chunked_prefill_size
             if per_request < 1:
@@ -177,11 +179,9 @@ class Engine:
         self._health = EngineHealth(cfg.watchdog_timeout)
         self._stop = False
         self._ids = itertools.count()
-        # Loading ran torch on this thread; its OpenMP pool would slow the runner's, and glibc
-        # would hand the forwards' temporaries back to the OS (engine.cpu_runtime).
+        # Loading ran torch on this thread; its OpenMP pool would slow the runner's
+        # (engine.cpu_runtime).
         release_thread_pool()
-        if cfg.device == "cpu":
-            keep_freed_memory()
         self._thread = threading.Thread(target=self._loop, name="mambaradix-engine", daemon=True)
         self._thread.start()
         logger.info(
