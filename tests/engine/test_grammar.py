@@ -223,3 +223,33 @@ def test_bf16_logits(compiler):
     logits = torch.zeros(compiler.vocab_size, dtype=torch.bfloat16)
     m.apply(logits)
     assert torch.isfinite(logits).sum() == 10
+
+
+_IMPORTS = """
+import sys
+import mambaradix.engine.engine, mambaradix.server.app
+before = "xgrammar.compiler" in sys.modules
+from mambaradix.engine.grammar import spec_from_request, xgr
+from mambaradix.core import GrammarSpec
+try:
+    spec_from_request(regex="a(")
+except ValueError as e:
+    print("refused:", "regex" in str(e))
+print(before, "xgrammar.compiler" in sys.modules, type(xgr.Grammar.from_regex("a+")).__name__)
+"""
+
+
+def test_xgrammar_is_imported_by_the_first_grammar_not_by_the_engine():
+    """Importing the engine and the server must not import xgrammar (~0.4 s of every start);
+    the first use of a grammar does, and behaves as an eager import would."""
+    import os
+    import subprocess
+
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    out = subprocess.run(
+        [sys.executable, "-c", _IMPORTS],
+        check=True, capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": src, "HF_HUB_OFFLINE": "1"},
+    ).stdout.split("\n")  # fmt: skip
+    assert out[0] == "refused: True"  # a bad regex is still a ValueError naming the field
+    assert out[1] == "False True Grammar"

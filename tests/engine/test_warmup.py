@@ -1,6 +1,6 @@
-"""The warm-up at engine start: one prefill batch on scratch slots, then a decode step of all
-its requests and one of a single request, every slot back in its pool afterwards, and nothing
-of it visible to requests."""
+"""The warm-up at engine start: a prefill forward of WARMUP_MIN_TOKENS, a larger prefill batch
+where the budget allows, then a decode step of all its requests and one of a single request,
+on scratch slots all back in their pools afterwards, and nothing of it visible to requests."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ from mambaradix.engine import runner as runner_module
 
 def test_warmup_runs_one_full_batch_and_frees_its_slots():
     with fake_engine(max_prefill_tokens=300, chunked_prefill_size=64) as engine:
-        assert (
-            engine.model.forwards == 4
-        )  # probe, prefill batch, two decode steps: before any request
+        # 256 tokens, the whole 300-token batch, two decode steps: before any request
+        assert engine.model.forwards == 4
         kv_free, state_free = engine.kv_pool.available(), engine.state_pool.available()
         assert kv_free == engine.kv_pool.size and state_free == engine.state_pool.size
         engine.check_integrity()
@@ -62,15 +61,16 @@ def test_warmup_runs_decode_shapes(monkeypatch):
     monkeypatch.setattr(FakeModel, "forward", recording)
     with fake_engine(max_prefill_tokens=200, chunked_prefill_size=64) as engine:
         engine.check_integrity()
-    assert shapes[0] == [(0, 64)]  # the probe
-    assert shapes[1] == [(0, 64), (0, 64), (0, 64), (0, 8)]
-    assert shapes[2] == [(63, 1), (63, 1), (63, 1), (7, 1)]
-    assert shapes[3] == [(63, 1)]
+    # 200 tokens wanted: under WARMUP_MIN_TOKENS, so one prefill forward of them all
+    assert shapes[0] == [(0, 64), (0, 64), (0, 64), (0, 8)]
+    assert shapes[1] == [(63, 1), (63, 1), (63, 1), (7, 1)]
+    assert shapes[2] == [(63, 1)]
+    assert len(shapes) == 3
 
 
 def test_warmup_batch_is_cut_to_its_budget(monkeypatch):
-    """A slow model (here: a zero budget) runs the probe, a batch of WARMUP_MIN_TOKENS (its
-    last request cut to fit) and the decode steps."""
+    """A slow model (here: a zero budget) runs one prefill of WARMUP_MIN_TOKENS (its last
+    request cut to fit) and the decode steps; a fast one (a large budget) a larger batch."""
     shapes: list[list[tuple[int, int]]] = []
     recording = FakeModel.forward
 
@@ -83,9 +83,13 @@ def test_warmup_batch_is_cut_to_its_budget(monkeypatch):
         monkeypatch.setattr(FakeModel, "forward", record)
         ran = engine.call(lambda: engine.runner.warmup(300, 64, budget_s=0.0))
         assert ran == 150
-        assert shapes == [[(0, 64)], [(0, 64), (0, 64), (0, 22)], [(63, 1), (63, 1), (21, 1)],
-                          [(63, 1)]]  # fmt: skip
+        assert shapes == [[(0, 64), (0, 64), (0, 22)], [(63, 1), (63, 1), (21, 1)], [(63, 1)]]
         assert engine.kv_pool.available() == engine.kv_pool.size
+        shapes.clear()
+        assert engine.call(lambda: engine.runner.warmup(300, 64, budget_s=1e6)) == 300
+        assert shapes[0] == [(0, 64), (0, 64), (0, 22)]
+        assert shapes[1] == [(0, 64)] * 4 + [(0, 44)]
+        assert len(shapes) == 4
         engine.check_integrity()
 
 

@@ -21,9 +21,8 @@ from mambaradix.layout import ForwardContext, ForwardLayout
 
 logger = logging.getLogger(__name__)
 
-WARMUP_BUDGET_S = 3.0  # most the warm-up's batch forward may take, judged from a probe
-WARMUP_PROBE_TOKENS = 64
-WARMUP_MIN_TOKENS = 256  # the least the batch forward runs, whatever the probe says
+WARMUP_BUDGET_S = 3.0  # most the warm-up's prefill forwards may take, judged from the first
+WARMUP_MIN_TOKENS = 256  # the first prefill forward's tokens, whatever the budget
 
 _KEEP_BATCHES = 4
 
@@ -149,26 +148,39 @@ class ModelRunner:
         return tokens, logprobs, top, errors
 
     def warmup(self, num_tokens: int, per_request: int, budget_s: float = WARMUP_BUDGET_S) -> int:
-        """Pay the first forwards' one-time costs before any request: a short probe prefill,
-        then one forward shaped like the largest prefill batch (``num_tokens`` new tokens in
-        requests of ``per_request``) cut to what the probe says fits in ``budget_s`` (but no
-        fewer than ``WARMUP_MIN_TOKENS``, the last request cut to fit), then a
-        decode step of all those requests and one of a single request, on scratch KV and state
-        slots freed afterwards. Returns the prefill tokens of the batch forward (fewer if the
-        pools are small or the model is slow).
+        """Pay the first forwards' one-time costs before any request: a prefill forward of
+        ``WARMUP_MIN_TOKENS`` tokens (requests of ``per_request``, the last cut), then, if its
+        rate says more fits in what is left of ``budget_s``, one shaped like the largest prefill
+        batch (``num_tokens`` new tokens) cut to fit, then a decode step of all the requests of
+        the larger one and one of a single request, on scratch KV and state slots freed
+        afterwards. Returns the prefill tokens of the larger forward (fewer than ``num_tokens``
+        if the pools are small or the model is slow).
 
         On CPU the allocator's heap grows to a forward's working size here (~40k page faults
-        on the benchmark model), and the decode path's kernels, plans and primitives are built.
-        The budget keeps a real-size model on a slow machine from spending minutes on it (a
-        4,096-token forward of a 350M model took ~100 s on 2 AVX2 cores): the page faults a
-        cut batch leaves to the first full one cost far less than the forward itself. Call it
-        before scheduling starts: it takes slots from the pools directly."""
+        on the benchmark model), the prefill matmul path is chosen (kernels.bf16_matmul needs
+        128 rows), and the decode path's kernels, plans and primitives are built. The budget
+        keeps a real-size model on a slow machine from spending minutes on it (a 4,096-token
+        forward of a 350M model took ~100 s on 2 AVX2 cores): the page faults a cut batch
+        leaves to the first full one cost far less than the forward itself. Call it before
+        scheduling starts: it takes slots from the pools directly."""
         per_request = max(1, per_request)
         num_tokens = min(num_tokens, self.kv_pool.available())
         num_tokens -= num_tokens % self.kv_pool.page_size
         vocab = int(getattr(self.model, "vocab_size", 0) or 1)
         reqs: list[ForwardReq] = []
         taken: list[tuple[torch.Tensor, list[int]]] = []
+
+        def first(tokens: int) -> list[ForwardReq]:  # the leading requests, the last one cut
+            out: list[ForwardReq] = []
+            for r in reqs:
+                room = tokens - sum(x.extend_len for x in out)
+                if room <= 0:
+                    break
+                if r.extend_len > room:
+                    r = ForwardReq(0, r.input_ids[:room], r.kv_slots[:room], r.state_slot)
+                out.append(r)
+            return out
+
         try:
             done = 0
             while done < num_tokens:
@@ -188,28 +200,19 @@ class ModelRunner:
             if not reqs:
                 return 0
             t0 = time.perf_counter()
-            first = reqs[0]
-            n0 = min(first.extend_len, WARMUP_PROBE_TOKENS)
-            probe = ForwardReq(0, first.input_ids[:n0], first.kv_slots[:n0], first.state_slot)
-            self._forward([probe], StateOps(clear=[probe.state_slot]))
-            rate = n0 / max(time.perf_counter() - t0, 1e-9)
-            # at least WARMUP_MIN_TOKENS: the probe pays first-call costs that make its rate
-            # look slow, and prefill-sized matmuls have one-time costs of their own
-            # (kernels.bf16_matmul measures its choice on the first)
-            allowed, batch = max(int(budget_s * rate), WARMUP_MIN_TOKENS), []
-            for r in reqs:
-                room = allowed - sum(x.extend_len for x in batch)
-                if room <= 0:
-                    break
-                if r.extend_len > room:  # the last one cut to what is left
-                    r = ForwardReq(0, r.input_ids[:room], r.kv_slots[:room], r.state_slot)
-                batch.append(r)
+            small = first(WARMUP_MIN_TOKENS)
+            self._forward(small, StateOps(clear=[r.state_slot for r in small]))
             t1 = time.perf_counter()
-            if batch:
-                self._forward(batch, StateOps(clear=[r.state_slot for r in batch]))
+            n_small = sum(r.extend_len for r in small)
+            # what is left of the budget, at the rate the first forward (first-call costs
+            # included, so an underestimate) ran
+            allowed = int((budget_s - (t1 - t0)) * n_small / max(t1 - t0, 1e-9))
+            large = first(allowed) if min(allowed, done) > n_small else []
+            if large:
+                self._forward(large, StateOps(clear=[r.state_slot for r in large]))
             t2 = time.perf_counter()
             # decode steps: each request's last token again, over the keys before it
-            prefilled = batch or [probe]
+            prefilled = large or small
             for rows in (prefilled, prefilled[:1]):
                 decodes = [
                     ForwardReq(r.seq_len - 1, r.input_ids[-1:], r.kv_slots, r.state_slot)
@@ -219,13 +222,13 @@ class ModelRunner:
                     [r.kv_slots for r in decodes], batch_first=True
                 )
                 self._forward(decodes, StateOps(), decode_table=table)
-            ran = sum(r.extend_len for r in batch)
+            ran = sum(r.extend_len for r in prefilled)
             logger.info(
-                "warm-up %.2f s: probe of %d tokens %.2f s, prefill batch of %d tokens in %d "
-                "requests %.2f s (of %d wanted; budget %.0f s), decode steps of %d and 1 "
-                "requests %.2f s",
-                time.perf_counter() - t0, n0, t1 - t0, ran, len(batch), t2 - t1, num_tokens,
-                budget_s, len(prefilled), time.perf_counter() - t2,
+                "warm-up %.2f s: prefill of %d tokens %.2f s, then of %d tokens in %d requests "
+                "%.2f s (of %d wanted; budget %.0f s), decode steps of %d and 1 requests %.2f s",
+                time.perf_counter() - t0, n_small, t1 - t0, sum(r.extend_len for r in large),
+                len(large), t2 - t1, num_tokens, budget_s, len(prefilled),
+                time.perf_counter() - t2,
             )  # fmt: skip
             return ran
         finally:

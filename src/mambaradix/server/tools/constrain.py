@@ -21,10 +21,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import xgrammar as xgr
-
 from mambaradix.core import GrammarSpec
-from mambaradix.engine.grammar import json_schema_grammar
+from mambaradix.engine.grammar import json_schema_grammar, xgr  # xgrammar, imported lazily
 
 _SEPARATORS = (", ", ": ")  # json.dumps' defaults: what the templates' tojson renders
 _JSON_TAGS = {
