@@ -101,3 +101,24 @@ def test_keep_freed_memory_is_accepted_by_glibc():
     from mambaradix.engine.cpu_runtime import keep_freed_memory
 
     assert keep_freed_memory() is True
+
+
+def test_on_thread_runs_on_the_runners_worker_where_the_forwards_run():
+    import threading
+
+    from engine_helpers import GREEDY, fake_engine
+
+    with fake_engine() as engine:
+        runner, forwards = engine.runner, set()
+        run = runner.run
+
+        def recording(batch):
+            forwards.add(threading.get_ident())
+            return run(batch)
+
+        runner.run = recording  # submit() looks it up on every batch
+        engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+        here = runner.on_thread(threading.get_ident).result()
+        assert forwards == {here}, "the forwards ran on another thread than on_thread's"
+        assert here != threading.get_ident()
+        engine.check_integrity()

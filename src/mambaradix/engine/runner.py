@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -248,11 +250,16 @@ class ModelRunner:
     def submit(self, batch: RunBatch) -> Future:
         """Run on the runner's single worker thread. Every forward runs there, with overlap or
         without, so that one thread owns the OpenMP pool (see ``engine.cpu_runtime``)."""
+        return self.on_thread(self.run, batch)
+
+    def on_thread(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """``fn(*args)`` on the runner's worker thread, after the work already queued there
+        (benchmarks read the machine's limits on the engine's own OpenMP pool this way)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
                 1, thread_name_prefix="mambaradix-runner", initializer=self._init_thread
             )
-        return self._executor.submit(self.run, batch)
+        return self._executor.submit(fn, *args)
 
     def _init_thread(self) -> None:
         torch.set_num_threads(self._num_threads)  # the caller's setting (--num-threads)
