@@ -212,6 +212,7 @@ class ModelRunner:
             large = first(allowed) if min(allowed, done) > n_small else []
             if large:
                 self._forward(large, StateOps(clear=[r.state_slot for r in large]))
+            n_large = sum(r.extend_len for r in large)
             t2 = time.perf_counter()
             # decode steps: each request's last token again, over the keys before it
             prefilled = large or small
@@ -224,15 +225,13 @@ class ModelRunner:
                     [r.kv_slots for r in decodes], batch_first=True
                 )
                 self._forward(decodes, StateOps(), decode_table=table)
-            ran = sum(r.extend_len for r in prefilled)
             logger.info(
                 "warm-up %.2f s: prefill of %d tokens %.2f s, then of %d tokens in %d requests "
                 "%.2f s (of %d wanted; budget %.0f s), decode steps of %d and 1 requests %.2f s",
-                time.perf_counter() - t0, n_small, t1 - t0, sum(r.extend_len for r in large),
-                len(large), t2 - t1, num_tokens, budget_s, len(prefilled),
-                time.perf_counter() - t2,
+                time.perf_counter() - t0, n_small, t1 - t0, n_large, len(large), t2 - t1,
+                num_tokens, budget_s, len(prefilled), time.perf_counter() - t2,
             )  # fmt: skip
-            return ran
+            return n_large or n_small
         finally:
             for kv, state in taken:
                 self.kv_pool.free(kv)
