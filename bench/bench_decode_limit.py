@@ -30,25 +30,20 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_real import PRESETS, checkpoint, engine_decode, weight_figures  # noqa: E402
+from bench_real import (  # noqa: E402
+    PRESETS,
+    checkpoint,
+    engine_decode,
+    read_bandwidth,
+    weight_figures,
+)
 
 
-def best_read(x: torch.Tensor, reps: int = 5) -> float:
-    x.sum()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * x.element_size() / best
-
-
-def pairs(eng, read_bytes: int, n: int, steps: int) -> list[tuple[float, float]]:
+def pairs(eng, threads: int, n: int, steps: int) -> list[tuple[float, float]]:
     """(read bytes/s, decode tok/s) ``n`` times, the reading on the runner's thread."""
-    x = eng.runner.on_thread(torch.ones, 1 << 28).result()
     out = []
     for s in tqdm(range(n), desc="pairs", leave=False):
-        bw = eng.runner.on_thread(best_read, x).result()
+        bw = eng.runner.on_thread(read_bandwidth, threads).result()
         out.append((bw, engine_decode(eng, 1, eng.model.vocab_size, steps, s)))
     return out
 
@@ -105,7 +100,7 @@ def main() -> None:
                  disable_radix_cache=True, dtype="bfloat16")  # fmt: skip
     read_bytes, _ = weight_figures(eng.model)
     ratios = []
-    for bw, tok_s in pairs(eng, read_bytes, args.pairs, args.steps):
+    for bw, tok_s in pairs(eng, args.threads, args.pairs, args.steps):
         ratios.append(tok_s * read_bytes / bw)
         print(f"read {bw / 1e9:5.1f} GB/s  limit {bw / read_bytes:6.2f} tok/s  "
               f"decode b1 {tok_s:6.2f} tok/s  of limit {ratios[-1]:.3f}")  # fmt: skip
