@@ -98,6 +98,30 @@ def test_a_row_does_not_depend_on_its_batch(no_torch_matmul):
     assert torch.equal(pair, whole[3:5])
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_row_does_not_depend_on_the_thread_count(threads, no_torch_matmul):
+    """Each thread reads its block of weight rows as two streams (halves side by side, an odd
+    row last): the output is the same bit for bit whatever the blocks, for one x row (both
+    halves in one pass) and for five (a group of four, then one). Control: the check sees a
+    single changed weight row."""
+    x, w, b = make(5, 1000, 301, seed=11, bias=True)  # 301 rows: odd blocks on 1 and 3 threads
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        want = cpu.linear(x, w, b), cpu.linear(x[:1], w, b)
+        torch.set_num_threads(threads)
+        got = cpu.linear(x, w, b), cpu.linear(x[:1], w, b)
+        w2 = w.clone()
+        w2[150] = w2[150].roll(1)  # the row where the halves of the 2-thread blocks meet
+        changed = cpu.linear(x[:1], w2, b)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(want[1][0], want[0][0])
+    diff = (changed != got[1]).nonzero()[:, 1].unique().tolist()
+    assert diff == [150]
+
+
 def test_strided_rows(no_torch_matmul):
     wide = make(4, 1000, 1, seed=2)[0]
     x = wide[:, 100:868]  # rows 1,000 apart, 768 dense

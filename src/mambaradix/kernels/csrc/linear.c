@@ -6,13 +6,19 @@
  * GB/s here (bench/bench_linear.py, weights out of cache) where a plain read reaches 31-50;
  * this kernel reaches 24-31.
  *
- * How: output features are split over the threads; each weight row is streamed once and
- * dotted with every x row while it sits in L1. Products are exact (bf16 x bf16 fits in fp32;
- * the AVX-512 instruction flushes denormals) and accumulate in fp32 lanes summed at the end, in an order fixed by K alone: a row's result
- * never depends on the other rows of the batch or the thread count. The bias is added in fp32
+ * How: output features are split over the threads, each thread reading its block as two
+ * streams; each weight row is streamed once and dotted with every x row while it sits in L1.
+ * Products are exact (bf16 x bf16 fits in fp32; the AVX-512 instruction flushes denormals) and
+ * accumulate in fp32 lanes summed at the end, in an order fixed by K alone: a row's result
+ * never depends on the other rows of the batch, the grouping of weight rows or the thread
+ * count. The bias is added in fp32
  * before the single rounding to bf16, as torch's addmm does.
  */
 #include <stdint.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "conv_window.h"
 #include "vec_math.h"
@@ -28,101 +34,148 @@
 #define XR 4 /* x rows dotted with one loaded weight chunk */
 /* Weights are prefetched this many elements (2 KB) ahead of the loads: on an Intel Xeon VM the
  * two threads streamed 20-21 GB/s without, 25-26 with (in-process A/B over 1 GB of weights; a
- * plain read: 23-27); the hardware prefetchers alone kept too few lines in flight. Prefetches
- * past the matrix's end are hints and never fault. */
+ * plain read: 23-27); the hardware prefetchers alone kept too few lines in flight. 4 KB was no
+ * better with two streams per thread. Prefetches past the matrix's end are hints and never
+ * fault. */
 #define PF_DIST 1024
 #define ACT_CHUNK 64 /* gated_mlp_bf16's activation in chunks (I a multiple of it) */
 
 #if HAVE_DPBF16
-/* R x rows (R <= XR, a constant at each call) dotted with one weight row w of K bf16. Each
- * dot keeps four fp32 accumulators, chunk j of every 128 pairs going to accumulator j (32 pairs
- * per instruction), then whole chunks of 32 into the first and a masked tail into the second,
- * summed as (a0 + a1) + (a2 + a3): the same order for every R, so a row's result does not
- * depend on how the batch is grouped. Four independent chains per row hide the instruction's
- * latency when R is 1; each weight chunk is loaded once for the R rows. */
-ALWAYS_INLINE void dot_rows(const uint16_t *x, int64_t xs, const uint16_t *w, int64_t K,
-                            const int R, float *res)
+/* R x rows (R a constant at each call) dotted with S weight rows w[0..S) of K bf16, one
+ * stream each. Each dot keeps four fp32 accumulators, chunk j of every 128 pairs going to
+ * accumulator j (32 pairs per instruction), then whole chunks of 32 into the first and a masked
+ * tail into the second, summed as (a0 + a1) + (a2 + a3): the same order for every R and S, so a
+ * row's result does not depend on how the batch or the weight rows are grouped. Four
+ * independent chains per dot hide the instruction's latency when R is 1; each weight chunk is
+ * loaded once for the R rows. res[s * XR + r]: x row r against weight row s. */
+ALWAYS_INLINE void dot_rows(const uint16_t *x, int64_t xs, const uint16_t *const *w, const int S,
+                            int64_t K, const int R, float *res)
 {
-    __m512 acc[XR][4];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++)
-            acc[r][j] = _mm512_setzero_ps();
+    __m512 acc[2][XR][4];
+    for (int s = 0; s < S; s++)
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < 4; j++)
+                acc[s][r][j] = _mm512_setzero_ps();
 #define LD(p) ((__m512bh)_mm512_loadu_si512((const void *)(p)))
     int64_t k = 0;
     for (; k + 128 <= K; k += 128) {
-        for (int j = 0; j < 4; j++) /* an address, not a pointer past the matrix */
-            _mm_prefetch((const char *)((uintptr_t)(w + k) + 2 * (PF_DIST + 32 * j)),
-                         _MM_HINT_T0);
-        const __m512bh w0 = LD(w + k), w1 = LD(w + k + 32), w2 = LD(w + k + 64),
-                       w3 = LD(w + k + 96);
-        for (int r = 0; r < R; r++) {
-            const uint16_t *xr = x + r * xs + k;
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], LD(xr), w0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], LD(xr + 32), w1);
-            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], LD(xr + 64), w2);
-            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], LD(xr + 96), w3);
+        for (int s = 0; s < S; s++) {
+            for (int j = 0; j < 4; j++) /* an address, not a pointer past the matrix */
+                _mm_prefetch((const char *)((uintptr_t)(w[s] + k) + 2 * (PF_DIST + 32 * j)),
+                             _MM_HINT_T0);
+            const __m512bh w0 = LD(w[s] + k), w1 = LD(w[s] + k + 32), w2 = LD(w[s] + k + 64),
+                           w3 = LD(w[s] + k + 96);
+            for (int r = 0; r < R; r++) {
+                const uint16_t *xr = x + r * xs + k;
+                acc[s][r][0] = _mm512_dpbf16_ps(acc[s][r][0], LD(xr), w0);
+                acc[s][r][1] = _mm512_dpbf16_ps(acc[s][r][1], LD(xr + 32), w1);
+                acc[s][r][2] = _mm512_dpbf16_ps(acc[s][r][2], LD(xr + 64), w2);
+                acc[s][r][3] = _mm512_dpbf16_ps(acc[s][r][3], LD(xr + 96), w3);
+            }
         }
     }
-    for (; k + 32 <= K; k += 32) {
-        const __m512bh w0 = LD(w + k);
-        for (int r = 0; r < R; r++)
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], LD(x + r * xs + k), w0);
-    }
+    for (; k + 32 <= K; k += 32)
+        for (int s = 0; s < S; s++) {
+            const __m512bh w0 = LD(w[s] + k);
+            for (int r = 0; r < R; r++)
+                acc[s][r][0] = _mm512_dpbf16_ps(acc[s][r][0], LD(x + r * xs + k), w0);
+        }
 #undef LD
     if (k < K) {
         const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
-        const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m, (const void *)(w + k));
-        for (int r = 0; r < R; r++) {
-            const __m512bh xv =
-                (__m512bh)_mm512_maskz_loadu_epi16(m, (const void *)(x + r * xs + k));
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w0);
+        for (int s = 0; s < S; s++) {
+            const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m, (const void *)(w[s] + k));
+            for (int r = 0; r < R; r++) {
+                const __m512bh xv =
+                    (__m512bh)_mm512_maskz_loadu_epi16(m, (const void *)(x + r * xs + k));
+                acc[s][r][1] = _mm512_dpbf16_ps(acc[s][r][1], xv, w0);
+            }
         }
     }
-    for (int r = 0; r < R; r++)
-        res[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]),
-                                                    _mm512_add_ps(acc[r][2], acc[r][3])));
+    for (int s = 0; s < S; s++)
+        for (int r = 0; r < R; r++)
+            res[s * XR + r] = _mm512_reduce_add_ps(
+                _mm512_add_ps(_mm512_add_ps(acc[s][r][0], acc[s][r][1]),
+                              _mm512_add_ps(acc[s][r][2], acc[s][r][3])));
 }
 #else
-ALWAYS_INLINE void dot_rows(const uint16_t *x, int64_t xs, const uint16_t *w, int64_t K,
-                            const int R, float *res)
+ALWAYS_INLINE void dot_rows(const uint16_t *x, int64_t xs, const uint16_t *const *w, const int S,
+                            int64_t K, const int R, float *res)
 {
-    for (int r = 0; r < R; r++) {
-        const uint16_t *xr = x + r * xs;
-        float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t k = 0; k < K; k++)
-            s += bf16_to_f32(xr[k]) * bf16_to_f32(w[k]);
-        res[r] = s;
-    }
+    for (int s = 0; s < S; s++)
+        for (int r = 0; r < R; r++) {
+            const uint16_t *xr = x + r * xs, *ws = w[s];
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t k = 0; k < K; k++)
+                acc += bf16_to_f32(xr[k]) * bf16_to_f32(ws[k]);
+            res[s * XR + r] = acc;
+        }
 }
 #endif
 
-/* out[m][n] (row stride out_stride) for the rows n this thread takes: weight rows are read
- * strictly in order, each once, and dotted with every x row while they sit in L1 (interleaving
- * several weight rows' streams measured 22 GB/s against 36 for one row at a time). An orphaned
- * `omp for`: called by every thread of a team (implicit barrier at its end). */
+/* Weight rows n[0..S) against every x row: out[m][n[s]] (row stride out_stride). The S rows
+ * are read side by side only for groups of up to two x rows (2 x 2 x 4 accumulators fit in the
+ * registers); wider groups take the weight rows one after another. */
+ALWAYS_INLINE void rows_out(int64_t M, int64_t K, const uint16_t *x, int64_t x_stride,
+                            const uint16_t *w, const int64_t *n, const int S, const uint16_t *bias,
+                            uint16_t *out, int64_t out_stride)
+{
+    float res[2 * XR];
+    for (int64_t m0 = 0; m0 < M; m0 += XR) {
+        const uint16_t *xm = x + m0 * x_stride;
+        const int64_t R = M - m0 < XR ? M - m0 : XR;
+        const int step = R <= 2 ? S : 1; /* weight rows read side by side */
+        for (int s0 = 0; s0 < S; s0 += step) {
+            const uint16_t *ws[2] = {w + n[s0] * K, w + n[s0 + step - 1] * K};
+            if (step == 2 && R == 2)
+                dot_rows(xm, x_stride, ws, 2, K, 2, res);
+            else if (step == 2)
+                dot_rows(xm, x_stride, ws, 2, K, 1, res);
+            else
+                switch (R) { /* constant R: each case is unrolled on its own */
+                case 4: dot_rows(xm, x_stride, ws, 1, K, 4, res); break;
+                case 3: dot_rows(xm, x_stride, ws, 1, K, 3, res); break;
+                case 2: dot_rows(xm, x_stride, ws, 1, K, 2, res); break;
+                default: dot_rows(xm, x_stride, ws, 1, K, 1, res); break;
+                }
+            for (int s = 0; s < step; s++) {
+                const float b = bias ? bf16_to_f32(bias[n[s0 + s]]) : 0.0f;
+                for (int64_t r = 0; r < R; r++)
+                    out[(m0 + r) * out_stride + n[s0 + s]] = f32_to_bf16(res[s * XR + r] + b);
+            }
+        }
+    }
+}
+
+/* out[m][n] (row stride out_stride) for this thread's block of weight rows, read as two
+ * streams: the block's first and second halves side by side (row by row for groups of more than
+ * two x rows), each row once, each dotted with every x row while it sits in L1. Two streams per
+ * thread keep more lines in flight than one: over the weight matrices of LFM2-350M, 1.10-1.15x
+ * the GB/s of one stream at one x row, 1.14-1.23x at two, 1.07x at four (in-process, 10
+ * alternated rounds, twice); in a C loop, 0.94-0.96 of a plain read against 0.88-0.91. Called
+ * by every thread of a team; a barrier at its end. */
 ALWAYS_INLINE void rows_team(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t x_stride,
                              const uint16_t *w, const uint16_t *bias, uint16_t *out,
                              int64_t out_stride)
 {
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint16_t *wr = w + n * K;
-        const float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
-        float res[XR];
-        for (int64_t m0 = 0; m0 < M; m0 += XR) {
-            const uint16_t *xm = x + m0 * x_stride;
-            const int64_t R = M - m0 < XR ? M - m0 : XR;
-            switch (R) { /* constant R: each case is unrolled on its own */
-            case 4: dot_rows(xm, x_stride, wr, K, 4, res); break;
-            case 3: dot_rows(xm, x_stride, wr, K, 3, res); break;
-            case 2: dot_rows(xm, x_stride, wr, K, 2, res); break;
-            default: dot_rows(xm, x_stride, wr, K, 1, res); break;
-            }
-            for (int64_t r = 0; r < R; r++)
-                out[(m0 + r) * out_stride + n] = f32_to_bf16(res[r] + b);
-        }
+#ifdef _OPENMP
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+    const int64_t nt = 1, t = 0;
+#endif
+    const int64_t per = (N + nt - 1) / nt;
+    const int64_t lo = t * per < N ? t * per : N, hi = lo + per < N ? lo + per : N;
+    const int64_t half = (hi - lo) / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const int64_t n[2] = {lo + i, lo + half + i};
+        rows_out(M, K, x, x_stride, w, n, 2, bias, out, out_stride);
     }
+    if ((hi - lo) & 1) {
+        const int64_t n[1] = {hi - 1};
+        rows_out(M, K, x, x_stride, w, n, 1, bias, out, out_stride);
+    }
+#pragma omp barrier
 }
 
 void linear_bf16(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t x_stride,
