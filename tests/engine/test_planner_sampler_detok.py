@@ -80,6 +80,35 @@ def test_sampler_filters():
     assert toks == [0] and lps[0] == pytest.approx(torch.log_softmax(logits[0], -1)[0].item())
 
 
+def test_sampler_logprobs_without_a_full_log_softmax(monkeypatch):
+    """The chosen tokens' logprobs and the top alternatives come from one argmax/logsumexp pass
+    over each row (no [B, V] log_softmax) and equal the float64 log_softmax (within 1e-6: fp32's
+    log_softmax itself is 5e-6 off here); a grammar-masked row still reports the model's own
+    distribution. Control: a sampler that reported logits as logprobs would fail."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 70000, generator=g) * 4
+    want = torch.log_softmax(logits.double(), -1)
+    monkeypatch.setattr(torch, "log_softmax", lambda *a, **k: pytest.fail("full log_softmax"))
+    ps = [SamplingParams(temperature=0.0, top_logprobs=k) for k in (0, 3, 5)]
+    toks, lps, top = sample(logits.clone(), ps, [None] * 3)
+    assert toks == want.argmax(-1).tolist()
+    assert lps == pytest.approx(want.max(-1).values.tolist(), abs=1e-6)
+    assert top[0] is None
+    for row, (ids, values) in zip((1, 2), top[1:]):
+        best = want[row].topk(ps[row].top_logprobs)
+        assert ids == best.indices.tolist()
+        assert values == pytest.approx(best.values.tolist(), abs=1e-6)
+    assert lps != pytest.approx(logits.max(-1).values.tolist(), abs=1e-3)
+
+    def only_token_7(rows):  # a grammar allowing one token
+        keep = rows[:, 7].clone()
+        rows.fill_(float("-inf"))
+        rows[:, 7] = keep
+
+    toks, lps, _ = sample(logits[:1].clone(), ps[:1], [None], constrain=only_token_7)
+    assert toks == [7] and lps == pytest.approx([want[0, 7].item()], abs=1e-6)
+
+
 class ByteTokenizer:
     """Each id is one byte; multi-byte characters span several ids."""
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from mambaradix.core import SamplingParams
+from mambaradix.kernels.sampling import Normalizer, argmax_logsumexp, logprobs_of
 
 TopLogprobs = tuple[list[int], list[float]]  # token ids, their logprobs (best first)
 
@@ -26,10 +27,14 @@ def sample(
     ``constrain(logits)`` masks rows in place (grammars) after the logprobs are taken: they
     stay those of the model's own distribution."""
     logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
+    # one pass: the greedy tokens and each row's softmax normalizer, from which the logprobs
+    # of the chosen and top tokens follow (no [B, V] log_softmax); a row's values never
+    # depend on the other rows
+    greedy, norm = argmax_logsumexp(logits)
+    raw = logits if constrain is None and not states else logits.clone()  # both may write
     if constrain is not None:
         constrain(logits)
-    greedy = logits.argmax(dim=-1)
+        greedy, _ = argmax_logsumexp(logits, want_norm=False)
     tokens = greedy.tolist()
     for i, p in enumerate(params):
         state = states[i] if states else None
@@ -41,16 +46,21 @@ def sample(
         row = state(logits[i])
         tokens[i] = int(row.argmax().item()) if is_greedy else _sample_row(row, p, generators[i])
         state.accept(tokens[i])
-    chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0]
-    return tokens, chosen.tolist(), top_logprobs(logprobs, [p.top_logprobs for p in params])
+    chosen = logprobs_of(raw.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None]), norm)
+    return tokens, chosen[:, 0].tolist(), top_logprobs(raw, [p.top_logprobs for p in params], norm)
 
 
-def top_logprobs(logprobs: torch.Tensor, ks: list[int]) -> list[TopLogprobs | None]:
-    """Per row of ``logprobs`` [N, V], its ``ks[i]`` best (ids, logprobs), or None for k 0."""
+def top_logprobs(
+    scores: torch.Tensor, ks: list[int], norm: Normalizer | None = None
+) -> list[TopLogprobs | None]:
+    """Per row of ``scores`` [N, V], its ``ks[i]`` best (ids, logprobs), or None for k 0.
+    ``scores`` are logprobs, or logits when their rows' normalizer ``norm`` is given."""
     k = max(ks, default=0)
     if k <= 0:
         return [None] * len(ks)
-    values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+    values, ids = torch.topk(scores, min(k, scores.shape[-1]), dim=-1)
+    if norm is not None:
+        values = logprobs_of(values, norm)
     values, ids = values.tolist(), ids.tolist()
     return [(ids[i][:n], values[i][:n]) if n > 0 else None for i, n in enumerate(ks)]
 

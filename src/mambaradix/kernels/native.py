@@ -142,6 +142,15 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR,                  # out
         ],
     },
+    "sampling": {
+        "argmax_logsumexp": [
+            _I64, _I64,            # B rows, V logits a row
+            _PTR, _I64,            # logits (fp32), their row stride
+            _PTR,                  # out: index [B] (int64)
+            _PTR, _PTR,            # out: max [B], log(sum(exp(x - max))) [B] (fp32)
+            _INT,                  # whether to compute the last two
+        ],
+    },
     "linear": {
         "linear_bf16": [
             _I64, _I64, _I64,      # M, N, K
