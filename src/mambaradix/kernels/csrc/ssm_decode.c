@@ -27,6 +27,10 @@
 #include "vec_math.h"
 
 #define CONV_CHUNK 256 /* channels per parallel task */
+/* State floats prefetched ahead of the decode step's loads (4 KB): the step reads and writes
+ * each state once, and the hardware alone kept too few lines in flight (Granite-4.0-H-350M's
+ * 786 KB a layer out of cache: 13-15% faster over 16 alternated rounds; 2 or 8 KB no better). */
+#define M2_PF 1024
 #define CONV_SERIAL 16384 /* fewer channels than this in a step (B x C) run on one thread */
 
 /* Channels c0 .. c1 - 1 of request b. bf16 with kernel width 3 or 4 runs 16 channels a vector
@@ -107,6 +111,8 @@ static inline __attribute__((always_inline)) void m2_head(
         const float xv = ld(x, xo + p, bf);
         const float xdt = xv * d;
         float *row = S + p * N;
+        for (int64_t j = 0; j < N; j += 16) /* a hint: past the pool it never faults */
+            __builtin_prefetch(row + M2_PF + j, 1, 3);
         float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
         for (int64_t n = 0; n < N; n++) {
