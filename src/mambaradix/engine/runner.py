@@ -19,6 +19,7 @@ from mambaradix.engine.batch import FUTURE_STRIDE, RunBatch, RunResult
 from mambaradix.engine.sampler import sample, top_logprobs
 from mambaradix.engine.structured import BatchMasks, StructuredOutput
 from mambaradix.kernels.backend import KernelBackend, reference_backend
+from mambaradix.kernels.sampling import argmax_logsumexp, logprobs_of
 from mambaradix.layout import ForwardContext, ForwardLayout
 
 logger = logging.getLogger(__name__)
@@ -104,9 +105,11 @@ class ModelRunner:
                     result.errors = errors or None
             for j, offset, targets, k in batch.prompt_rows:
                 start = first_row[j] + offset
-                lps = torch.log_softmax(logits[start : start + len(targets)].float(), dim=-1)
-                got = lps.gather(1, torch.tensor(targets, dtype=torch.long)[:, None])[:, 0]
-                result.prompt.append((got.tolist(), top_logprobs(lps, [k] * len(targets))))
+                rows = logits[start : start + len(targets)].float()
+                _, norm = argmax_logsumexp(rows)  # as the sampler's logprobs (no [n, V] copy)
+                picked = rows.gather(1, torch.tensor(targets, dtype=torch.long)[:, None])
+                got = logprobs_of(picked, norm)[:, 0]
+                result.prompt.append((got.tolist(), top_logprobs(rows, [k] * len(targets), norm)))
         self._sampled[batch.batch_id] = result.tokens
         self._sampled.pop(batch.batch_id - _KEEP_BATCHES, None)
         return result
