@@ -62,7 +62,7 @@ def no_torch_matmul(monkeypatch):
 
 
 @pytest.mark.parametrize("k, n", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
 def test_native_linear_against_truth_and_torch(k, n, m, monkeypatch):
     x, w, b = make(m, k, n, seed=k + n + m, bias=m == 3)
     want = F.linear(x, w, b)  # torch's bf16 matmul (fp32 accumulation too)
@@ -155,8 +155,16 @@ def test_linear_module_goes_through_its_backend(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "hidden,inter,m",  # (2 rows of 4,608 are past the 16 KB the C path takes)
-    [(768, 2048, 1), (768, 2048, 2), (1024, 4608, 1), (1024, 3584, 1), (1024, 3584, 2)],
+    "hidden,inter,m",  # (16 rows of 4,608: 147 KB of rows, under the 160 KB the C path takes)
+    [
+        (768, 2048, 1),
+        (768, 2048, 2),
+        (1024, 4608, 1),
+        (1024, 3584, 1),
+        (1024, 3584, 2),
+        (1024, 4608, 16),
+        (768, 2048, 11),
+    ],
 )
 def test_gated_mlp_is_the_composition_bit_for_bit(hidden, inter, m):
     """The cpu backend's one-call gated MLP (Granite-4.0-H-350M's, LFM2-350M's and

@@ -701,12 +701,15 @@ def mamba2_decode(
     return y
 
 
-# The C kernel streams each weight row once and dots it with every x row held in L1: best for
-# one row, and for up to LINEAR_NATIVE_MAX_ROWS rows while they fit in LINEAR_NATIVE_X_BYTES;
-# beyond, torch's blocked matmul (oneDNN) wins. Measured by bench/bench_linear.py: one row
-# 1.3-1.8x torch's speed; 8 rows of 768 1.4-2.2x; 4 of 3,584 or 8 of 1,536 even; 8 of 3,584 0.7.
-LINEAR_NATIVE_MAX_ROWS = 8
-LINEAR_NATIVE_X_BYTES = 16 << 10
+# The C kernel streams each weight row once and dots it with every x row held in cache: best
+# for one row, and for up to LINEAR_NATIVE_MAX_ROWS rows while they take at most
+# LINEAR_NATIVE_X_BYTES; beyond, torch's blocked matmul (oneDNN) wins. On the Intel Xeon of
+# sessions 11-13 (AVX-512 BF16, no AMX; in-process, alternated, weights out of cache): 8 rows
+# 1.2-1.7x torch's GFLOP/s, 16 rows 1.06-1.5x (x up to 147 KB), 32 rows 0.95-1.15x; the gated
+# MLP in one call 1.2-1.4x torch's composition at 8-16 rows of LFM2's, Granite's and Qwen3.5's
+# widths. On session 8's AMD EPYC torch won from 8 rows of 3,584 (0.7x).
+LINEAR_NATIVE_MAX_ROWS = 16
+LINEAR_NATIVE_X_BYTES = 160 << 10
 
 
 def gated_mlp(
@@ -725,7 +728,7 @@ def gated_mlp(
         or m > LINEAR_NATIVE_MAX_ROWS
         or (m > 1 and m * max(h, i) * 2 > LINEAR_NATIVE_X_BYTES)
     ):
-        return None  # (as in ``linear``: both products' x rows must fit in L1)
+        return None  # (as in ``linear``: both products' x rows must fit in cache)
     lib = native.load("linear")
     fits = (
         lib is not None
