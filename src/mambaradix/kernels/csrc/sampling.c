@@ -12,8 +12,8 @@
  * chunks of a row are then combined in order: log_sum = log(sum_c s_c exp(m_c - M)).
  * The chunking is fixed, so results do not depend on the thread count. exp is vec_math.h's
  * polynomial (relative error ~1e-7; torch's Sleef exp: ~1 ulp). A row holding a NaN gets
- * index -1 (the caller takes torch's answer for it); a row of -inf gets index 0, m and log_sum
- * -inf.
+ * index -1 (the caller takes torch's answer for it; every row does if the scratch cannot be
+ * had); a row of -inf gets index 0, m and log_sum -inf.
  */
 #include <math.h>
 #include <stdint.h>
@@ -103,6 +103,11 @@ void argmax_logsumexp(int64_t B, int64_t V, const float *x, int64_t ld, int64_t 
 {
     const int64_t chunks = (V + CHUNK - 1) / CHUNK;
     ChunkStat *st = malloc(sizeof(ChunkStat) * (size_t)(B * chunks));
+    if (st == NULL) { /* no scratch: every row as a NaN row, answered by the caller's torch */
+        for (int64_t b = 0; b < B; b++)
+            idx[b] = -1;
+        return;
+    }
 #pragma omp parallel for collapse(2) schedule(static) if (B * V > CHUNK)
     for (int64_t b = 0; b < B; b++)
         for (int64_t c = 0; c < chunks; c++) {
