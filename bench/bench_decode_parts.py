@@ -1,0 +1,123 @@
+"""What a batch-1 decode step is made of, in one engine process: the weight streaming and
+everything else.
+
+Three figures, alternated over rounds, all on the runner's thread (``ModelRunner.on_thread``):
+
+- **forward**: the model's decode forward, timed inside the runner (median over a decode run);
+- **without the linears**: the same forward with every linear and gated MLP of a decode-sized
+  batch answered by a preallocated output (no weight is read): the recurrent steps, norms,
+  attention and Python;
+- **linears alone**: the linear and gated-MLP calls of one decode step, captured with their
+  inputs, replayed in the model's order.
+
+If the two parts add up to the forward, the linears run among the other ops as fast as alone.
+
+    HF_HUB_OFFLINE=1 python bench/bench_decode_parts.py --preset lfm2_350m
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_real import PRESETS, checkpoint, engine_decode  # noqa: E402
+
+DECODE_ROWS = 16  # batches of at most this many rows count as decode-sized
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--preset", default="lfm2_350m", choices=sorted(PRESETS))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=32, help="decode steps of each timed run")
+    args = ap.parse_args()
+
+    from mambaradix.engine.engine import Engine
+
+    eng = Engine(model_path=str(checkpoint(args.preset)), num_threads=args.threads,
+                 disable_radix_cache=True, dtype="bfloat16")  # fmt: skip
+    backend, model = eng.runner.backend, eng.model
+    linear, gated_mlp, forward = backend.linear, backend.gated_mlp, model.forward
+    outputs: dict[tuple[int, int], torch.Tensor] = {}
+
+    def no_weights(rows: int, n: int) -> torch.Tensor:
+        return outputs.setdefault((rows, n), torch.zeros(rows, n, dtype=torch.bfloat16))
+
+    def fake_linear(x, w, b):
+        return linear(x, w, b) if x.shape[0] > DECODE_ROWS else no_weights(x.shape[0], w.shape[0])
+
+    def fake_mlp(x, gu, down, act):
+        if x.shape[0] > DECODE_ROWS:
+            return gated_mlp(x, gu, down, act)
+        return no_weights(x.shape[0], down.shape[0])
+
+    times: list[float] = []
+
+    def timed_forward(ctx):
+        t = time.perf_counter()
+        out = forward(ctx)
+        if ctx.layout.prefill is None:
+            times.append(time.perf_counter() - t)
+        return out
+
+    model.forward = timed_forward
+    calls: list[tuple] = []
+
+    def capture_linear(x, w, b):
+        if x.shape[0] <= DECODE_ROWS:
+            calls.append((linear, x.clone(), w, b))
+        return linear(x, w, b)
+
+    def capture_mlp(x, gu, down, act):
+        if x.shape[0] <= DECODE_ROWS:
+            calls.append((gated_mlp, x.clone(), gu, down, act))
+        return gated_mlp(x, gu, down, act)
+
+    backend.linear, backend.gated_mlp = capture_linear, capture_mlp
+    engine_decode(eng, 1, model.vocab_size, 1, 0)  # one prefill, then decode steps
+    calls.clear()
+    times.clear()
+    engine_decode(eng, 1, model.vocab_size, 1, 1)
+    step = list(calls)  # one decode step (the first token comes from the prefill)
+    step = step[: len(step) // max(1, len(times))]
+
+    def replay() -> float:
+        t = time.perf_counter()
+        for fn, *a in step:
+            fn(*a)
+        return time.perf_counter() - t
+
+    figures: dict[str, list[float]] = {"forward": [], "without the linears": [],
+                                       "linears alone": []}  # fmt: skip
+    for r in tqdm(range(args.rounds), desc="rounds", leave=False):
+        for name, ops in (("forward", (linear, gated_mlp)),
+                          ("without the linears", (fake_linear, fake_mlp))):  # fmt: skip
+            backend.linear, backend.gated_mlp = ops
+            times.clear()
+            engine_decode(eng, 1, model.vocab_size, args.steps, r + 2)
+            figures[name].append(statistics.median(times))
+        backend.linear, backend.gated_mlp = linear, gated_mlp
+        runs = eng.runner.on_thread(lambda: [replay() for _ in range(5)]).result()
+        figures["linears alone"].append(statistics.median(runs))
+    eng.shutdown()
+    print(f"{args.preset}: {len(step)} linear / gated-MLP calls a decode step")
+    for name, v in figures.items():
+        print(f"{name:22s} {statistics.median(v) * 1e3:7.2f} ms median "
+              f"({', '.join(f'{x * 1e3:.1f}' for x in v)})")  # fmt: skip
+    parts = statistics.median(figures["without the linears"]) + statistics.median(
+        figures["linears alone"]
+    )
+    print(f"parts / forward: {parts / statistics.median(figures['forward']):.2f}")
+
+
+if __name__ == "__main__":
+    main()
