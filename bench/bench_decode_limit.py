@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_real import (  # noqa: E402
     PRESETS,
-    checkpoint,
+    decode_engine,
     engine_decode,
     read_bandwidth,
     weight_figures,
@@ -94,10 +94,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20, help="rounds of the linear loop")
     args = ap.parse_args()
 
-    from mambaradix.engine.engine import Engine
-
-    eng = Engine(model_path=str(checkpoint(args.preset)), num_threads=args.threads,
-                 disable_radix_cache=True, dtype="bfloat16")  # fmt: skip
+    eng = decode_engine(args.preset, args.threads)
     read_bytes, _ = weight_figures(eng.model)
     ratios = []
     for bw, tok_s in pairs(eng, args.threads, args.pairs, args.steps):

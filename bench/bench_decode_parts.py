@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_real import PRESETS, checkpoint, engine_decode  # noqa: E402
+from bench_real import PRESETS, decode_engine, engine_decode  # noqa: E402
 
 DECODE_ROWS = 16  # batches of at most this many rows count as decode-sized
 
@@ -41,10 +41,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32, help="decode steps of each timed run")
     args = ap.parse_args()
 
-    from mambaradix.engine.engine import Engine
-
-    eng = Engine(model_path=str(checkpoint(args.preset)), num_threads=args.threads,
-                 disable_radix_cache=True, dtype="bfloat16")  # fmt: skip
+    eng = decode_engine(args.preset, args.threads)
     backend, model = eng.runner.backend, eng.model
     linear, gated_mlp, forward = backend.linear, backend.gated_mlp, model.forward
     outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -83,12 +80,8 @@ def main() -> None:
         return gated_mlp(x, gu, down, act)
 
     backend.linear, backend.gated_mlp = capture_linear, capture_mlp
-    engine_decode(eng, 1, model.vocab_size, 1, 0)  # one prefill, then decode steps
-    calls.clear()
-    times.clear()
-    engine_decode(eng, 1, model.vocab_size, 1, 1)
-    step = list(calls)  # one decode step (the first token comes from the prefill)
-    step = step[: len(step) // max(1, len(times))]
+    engine_decode(eng, 1, model.vocab_size, 1, 0)  # the prefill's token, then one decode step
+    step = list(calls)
 
     def replay() -> float:
         t = time.perf_counter()

@@ -114,6 +114,14 @@ TOKENIZER_CLASS = {
 }
 
 
+def decode_engine(preset: str, threads: int):
+    """An ``Engine`` on the preset's checkpoint for decode measurements: bf16, cache off."""
+    from mambaradix.engine.engine import Engine
+
+    return Engine(model_path=str(checkpoint(preset)), num_threads=threads,
+                  disable_radix_cache=True, dtype="bfloat16")  # fmt: skip
+
+
 def published_tokenizer_config(folder: Path, preset: str) -> None:
     """Write tokenizer_config.json as published checkpoints have it: the family's tokenizer
     class and ``added_tokens_decoder`` (transformers 5's save_pretrained leaves the latter out,

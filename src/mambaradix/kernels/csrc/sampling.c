@@ -4,7 +4,7 @@
  * logprobs' low bits to the cancellation).
  *
  * Why: the sampler needs both for every row of every step (the greedy token, the chosen
- * token's logprob = its logit - logsumexp). torch's argmax over a 248k vocabulary took ~460 us a
+ * token's logprob). torch's argmax over a 248k vocabulary took ~460 us a
  * row here and log_softmax ~200 us, about 1% of a Qwen3.5-0.8B batch-1 decode step.
  *
  * How: each row is cut into chunks of CHUNK logits, the (row, chunk) pairs spread over the
@@ -79,7 +79,8 @@ static inline __attribute__((always_inline)) float chunk_sumexp(const float *x, 
 {
     if (max == -INFINITY)
         return 0.0f; /* every logit -inf: nothing to add (x - max would be NaN) */
-    /* the sum in fp64 lanes: fp32 lanes of 1,024 terms each drifted by ~1e-5 of the sum */
+    /* the sum in fp64 lanes: a first version summing in fp32 was ~1.5e-5 off the float64
+     * logsumexp of a 248k row, 50x torch's error; in fp64 it is as close as torch's */
     double s = 0.0;
     int64_t i = 0;
 #if HAVE_CONV_WINDOW
@@ -99,7 +100,7 @@ static inline __attribute__((always_inline)) float chunk_sumexp(const float *x, 
 }
 
 void argmax_logsumexp(int64_t B, int64_t V, const float *x, int64_t ld, int64_t *idx,
-                      float *maxv, float *log_sum, int want_lse)
+                      float *maxv, float *log_sum, int want_norm)
 {
     const int64_t chunks = (V + CHUNK - 1) / CHUNK;
     ChunkStat *st = malloc(sizeof(ChunkStat) * (size_t)(B * chunks));
@@ -116,7 +117,7 @@ void argmax_logsumexp(int64_t B, int64_t V, const float *x, int64_t ld, int64_t 
             chunk_max(x + b * ld + c0, n, s);
             if (s->idx >= 0)
                 s->idx += c0;
-            s->sum = want_lse ? chunk_sumexp(x + b * ld + c0, n, s->max) : 0.0f;
+            s->sum = want_norm ? chunk_sumexp(x + b * ld + c0, n, s->max) : 0.0f;
         }
     for (int64_t b = 0; b < B; b++) {
         const ChunkStat *s = st + b * chunks;
@@ -130,7 +131,7 @@ void argmax_logsumexp(int64_t B, int64_t V, const float *x, int64_t ld, int64_t 
             }
         }
         idx[b] = nan ? -1 : at;
-        if (want_lse) {
+        if (want_norm) {
             double total = 0.0;
             for (int64_t c = 0; c < chunks; c++)
                 if (s[c].sum > 0.0f)

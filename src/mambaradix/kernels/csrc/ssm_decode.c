@@ -27,11 +27,11 @@
 #include "vec_math.h"
 
 #define CONV_CHUNK 256 /* channels per parallel task */
+#define CONV_SERIAL 16384 /* fewer channels than this in a step (B x C) run on one thread */
 /* State floats prefetched ahead of the decode step's loads (4 KB): the step reads and writes
  * each state once, and the hardware alone kept too few lines in flight (Granite-4.0-H-350M's
  * 786 KB a layer out of cache: 13-15% faster over 16 alternated rounds; 2 or 8 KB no better). */
 #define M2_PF 1024
-#define CONV_SERIAL 16384 /* fewer channels than this in a step (B x C) run on one thread */
 
 /* Channels c0 .. c1 - 1 of request b. bf16 with kernel width 3 or 4 runs 16 channels a vector
  * (conv_window.h), the same roundings as the scalar loop, which takes the rest. */
