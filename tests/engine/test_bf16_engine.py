@@ -9,10 +9,15 @@ round differently. The tolerances below are that rounding, measured and stated:
 - ``LOGPROB_ATOL`` per chosen token: 0.25. The bf16 tiny model's chosen-token logprobs differ
   from the same model's fp32 ones by up to 0.22 on this workload (p99 0.11): a cache-on/off
   difference up to that size is bf16 rounding, not the cache.
-- ``MEAN_ATOL`` over a configuration's agreeing tokens: 0.005. The logits leave a bf16 LM
+- ``MEAN_ATOL`` over a configuration's agreeing tokens: 0.0075. The logits leave a bf16 LM
   head; near |logit| 1-2 one bf16 step is 2^-7 = 0.0078, and most tokens come out the same
-  both ways: measured means 0.0023-0.0029 (tiny) and 0.0013 (real shape). A zeroed resume on
-  the real-shape model gives 0.011, one token off by 0.28 and a divergence at a 0.64 gap.
+  both ways: measured means 0.0021-0.0029 (tiny) and, on the real shape, 0.0013 on session 8's
+  AMD EPYC and 0.0038-0.0053 on the Intel Xeon of sessions 11-14, where the sides take
+  different fp32-accumulating matmuls for their different row counts (64-row prefill chunks
+  with the cache on, whole prompts off): 0.0038 with torch's bf16 matmul for both, 0.0044 with
+  fp32 ones from 128 rows, 0.0053 with the tile kernel from 12 rows (``kernels.cpu``). A zeroed
+  resume on the real-shape model gives 0.011-0.013, one token off by 0.28 and a divergence at a
+  0.63 gap.
 - ``NEAR_TIE_GAP``: a greedy divergence is allowed only where the reference's best token beats
   the token the engine chose by less than 0.25 nats in the reference's own logprobs: the same
   bound as one token's rounding above (a divergence at a 0.10 gap was seen on the tiny model).
@@ -38,7 +43,7 @@ from mambaradix.core import SamplingParams
 from mambaradix.engine.engine import Engine
 
 LOGPROB_ATOL = 0.25
-MEAN_ATOL = 0.005
+MEAN_ATOL = 0.0075
 NEAR_TIE_GAP = 0.25
 MAX_TIE_SHARE = 0.25
 TOP = 20  # the most a request may ask for

@@ -61,14 +61,30 @@ def no_torch_matmul(monkeypatch):
     monkeypatch.setattr(cpu.F, "linear", refuse)
 
 
+@pytest.fixture
+def matmul_mode(monkeypatch):
+    """Set ``kernels.bf16_matmul``'s path for one test; the process's choice comes back after."""
+    saved = bf16_matmul._choice
+    monkeypatch.delenv("MAMBARADIX_BF16_MATMUL", raising=False)
+    yield bf16_matmul.set_mode
+    bf16_matmul._choice = saved
+
+
 @pytest.mark.parametrize("k, n", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
-def test_native_linear_against_truth_and_torch(k, n, m, monkeypatch):
-    x, w, b = make(m, k, n, seed=k + n + m, bias=m == 3)
+@pytest.mark.parametrize(
+    "m, kernel", [(1, "rows"), (3, "rows"), (8, "rows"), (16, "rows"), (12, "tiles"), (45, "tiles")]
+)
+def test_native_linear_against_truth_and_torch(k, n, m, kernel, matmul_mode, monkeypatch):
+    x, w, b = make(m, k, n, seed=k + n + m, bias=m in (3, 45))
     want = F.linear(x, w, b)  # torch's bf16 matmul (fp32 accumulation too)
+    matmul_mode("fp32" if kernel == "tiles" else "bf16")  # (tiles where fp32 arithmetic wins)
     monkeypatch.setattr(cpu, "LINEAR_NATIVE_X_BYTES", 1 << 40)  # the kernel at every shape
     monkeypatch.setattr(cpu.F, "linear", lambda *a: pytest.fail("fell back to torch"))
+    tiled = []
+    real_scratch = cpu._tile_scratch
+    monkeypatch.setattr(cpu, "_tile_scratch", lambda *a: tiled.append(1) or real_scratch(*a))
     got = cpu.linear(x, w, b)
+    assert tiled == ([1] if kernel == "tiles" else [])
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     err = err_in_ulps(got, x, w, b)
     # fp32 sums, one rounding to bf16: half a spacing plus the sums' own error
@@ -80,7 +96,8 @@ def test_native_linear_against_truth_and_torch(k, n, m, monkeypatch):
         assert bad.max() > 1.0 or bad.mean() > 0.3  # the bound catches bf16 accumulation
 
 
-def test_native_path_runs_for_decode_batches(no_torch_matmul):
+def test_native_path_runs_for_decode_batches(matmul_mode, no_torch_matmul):
+    matmul_mode("bf16")
     for m in range(1, cpu.LINEAR_NATIVE_MAX_ROWS + 1):
         x, w, _ = make(m, 768, 64, seed=m)
         assert cpu.linear(x, w, None).shape == (m, 64)
@@ -88,7 +105,8 @@ def test_native_path_runs_for_decode_batches(no_torch_matmul):
     assert cpu.linear(x.view(2, 1, 768), w, None).shape == (2, 1, 64)  # leading dims kept
 
 
-def test_a_row_does_not_depend_on_its_batch(no_torch_matmul):
+def test_a_row_does_not_depend_on_its_batch(matmul_mode, no_torch_matmul):
+    matmul_mode("bf16")
     x, w, b = make(cpu.LINEAR_NATIVE_MAX_ROWS, 1000, 300, seed=5, bias=True)  # a tail of 8
     whole = cpu.linear(x, w, b)
     for i in range(x.shape[0]):
@@ -130,7 +148,8 @@ def test_strided_rows(no_torch_matmul):
     assert torch.equal(cpu.linear(x, w, None), cpu.linear(x.contiguous(), w, None))
 
 
-def test_other_inputs_take_torchs_matmul():
+def test_other_inputs_take_torchs_matmul(matmul_mode):
+    matmul_mode("bf16")  # (no tile kernel: it runs where fp32 arithmetic is chosen)
     x, w, b = make(cpu.LINEAR_NATIVE_MAX_ROWS + 1, 768, 64, seed=4, bias=True)
     assert torch.equal(cpu.linear(x, w, b), F.linear(x, w, b))  # a prefill-sized batch
     wide = make(8, 3584, 32, seed=6)  # 8 rows of 3,584: beyond what the kernel keeps in L1
@@ -155,22 +174,25 @@ def test_linear_module_goes_through_its_backend(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "hidden,inter,m",  # (16 rows of 4,608: 147 KB of rows, under the 160 KB the C path takes)
+    "hidden,inter,m,mode",  # (16 rows of 4,608: 147 KB of rows, under the 160 KB rows take)
     [
-        (768, 2048, 1),
-        (768, 2048, 2),
-        (1024, 4608, 1),
-        (1024, 3584, 1),
-        (1024, 3584, 2),
-        (1024, 4608, 16),
-        (768, 2048, 11),
+        (768, 2048, 1, "bf16"),
+        (768, 2048, 2, "bf16"),
+        (1024, 4608, 1, "bf16"),
+        (1024, 3584, 1, "bf16"),
+        (1024, 3584, 2, "bf16"),
+        (1024, 4608, 16, "bf16"),
+        (768, 2048, 11, "bf16"),
+        (1024, 4608, 16, "fp32"),  # the tile kernel from 12 rows
+        (768, 2048, 37, "fp32"),
     ],
 )
-def test_gated_mlp_is_the_composition_bit_for_bit(hidden, inter, m):
+def test_gated_mlp_is_the_composition_bit_for_bit(hidden, inter, m, mode, matmul_mode):
     """The cpu backend's one-call gated MLP (Granite-4.0-H-350M's, LFM2-350M's and
     Qwen3.5-0.8B's widths) gives exactly the composition of its own linear, SiLU and product,
-    in bf16; the C path runs (cpu.gated_mlp is not None). Control: another down projection
-    gives other outputs."""
+    in bf16; the C path runs (cpu.gated_mlp is not None), with either kernel. Control: another
+    down projection gives other outputs."""
+    matmul_mode(mode)
     g = torch.Generator().manual_seed(inter + m)
     x = torch.randn(m, hidden, generator=g).bfloat16()
     gate_up = (torch.randn(2 * inter, hidden, generator=g) * 0.05).bfloat16()
@@ -182,11 +204,15 @@ def test_gated_mlp_is_the_composition_bit_for_bit(hidden, inter, m):
     assert torch.equal(CpuBackend().gated_mlp(x, gate_up, down, "silu"), composed)
     other = cpu.gated_mlp(x, gate_up, down.roll(1, dims=0), "silu")
     assert not torch.equal(other, fused)
+    if m == 16:  # the other kernel, the same bits
+        matmul_mode("fp32" if mode == "bf16" else "bf16")
+        assert torch.equal(cpu.gated_mlp(x, gate_up, down, "silu"), fused)
 
 
-def test_gated_mlp_falls_back_to_the_composition():
+def test_gated_mlp_falls_back_to_the_composition(matmul_mode):
     """Inputs the C code does not cover (fp32, another activation, a prefill-sized batch) get
     None from cpu.gated_mlp and the composition from the backend."""
+    matmul_mode("bf16")  # (64 rows would take the tile kernel where fp32 arithmetic is chosen)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 128, generator=g).bfloat16()
     gate_up = torch.randn(512, 128, generator=g).bfloat16()
@@ -201,16 +227,78 @@ def test_gated_mlp_falls_back_to_the_composition():
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+# --------------------------------------------------------------------------- tile kernel
+
+
+def rows_one_by_one(x, w, b):
+    """The rows kernel's output, one x row per call."""
+    return torch.cat([cpu.linear(x[i : i + 1], w, b) for i in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("k, n", [(1000, 301), (200, 131), (768, 3352), (64, 7)])
+def test_tiles_give_the_rows_kernels_bits(k, n, matmul_mode, no_torch_matmul):
+    """The tile kernel (fp32 FMAs on widened weights) gives the rows kernel's results (the bf16
+    dot-product instruction) bit for bit, for every batch size of its range, a K tail, an N that
+    is not a multiple of its tile, a bias and strided rows. Control: one changed weight row
+    changes that output column only."""
+    matmul_mode("fp32")
+    wide, w, b = make(cpu.bf16_matmul.MIN_ROWS - 1, k + 40, n, seed=k + n, bias=True)
+    x = wide[:, 17 : 17 + k]  # rows k + 40 apart
+    w = w[:, :k].contiguous()
+    want = rows_one_by_one(x, w, b)
+    for m in (cpu.LINEAR_TILES_MIN_ROWS, 13, 17, 18, 40, x.shape[0]):
+        assert cpu._use_tiles(m)
+        assert torch.equal(cpu.linear(x[:m], w, b), want[:m]), m
+    w2 = w.clone()
+    w2[n // 2] = w2[n // 2].roll(1)
+    changed = cpu.linear(x[:40], w2, b)
+    assert (changed != want[:40]).nonzero()[:, 1].unique().tolist() == [n // 2]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_tiles_do_not_depend_on_the_thread_count(threads, matmul_mode, no_torch_matmul):
+    matmul_mode("fp32")
+    x, w, b = make(30, 1000, 1003, seed=13, bias=True)  # 1,003 rows: a remainder per split
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        want = cpu.linear(x, w, b)
+        torch.set_num_threads(threads)
+        got = cpu.linear(x, w, b)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+
+
+def test_tiles_flush_denormals_as_the_dot_product_instruction(matmul_mode, no_torch_matmul):
+    """The bf16 dot-product instruction flushes denormal products and sums to zero; the tile
+    kernel sets the same mode, so rows whose products are all denormal give 0 from both, where
+    exact arithmetic gives 2^-140 per product (bf16 holds it: a real difference)."""
+    matmul_mode("fp32")
+    x, w, _ = make(16, 256, 40, seed=3)
+    x[5] = 2.0**-70
+    w[7] = 2.0**-70
+    exact = (x[5].double() @ w[7].double()).item()
+    assert exact > 0 and torch.tensor(exact).bfloat16().item() > 0
+    rows = rows_one_by_one(x, w, None)
+    tiles = cpu.linear(x, w, None)
+    assert rows[5, 7].item() == 0.0 and torch.equal(tiles, rows)
+
+
+def test_tiles_run_only_where_fp32_arithmetic_is_chosen(matmul_mode, monkeypatch):
+    """Torch's bf16 matmul keeps the rows beyond the rows kernel where this CPU's bf16 matmul is
+    chosen; the tile kernel's range is [LINEAR_TILES_MIN_ROWS, bf16_matmul.MIN_ROWS)."""
+    matmul_mode("bf16")
+    assert not cpu._use_tiles(40)
+    x, w, b = make(40, 768, 64, seed=4, bias=True)
+    assert torch.equal(cpu.linear(x, w, b), F.linear(x, w, b))
+    matmul_mode("fp32")
+    assert [cpu._use_tiles(m) for m in (11, 12, 127, 128)] == [False, True, True, False]
+    monkeypatch.setattr(cpu, "_tiles", [False])  # a build without the instructions
+    assert not cpu._use_tiles(40)
+
+
 # --------------------------------------------------------------------------- many rows
-
-
-@pytest.fixture
-def matmul_mode(monkeypatch):
-    """Set ``kernels.bf16_matmul``'s path for one test; the process's choice comes back after."""
-    saved = bf16_matmul._choice
-    monkeypatch.delenv("MAMBARADIX_BF16_MATMUL", raising=False)
-    yield bf16_matmul.set_mode
-    bf16_matmul._choice = saved
 
 
 @pytest.mark.parametrize("k, n", SHAPES[:4])

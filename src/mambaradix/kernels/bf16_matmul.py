@@ -12,7 +12,9 @@ the bias in fp32 and round once to bf16.
 Which one runs is measured once per process, on the first call that could use either (the
 engine's warm-up pays it, ~0.2 s), unless ``$MAMBARADIX_BF16_MATMUL`` names one (``bf16`` or
 ``fp32``; ``auto`` measures). The fp32 path converts the weight in blocks of at most
-``BLOCK_BYTES`` so a large matrix never holds a whole fp32 copy.
+``BLOCK_BYTES`` so a large matrix never holds a whole fp32 copy. The same choice sends decode
+batches of tens of rows (``kernels.cpu``: from ``LINEAR_TILES_MIN_ROWS`` to ``MIN_ROWS``) to a C
+kernel that widens the weights to fp32 in registers, or to torch's bf16 matmul.
 """
 
 from __future__ import annotations

@@ -701,21 +701,44 @@ def mamba2_decode(
     return y
 
 
-# The C kernel streams each weight row once and dots it with every x row held in cache: best
-# for one row, and for up to LINEAR_NATIVE_MAX_ROWS rows while they take at most
-# LINEAR_NATIVE_X_BYTES; beyond, torch's blocked matmul (oneDNN) wins. On the Intel Xeon of
-# sessions 11-13 (AVX-512 BF16, no AMX; in-process, alternated, weights out of cache): 8 rows
-# 1.2-1.7x torch's GFLOP/s, 16 rows 1.06-1.5x (x up to 147 KB), 32 rows 0.95-1.15x; the gated
-# MLP in one call 1.2-1.4x torch's composition at 8-16 rows of LFM2's, Granite's and Qwen3.5's
-# widths. On session 8's AMD EPYC torch won from 8 rows of 3,584 (0.7x).
+# Two C kernels (``csrc/linear.c``) for decode batches, with the same sums bit for bit:
+# - rows: each weight row streamed once and dotted with every x row held in cache (the bf16 dot
+#   product instruction). Best for one row, and up to LINEAR_NATIVE_MAX_ROWS rows while they take
+#   at most LINEAR_NATIVE_X_BYTES. On the Intel Xeon of sessions 11-13 (AVX-512 BF16, no AMX;
+#   in-process, alternated, weights out of cache): 8 rows 1.2-1.7x torch's GFLOP/s, 16 rows
+#   1.06-1.5x; on session 8's AMD EPYC torch won from 8 rows of 3,584 (0.7x).
+# - tiles: from LINEAR_TILES_MIN_ROWS rows up to bf16_matmul.MIN_ROWS, where the products are the
+#   cost: fp32 FMAs on weights widened in registers, on CPUs where fp32 arithmetic beats the bf16
+#   one (``bf16_matmul.choice() == "fp32"``: the same property its many-row path is chosen for).
+#   On session 14's Xeon (in-process, alternated, 377 MB of 1,024 x 4,608 weights out of cache):
+#   12 rows 96-108 GFLOP/s against the rows kernel's 93-95 and torch's 72-82, 32 rows 151 against
+#   torch's 106, 64 rows 141-165 against 120-127.
+# Beyond, torch's matmul or an fp32 one (``kernels.bf16_matmul``).
 LINEAR_NATIVE_MAX_ROWS = 16
 LINEAR_NATIVE_X_BYTES = 160 << 10
+LINEAR_TILES_MIN_ROWS = 12
+_tiles: list[bool] = []  # whether this build has the tile kernel's instructions (cached)
+
+
+def _use_tiles(m: int) -> bool:
+    """Whether ``m`` rows take the tile kernel (the caller has checked the dtypes)."""
+    if m < LINEAR_TILES_MIN_ROWS or m >= bf16_matmul.MIN_ROWS:
+        return False
+    if not _tiles:
+        lib = native.load("linear")
+        _tiles.append(lib is not None and bool(lib.linear_uses_dpbf16()))
+    return _tiles[0] and bf16_matmul.choice() == "fp32"
+
+
+def _tile_scratch(m: int, k: int) -> torch.Tensor:
+    """fp32 scratch the tile kernel packs ``m`` x rows of ``k`` into (k rounded up to 32)."""
+    return torch.empty(m * ((k + 31) // 32 * 32), dtype=torch.float32)
 
 
 def gated_mlp(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str
 ) -> torch.Tensor | None:
-    """A SiLU-gated feed-forward block of a few bf16 rows (decode) in one C call
+    """A SiLU-gated feed-forward block of a decode batch of bf16 rows in one C call
     (``csrc/linear.c``): the backend op ``gated_mlp`` with the roundings of its composition.
     Returns None for inputs it does not cover (the caller composes the block)."""
     if x.dtype is not torch.bfloat16 or not x.is_cpu or act not in ("silu", "swish"):
@@ -723,7 +746,8 @@ def gated_mlp(
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     m, h = rows.shape
     i = down.shape[1]
-    if (
+    tiles = _use_tiles(m)
+    if not tiles and (
         m == 0
         or m > LINEAR_NATIVE_MAX_ROWS
         or (m > 1 and m * max(h, i) * 2 > LINEAR_NATIVE_X_BYTES)
@@ -744,24 +768,30 @@ def gated_mlp(
         return None
     scratch = torch.empty(3 * m * i, dtype=torch.bfloat16)  # gate|up [m, 2i], then [m, i]
     out = torch.empty(m, h, dtype=torch.bfloat16)
+    xs = _tile_scratch(m, max(h, i)) if tiles else None
     lib.gated_mlp_bf16(
         m, i, h, rows.data_ptr(), rows.stride(0), gate_up.data_ptr(), down.data_ptr(),
         scratch.data_ptr(), scratch[2 * m * i :].data_ptr(), out.data_ptr(),
+        None if xs is None else xs.data_ptr(),
     )  # fmt: skip
     return out.view(x.shape)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``; for a few bf16 rows (decode) in C at memory speed (``csrc/linear.c``),
-    for many bf16 rows by whichever of torch's bf16 matmul and an fp32 one is faster on this
-    CPU (``kernels.bf16_matmul``); fp32 stays with torch's matmul.
+    """``F.linear``; for decode batches of bf16 rows in C (``csrc/linear.c``: a few rows at
+    memory speed, tens of rows in fp32 FMAs where this CPU runs them faster), for many bf16 rows
+    by whichever of torch's bf16 matmul and an fp32 one is faster on this CPU
+    (``kernels.bf16_matmul``); fp32 stays with torch's matmul.
     (Called ~140 times a decode step: the checks are written for speed, ~3 us of Python.)"""
     if x.dtype is not torch.bfloat16 or not x.is_cpu:
         return F.linear(x, weight, bias)
     flat = x.dim() == 2
     rows = x if flat else x.reshape(-1, x.shape[-1])
     m, k = rows.shape
-    if m == 0 or m > LINEAR_NATIVE_MAX_ROWS or (m > 1 and m * k * 2 > LINEAR_NATIVE_X_BYTES):
+    tiles = _use_tiles(m)
+    if not tiles and (
+        m == 0 or m > LINEAR_NATIVE_MAX_ROWS or (m > 1 and m * k * 2 > LINEAR_NATIVE_X_BYTES)
+    ):
         if weight.dtype is torch.bfloat16 and weight.is_cpu:
             return bf16_matmul.linear(x, weight, bias)  # many rows: the faster of two paths
         return F.linear(x, weight, bias)
@@ -780,8 +810,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         return F.linear(x, weight, bias)
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    lib.linear_bf16(
+    args = (
         m, n, k, rows.data_ptr(), rows.stride(0), weight.data_ptr(),
         None if bias is None else bias.data_ptr(), out.data_ptr(),
     )  # fmt: skip
+    if tiles:
+        xs = _tile_scratch(m, k)  # (held until the call returns)
+        lib.linear_bf16_many(*args, xs.data_ptr())
+    else:
+        lib.linear_bf16(*args)
     return out if flat else out.view(*x.shape[:-1], n)

@@ -158,12 +158,20 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR, _PTR,            # weight [N, K], bias (nullable)
             _PTR,                  # out [M, N]
         ],
+        "linear_bf16_many": [
+            _I64, _I64, _I64,      # M, N, K
+            _PTR, _I64,            # x, its row stride
+            _PTR, _PTR,            # weight [N, K], bias (nullable)
+            _PTR,                  # out [M, N]
+            _PTR,                  # scratch: M x K (rounded up to 32) fp32
+        ],
         "gated_mlp_bf16": [
             _I64, _I64, _I64,      # M rows, I (intermediate), H (hidden)
             _PTR, _I64,            # x, its row stride
             _PTR, _PTR,            # gate_up [2I, H], down [H, I]
             _PTR, _PTR,            # scratch: gate|up [M, 2I], act(gate) * up [M, I]
             _PTR,                  # out [M, H]
+            _PTR,                  # NULL (few rows) or scratch: M x max(H, I) (rounded up) fp32
         ],
         "linear_uses_dpbf16": [],
     },

@@ -42,20 +42,19 @@
 
 #if HAVE_DPBF16
 /* R x rows (R a constant at each call) dotted with S weight rows w[0..S) of K bf16, one
- * stream each. Each dot keeps four fp32 accumulators, chunk j of every 128 pairs going to
- * accumulator j (32 pairs per instruction), then whole chunks of 32 into the first and a masked
- * tail into the second, summed as (a0 + a1) + (a2 + a3): the same order for every R and S, so a
- * row's result does not depend on how the batch or the weight rows are grouped. Four
- * independent chains per dot hide the instruction's latency when R is 1; each weight chunk is
- * loaded once for the R rows. res[s * XR + r]: x row r against weight row s. */
+ * stream each. Each dot keeps one fp32 accumulator (16 lanes) that takes the chunks of 32 pairs
+ * in order, then a masked tail, and is summed by _mm512_reduce_add_ps: an order fixed by K alone,
+ * the one the many-row kernel below follows, so a row's result does not depend on how the batch
+ * or the weight rows are grouped, nor on which kernel ran. One chain per dot is enough here: a
+ * group reads at most two weight streams, and each 64-byte chunk is one instruction. Each weight
+ * chunk is loaded once for the R rows. res[s * XR + r]: x row r against weight row s. */
 ALWAYS_INLINE void dot_rows(const uint16_t *x, int64_t xs, const uint16_t *const *w, const int S,
                             int64_t K, const int R, float *res)
 {
-    __m512 acc[2][XR][4];
+    __m512 acc[2][XR];
     for (int s = 0; s < S; s++)
         for (int r = 0; r < R; r++)
-            for (int j = 0; j < 4; j++)
-                acc[s][r][j] = _mm512_setzero_ps();
+            acc[s][r] = _mm512_setzero_ps();
 #define LD(p) ((__m512bh)_mm512_loadu_si512((const void *)(p)))
     int64_t k = 0;
     for (; k + 128 <= K; k += 128) {
@@ -67,10 +66,10 @@ ALWAYS_INLINE void dot_rows(const uint16_t *x, int64_t xs, const uint16_t *const
                            w3 = LD(w[s] + k + 96);
             for (int r = 0; r < R; r++) {
                 const uint16_t *xr = x + r * xs + k;
-                acc[s][r][0] = _mm512_dpbf16_ps(acc[s][r][0], LD(xr), w0);
-                acc[s][r][1] = _mm512_dpbf16_ps(acc[s][r][1], LD(xr + 32), w1);
-                acc[s][r][2] = _mm512_dpbf16_ps(acc[s][r][2], LD(xr + 64), w2);
-                acc[s][r][3] = _mm512_dpbf16_ps(acc[s][r][3], LD(xr + 96), w3);
+                acc[s][r] = _mm512_dpbf16_ps(acc[s][r], LD(xr), w0);
+                acc[s][r] = _mm512_dpbf16_ps(acc[s][r], LD(xr + 32), w1);
+                acc[s][r] = _mm512_dpbf16_ps(acc[s][r], LD(xr + 64), w2);
+                acc[s][r] = _mm512_dpbf16_ps(acc[s][r], LD(xr + 96), w3);
             }
         }
     }
@@ -78,7 +77,7 @@ ALWAYS_INLINE void dot_rows(const uint16_t *x, int64_t xs, const uint16_t *const
         for (int s = 0; s < S; s++) {
             const __m512bh w0 = LD(w[s] + k);
             for (int r = 0; r < R; r++)
-                acc[s][r][0] = _mm512_dpbf16_ps(acc[s][r][0], LD(x + r * xs + k), w0);
+                acc[s][r] = _mm512_dpbf16_ps(acc[s][r], LD(x + r * xs + k), w0);
         }
 #undef LD
     if (k < K) {
@@ -88,15 +87,13 @@ ALWAYS_INLINE void dot_rows(const uint16_t *x, int64_t xs, const uint16_t *const
             for (int r = 0; r < R; r++) {
                 const __m512bh xv =
                     (__m512bh)_mm512_maskz_loadu_epi16(m, (const void *)(x + r * xs + k));
-                acc[s][r][1] = _mm512_dpbf16_ps(acc[s][r][1], xv, w0);
+                acc[s][r] = _mm512_dpbf16_ps(acc[s][r], xv, w0);
             }
         }
     }
     for (int s = 0; s < S; s++)
         for (int r = 0; r < R; r++)
-            res[s * XR + r] = _mm512_reduce_add_ps(
-                _mm512_add_ps(_mm512_add_ps(acc[s][r][0], acc[s][r][1]),
-                              _mm512_add_ps(acc[s][r][2], acc[s][r][3])));
+            res[s * XR + r] = _mm512_reduce_add_ps(acc[s][r]);
 }
 #else
 ALWAYS_INLINE void dot_rows(const uint16_t *x, int64_t xs, const uint16_t *const *w, const int S,
@@ -185,17 +182,205 @@ void linear_bf16(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t x_s
     rows_team(M, N, K, x, x_stride, w, bias, out, N);
 }
 
-/* A gated feed-forward block for a few rows, one call: gu = x w_gu^T ([M][2I], bf16, gate
+/* ---------------------------------------------------------------------- many rows
+ * out = x w^T (+ bias) for batches where the products, not the weight reads, are the cost
+ * (decode batches of tens of rows). On Xeons without AMX the bf16 dot-product instruction runs
+ * at half the rate of fp32 fused multiply-adds (one core: 86 against 175 GFLOP/s in a register
+ * loop), so this kernel widens each weight chunk to fp32 in registers (a mask and a shift) and
+ * uses FMAs: no fp32 copy of the weight is written anywhere.
+ *
+ * The sums are the dot-product instruction's, bit for bit: that instruction adds, per fp32 lane
+ * i, the product of pair element 2i+1 and then of 2i, each as an FMA with denormals in and out
+ * flushed to zero (an exact bf16 x bf16 product rounded once into the sum). So x is split once
+ * into fp32 odd and even halves of each 32-element chunk, each tile's accumulators take
+ * fma(odd) then fma(even) chunk by chunk with DAZ and FTZ set, and end in _mm512_reduce_add_ps,
+ * exactly as dot_rows: a row's output is the same from either kernel and any batch.
+ *
+ * A tile is GM x rows by GN weight rows (24 accumulators); x rows are packed per tile, chunk
+ * after chunk, so a tile's loads are sequential. Threads split the weight rows; each walks its
+ * rows in blocks of GBLK that stay in L2 while every x tile passes over them. */
+#define GM 6
+#define GN 4
+#define GBLK 192 /* weight rows per block: 192 x K bf16 (384 KB at K = 1,024) */
+#define CH 32  /* elements per chunk */
+
+#if HAVE_DPBF16
+/* x rows [m0, m0 + R) of a tile into xs: chunk c (of Kp / 32, K padded with zeros) at
+ * xs + c * 32 * R, row r's odd elements then its even ones. */
+static void pack_tile(const uint16_t *x, int64_t x_stride, int64_t K, int64_t Kp, int64_t R,
+                      float *xs)
+{
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t c = 0; c < Kp; c += CH) {
+            const int64_t left = K - c;
+            const __mmask32 m = left >= CH ? (__mmask32)~0u : (__mmask32)((1ull << left) - 1);
+            const __m512i v = _mm512_maskz_loadu_epi16(m, (const void *)(x + r * x_stride + c));
+            float *d = xs + c * R + r * CH;
+            _mm512_storeu_si512((void *)d, _mm512_and_si512(v, hi));
+            _mm512_storeu_si512((void *)(d + 16), _mm512_slli_epi32(v, 16));
+        }
+}
+
+/* R x rows (packed) against S weight rows w[n * K] (R <= GM, S <= GN, constants at each call):
+ * out[r * ldo + n] = bf16(sum + bias[n]). pf: the weight rows come from memory (the block's
+ * first x tile), so they are prefetched as dot_rows prefetches them. */
+ALWAYS_INLINE void tile_rows(const float *xs, const uint16_t *w, int64_t K, const int R,
+                             const int S, const uint16_t *bias, uint16_t *out, int64_t ldo,
+                             const int pf)
+{
+    __m512 acc[GM][GN];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int s = 0; s < S; s++)
+            acc[r][s] = _mm512_setzero_ps();
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t c = 0; c < K; c += CH) {
+        const int64_t left = K - c;
+        const __mmask32 m = left >= CH ? (__mmask32)~0u : (__mmask32)((1ull << left) - 1);
+        __m512 wo[GN], we[GN];
+        if (pf)
+#pragma GCC unroll 8
+            for (int s = 0; s < S; s++)
+                _mm_prefetch((const char *)((uintptr_t)(w + s * K + c) + 2 * PF_DIST),
+                             _MM_HINT_T0);
+#pragma GCC unroll 8
+        for (int s = 0; s < S; s++) {
+            const __m512i v = _mm512_maskz_loadu_epi16(m, (const void *)(w + s * K + c));
+            wo[s] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+            we[s] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        }
+        const float *xc = xs + c * R;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m512 xo = _mm512_loadu_ps(xc + r * CH), xe = _mm512_loadu_ps(xc + r * CH + 16);
+#pragma GCC unroll 8
+            for (int s = 0; s < S; s++) {
+                acc[r][s] = _mm512_fmadd_ps(xo, wo[s], acc[r][s]);
+                acc[r][s] = _mm512_fmadd_ps(xe, we[s], acc[r][s]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int s = 0; s < S; s++) {
+        const float b = bias ? bf16_to_f32(bias[s]) : 0.0f;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+            out[r * ldo + s] = f32_to_bf16(_mm512_reduce_add_ps(acc[r][s]) + b);
+    }
+}
+
+/* One tile of R rows over weight rows [n0, n0 + S), S and R dispatched to constants. */
+static void tile_any(const float *xs, const uint16_t *w, int64_t K, int64_t R, int64_t S,
+                     const uint16_t *bias, uint16_t *out, int64_t ldo, int pf)
+{
+#define T(r, s) tile_rows(xs, w, K, r, s, bias, out, ldo, pf)
+    if (S == GN)
+        switch (R) {
+        case 6: T(6, GN); break;
+        case 5: T(5, GN); break;
+        case 4: T(4, GN); break;
+        case 3: T(3, GN); break;
+        case 2: T(2, GN); break;
+        default: T(1, GN); break;
+        }
+    else /* the last few weight rows of a thread, one at a time */
+        for (int64_t s = 0; s < S; s++) {
+            const uint16_t *b = bias ? bias + s : NULL;
+            switch (R) {
+            case 6: tile_rows(xs, w + s * K, K, 6, 1, b, out + s, ldo, pf); break;
+            case 5: tile_rows(xs, w + s * K, K, 5, 1, b, out + s, ldo, pf); break;
+            case 4: tile_rows(xs, w + s * K, K, 4, 1, b, out + s, ldo, pf); break;
+            case 3: tile_rows(xs, w + s * K, K, 3, 1, b, out + s, ldo, pf); break;
+            case 2: tile_rows(xs, w + s * K, K, 2, 1, b, out + s, ldo, pf); break;
+            default: tile_rows(xs, w + s * K, K, 1, 1, b, out + s, ldo, pf); break;
+            }
+        }
+#undef T
+}
+
+/* out[m][n] (row stride ldo) for this thread's share of the weight rows, x packed first by the
+ * whole team into xs (M x Kp fp32, Kp = K rounded up to 32). Called by every thread of a team;
+ * a barrier at its end. */
+static void many_team(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t x_stride,
+                      const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t ldo,
+                      float *xs)
+{
+    const int64_t Kp = (K + CH - 1) / CH * CH, tiles = (M + GM - 1) / GM;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t m0 = t * GM, R = M - m0 < GM ? M - m0 : GM;
+        pack_tile(x + m0 * x_stride, x_stride, K, Kp, R, xs + m0 * Kp);
+    } /* (the loop's implicit barrier: every tile packed before any is read) */
+#ifdef _OPENMP
+    const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
+#else
+    const int64_t nt = 1, th = 0;
+#endif
+    /* whole tiles of GN rows per thread, the last thread taking the remainder */
+    const int64_t per = (N / GN + nt - 1) / nt * GN;
+    const int64_t lo = th * per < N ? th * per : N;
+    const int64_t hi = th == nt - 1 ? N : (lo + per < N ? lo + per : N);
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040u); /* FTZ | DAZ: as the dot-product instruction */
+    for (int64_t b0 = lo; b0 < hi; b0 += GBLK) {
+        const int64_t b1 = b0 + GBLK < hi ? b0 + GBLK : hi;
+        /* The next block is fetched into L2 a slice per tile while this one is computed, so
+         * memory and arithmetic overlap; only the first block is read as it is used. */
+        const int64_t next_rows = (b1 + GBLK < hi ? b1 + GBLK : hi) - b1;
+        const char *next = (const char *)(w + b1 * K);
+        const char *const next_end = next + next_rows * K * 2;
+        const int64_t slice = (next_rows * K * 2) / (tiles * ((b1 - b0 + GN - 1) / GN)) + 64;
+        for (int64_t m0 = 0; m0 < M; m0 += GM) {
+            const int64_t R = M - m0 < GM ? M - m0 : GM;
+            for (int64_t n0 = b0; n0 < b1; n0 += GN) {
+                const int64_t S = b1 - n0 < GN ? b1 - n0 : GN;
+                for (const char *p = next; p < next + slice && p < next_end; p += 64)
+                    _mm_prefetch(p, _MM_HINT_T1);
+                next += slice;
+                tile_any(xs + m0 * Kp, w + n0 * K, K, R, S, bias ? bias + n0 : NULL,
+                         out + m0 * ldo + n0, ldo, b0 == lo && m0 == 0);
+            }
+        }
+    }
+    _mm_setcsr(csr);
+#pragma omp barrier
+}
+#else
+static void many_team(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t x_stride,
+                      const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t ldo,
+                      float *xs)
+{
+    (void)xs; /* no AVX-512 BF16: the portable loop, in its own order */
+    rows_team(M, N, K, x, x_stride, w, bias, out, ldo);
+}
+#endif
+
+/* xs: caller's scratch of M x Kp fp32, Kp = K rounded up to 32. */
+void linear_bf16_many(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t x_stride,
+                      const uint16_t *w, const uint16_t *bias, uint16_t *out, float *xs)
+{
+#pragma omp parallel
+    many_team(M, N, K, x, x_stride, w, bias, out, N, xs);
+}
+
+/* A gated feed-forward block of a decode batch, one call: gu = x w_gu^T ([M][2I], bf16, gate
  * first), h = silu(gate) * up ([M][I], bf16: the activation and the product each rounded, as
- * torch's bf16 ops hold them), out = h w_down^T ([M][H]). gu and h: caller's scratch. Three
- * phases of one team, where the composed block took two linear calls and three torch ops. */
+ * torch's bf16 ops hold them), out = h w_down^T ([M][H]). gu and h: caller's scratch; xs: NULL
+ * for the products of dot_rows (a few rows), else scratch of M x max(H, I) fp32 (rounded up to
+ * 32) for the tile kernel. Three phases of one team, where the composed block took two linear
+ * calls and three torch ops; either kernel gives the same bits. */
 void gated_mlp_bf16(int64_t M, int64_t I, int64_t H, const uint16_t *x, int64_t x_stride,
                     const uint16_t *w_gu, const uint16_t *w_down, uint16_t *gu, uint16_t *h,
-                    uint16_t *out)
+                    uint16_t *out, float *xs)
 {
 #pragma omp parallel
     {
-        rows_team(M, 2 * I, H, x, x_stride, w_gu, NULL, gu, 2 * I);
+        if (xs)
+            many_team(M, 2 * I, H, x, x_stride, w_gu, NULL, gu, 2 * I, xs);
+        else
+            rows_team(M, 2 * I, H, x, x_stride, w_gu, NULL, gu, 2 * I);
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < M * I; c += ACT_CHUNK) { /* rows of I are whole chunks */
             const uint16_t *g = gu + c / I * 2 * I + c % I;
@@ -214,7 +399,10 @@ void gated_mlp_bf16(int64_t M, int64_t I, int64_t H, const uint16_t *x, int64_t 
                 hc[i] = f32_to_bf16(act * bf16_to_f32(g[I + i]));
             }
         }
-        rows_team(M, H, I, h, I, w_down, NULL, out, H);
+        if (xs)
+            many_team(M, H, I, h, I, w_down, NULL, out, H, xs);
+        else
+            rows_team(M, H, I, h, I, w_down, NULL, out, H);
     }
 }
 
