@@ -1,18 +1,19 @@
-"""What a batch-1 decode step is made of, in one engine process: the weight streaming and
-everything else.
+"""What a decode step is made of (batch 1 by default, ``--batch``), in one engine process: the
+linears (weight streaming at batch 1, arithmetic at tens of rows) and everything else.
 
 Three figures, alternated over rounds, all on the runner's thread (``ModelRunner.on_thread``):
 
-- **forward**: the model's decode forward, timed inside the runner (median over a decode run);
-- **without the linears**: the same forward with every linear and gated MLP of a decode-sized
-  batch answered by a preallocated output (no weight is read): the recurrent steps, norms,
-  attention and Python;
-- **linears alone**: the linear and gated-MLP calls of one decode step, captured with their
+- **forward**: the model's decode forward over the whole batch, timed inside the runner (median
+  over a decode run);
+- **without the linears**: the same forward with every linear and gated MLP of the batch's rows
+  answered by a preallocated output (no weight is read): the recurrent steps, norms,
+  attention, sampling's share and Python;
+- **linears alone**: the linear and gated-MLP calls of one such step, captured with their
   inputs, replayed in the model's order.
 
 If the two parts add up to the forward, the linears run among the other ops as fast as alone.
 
-    HF_HUB_OFFLINE=1 python bench/bench_decode_parts.py --preset lfm2_350m
+    HF_HUB_OFFLINE=1 python bench/bench_decode_parts.py --preset lfm2_350m [--batch 64]
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_real import PRESETS, decode_engine, engine_decode  # noqa: E402
 
-DECODE_ROWS = 16  # batches of at most this many rows count as decode-sized
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -39,7 +38,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32, help="decode steps of each timed run")
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
     args = ap.parse_args()
+    rows = args.batch  # (prompts are 128 tokens: a prefill chunk is never this small)
 
     eng = decode_engine(args.preset, args.threads)
     backend, model = eng.runner.backend, eng.model
@@ -50,38 +51,44 @@ def main() -> None:
         return outputs.setdefault((rows, n), torch.zeros(rows, n, dtype=torch.bfloat16))
 
     def fake_linear(x, w, b):
-        return linear(x, w, b) if x.shape[0] > DECODE_ROWS else no_weights(x.shape[0], w.shape[0])
+        return linear(x, w, b) if x.shape[0] != rows else no_weights(rows, w.shape[0])
 
     def fake_mlp(x, gu, down, act):
-        if x.shape[0] > DECODE_ROWS:
+        if x.shape[0] != rows:
             return gated_mlp(x, gu, down, act)
-        return no_weights(x.shape[0], down.shape[0])
+        return no_weights(rows, down.shape[0])
 
     times: list[float] = []
+    capture = {"on": False, "done": False}  # the first whole-batch decode step is captured
 
     def timed_forward(ctx):
+        whole = ctx.layout.prefill is None and len(ctx.layout.reqs) == rows
+        capture["on"] = whole and not capture["done"]
         t = time.perf_counter()
         out = forward(ctx)
-        if ctx.layout.prefill is None:
+        if whole:
             times.append(time.perf_counter() - t)
+        capture["done"] |= capture["on"]
+        capture["on"] = False
         return out
 
     model.forward = timed_forward
     calls: list[tuple] = []
 
     def capture_linear(x, w, b):
-        if x.shape[0] <= DECODE_ROWS:
+        if capture["on"] and x.shape[0] == rows:
             calls.append((linear, x.clone(), w, b))
         return linear(x, w, b)
 
     def capture_mlp(x, gu, down, act):
-        if x.shape[0] <= DECODE_ROWS:
+        if capture["on"] and x.shape[0] == rows:
             calls.append((gated_mlp, x.clone(), gu, down, act))
         return gated_mlp(x, gu, down, act)
 
     backend.linear, backend.gated_mlp = capture_linear, capture_mlp
-    engine_decode(eng, 1, model.vocab_size, 1, 0)  # the prefill's token, then one decode step
+    engine_decode(eng, rows, model.vocab_size, 4, 0)  # prefills, then decode steps
     step = list(calls)
+    assert step, "no decode step of the whole batch was seen"
 
     def replay() -> float:
         t = time.perf_counter()
@@ -96,13 +103,13 @@ def main() -> None:
                           ("without the linears", (fake_linear, fake_mlp))):  # fmt: skip
             backend.linear, backend.gated_mlp = ops
             times.clear()
-            engine_decode(eng, 1, model.vocab_size, args.steps, r + 2)
+            engine_decode(eng, rows, model.vocab_size, args.steps, r + 2)
             figures[name].append(statistics.median(times))
         backend.linear, backend.gated_mlp = linear, gated_mlp
         runs = eng.runner.on_thread(lambda: [replay() for _ in range(5)]).result()
         figures["linears alone"].append(statistics.median(runs))
     eng.shutdown()
-    print(f"{args.preset}: {len(step)} linear / gated-MLP calls a decode step")
+    print(f"{args.preset}, batch {rows}: {len(step)} linear / gated-MLP calls a decode step")
     for name, v in figures.items():
         print(f"{name:22s} {statistics.median(v) * 1e3:7.2f} ms median "
               f"({', '.join(f'{x * 1e3:.1f}' for x in v)})")  # fmt: skip
