@@ -55,13 +55,16 @@ def _native_fn(lib, name: str, dtype: torch.dtype):
     return None if lib is None or suffix is None else getattr(lib, name + suffix)
 
 
+_DENSE = torch.contiguous_format  # (empty_like(t, memory_format=_DENSE): 2 us, empty(shape): 4)
+
+
 def _cpu_dense(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+    return t.is_cpu and t.dtype == dtype and t.is_contiguous()
 
 
 def _cpu_rows(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """A CPU matrix of ``dtype`` whose last dim is dense (rows may be strided)."""
-    return t.device.type == "cpu" and t.dtype == dtype and t.dim() == 2 and t.stride(1) == 1
+    return t.is_cpu and t.dtype == dtype and t.dim() == 2 and t.stride(1) == 1
 
 
 def gated_delta_decode(
@@ -90,7 +93,7 @@ def gated_delta_decode(
         and all(_cpu_dense(t, dt) for t in (conv_pool, weight, A_log, dt_bias))
         and _cpu_dense(ssm_pool, torch.float32)
         and (bias is None or _cpu_dense(bias, dt))
-        and slots.device.type == "cpu"
+        and slots.is_cpu
     )
     if not fits:
         _fallback("gated_delta_decode", x, conv_pool, ssm_pool, weight, A_log)
@@ -128,7 +131,7 @@ def rms_norm(
     """``kernels.norm.rms_norm`` in one C pass per row (fp32 or bf16 data, fp32 sums)."""
     fn = _native_fn(native.load("rms_norm"), "rms_norm", x.dtype)
     rows = None
-    if fn is not None and x.device.type == "cpu" and x.numel():
+    if fn is not None and x.is_cpu and x.numel():
         try:
             rows = x.view(-1, x.shape[-1])  # a view: leading dims must merge
         except RuntimeError:
@@ -136,7 +139,7 @@ def rms_norm(
     if rows is None or rows.stride(1) != 1 or not _cpu_dense(weight, x.dtype):
         _fallback("rms_norm", x, weight)
         return norm.rms_norm(x, weight, eps, zero_centered)
-    out = torch.empty(rows.shape, dtype=x.dtype)
+    out = torch.empty_like(rows, memory_format=_DENSE)
     fn(
         rows.shape[0], rows.shape[1], rows.data_ptr(), rows.stride(0),
         weight.data_ptr(), eps, int(zero_centered), out.data_ptr(),
@@ -167,7 +170,7 @@ def add_rms_norm(
     if not fits:
         _fallback("add_rms_norm", x, residual, weight)
         return norm.add_rms_norm(x, residual, weight, eps, zero_centered, scale)
-    h, out = (torch.empty(x.shape, dtype=x.dtype) for _ in "ho")
+    h, out = (torch.empty_like(x, memory_format=_DENSE) for _ in "ho")
     fn(
         x.shape[0], k, x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
         scale, int(scale != 1.0), weight.data_ptr(), eps, int(zero_centered), h.data_ptr(),
@@ -184,7 +187,7 @@ def rms_norm_gated(
     fn = _native_fn(native.load("rms_norm"), "rms_norm_gated", x.dtype)
     rows = gates = None
     fits = fn is not None and x.dtype == gate.dtype and x.numel()
-    if fits and x.device.type == "cpu" and x.shape == gate.shape and _cpu_dense(weight, x.dtype):
+    if fits and x.is_cpu and x.shape == gate.shape and _cpu_dense(weight, x.dtype):
         try:  # views: leading dims must merge
             rows = x.view(-1, x.shape[-1])
             gates = F.silu(gate.reshape(-1, x.shape[-1]).float())  # a copy if strided or bf16
@@ -193,7 +196,7 @@ def rms_norm_gated(
     if rows is None or rows.stride(1) != 1 or gates.stride(1) != 1:
         _fallback("rms_norm_gated", x, gate, weight)
         return norm.rms_norm_gated(x, gate, weight, eps)
-    out = torch.empty(rows.shape, dtype=x.dtype)
+    out = torch.empty_like(rows, memory_format=_DENSE)
     fn(
         rows.shape[0], rows.shape[1], rows.data_ptr(), rows.stride(0),
         gates.data_ptr(), gates.stride(0), weight.data_ptr(), eps, out.data_ptr(),
@@ -210,7 +213,7 @@ def rms_norm_gate_first(
     dim = x.shape[-1]
     rows = gates = None
     fits = fn is not None and x.dtype == gate.dtype and x.numel() and x.shape == gate.shape
-    if fits and x.device.type == "cpu" and group_size > 0 and dim % group_size == 0:
+    if fits and x.is_cpu and group_size > 0 and dim % group_size == 0:
         if _cpu_dense(weight, x.dtype) and weight.numel() == dim:
             try:  # views: leading dims must merge
                 rows = x.view(-1, dim)
@@ -220,7 +223,7 @@ def rms_norm_gate_first(
     if rows is None or rows.stride(1) != 1 or gates.stride(1) != 1:
         _fallback("rms_norm_gate_first", x, gate, weight)
         return norm.rms_norm_gate_first(x, gate, weight, eps, group_size)
-    out = torch.empty(rows.shape, dtype=x.dtype)
+    out = torch.empty_like(rows, memory_format=_DENSE)
     fn(
         rows.shape[0], group_size, dim // group_size, rows.data_ptr(), rows.stride(0),
         gates.data_ptr(), gates.stride(0), weight.data_ptr(), eps, out.data_ptr(),
@@ -245,10 +248,10 @@ def attention_decode(
     fits = (
         fn is not None
         and q.dtype == dt
-        and q.device.type == "cpu"
+        and q.is_cpu
         and _cpu_dense(k_pool, dt)
         and _cpu_dense(v_pool, dt)
-        and slot_table.device.type == "cpu"
+        and slot_table.is_cpu
         and slot_table.dtype == torch.int64
         and slot_table.stride(1) == 1
         and q.shape[-1] % 8 == 0
@@ -320,11 +323,11 @@ def moe_unpad(
         lib is not None
         and y.dtype in (torch.float32, torch.bfloat16)
         and weights.dtype in (torch.float32, y.dtype)
-        and y.device.type == "cpu"
+        and y.is_cpu
         and y.dim() == 3
         and y.stride(2) == 1
         and y.stride(1) == y.shape[2]
-        and ids.device.type == "cpu"
+        and ids.is_cpu
     )
     if not fits:
         _fallback("moe_unpad", y, weights)
@@ -365,10 +368,10 @@ def rms_norm_rope(
     rd = cos.shape[-1]
     fits = (
         fn is not None
-        and x.device.type == "cpu"
+        and x.is_cpu
         and x.stride(2) == 1
         and _cpu_dense(weight, x.dtype)
-        and all(t.shape == (T, rd) and t.device.type == "cpu" for t in (cos, sin))
+        and all(t.shape == (T, rd) and t.is_cpu for t in (cos, sin))
         and rd % 2 == 0
         and rd <= D
     )
@@ -404,7 +407,7 @@ def conv1d_update(
         and _cpu_rows(x, dt)
         and all(_cpu_dense(t, dt) for t in (conv_pool, weight))
         and (bias is None or _cpu_dense(bias, dt))
-        and slots.device.type == "cpu"
+        and slots.is_cpu
         and tuple(conv_pool.shape[1:]) == (x.shape[1], weight.shape[1] - 1)
     )
     if not fits:
@@ -441,7 +444,7 @@ def mamba2_step(
     G, N = B.shape[1], B.shape[2]
 
     def rows(t: torch.Tensor, inner: tuple[int, ...]) -> bool:  # dense but for the row stride
-        return t.device.type == "cpu" and t.dtype == xd and t.stride()[1:] == inner
+        return t.is_cpu and t.dtype == xd and t.stride()[1:] == inner
 
     fits = (
         fn is not None
@@ -453,7 +456,7 @@ def mamba2_step(
         and B.stride(0) == C.stride(0)
         and H % G == 0
         and (D is None or _cpu_dense(D, xd))
-        and slots.device.type == "cpu"
+        and slots.is_cpu
     )
     if not fits:
         _fallback("mamba2_step", x, ssm_pool, B)
@@ -501,7 +504,7 @@ class ScanSegments:
         )
 
     def covers(self, num_tokens: int) -> bool:
-        return self.slots.device.type == "cpu" and self.num_tokens == num_tokens
+        return self.slots.is_cpu and self.num_tokens == num_tokens
 
     def head(self) -> tuple[int, int, int]:
         """The kernels' first arguments: segment count, cu_seqlens, slots."""
@@ -578,7 +581,7 @@ def mamba2_scan(
         fn is not None
         and _cpu_dense(ssm_pool, torch.float32)
         and tuple(ssm_pool.shape[1:]) == (H, P, N)
-        and all(t.device.type == "cpu" and t.dtype == xd for t in (x, B, C))
+        and all(t.is_cpu and t.dtype == xd for t in (x, B, C))
         and x.stride(1) == P * x.stride(2)  # channels h * P + p at one stride
         and B.stride() == C.stride()
         and B.stride(1) == N * B.stride(2)
@@ -624,7 +627,7 @@ def gated_delta_scan(
         fn is not None
         and _cpu_dense(ssm_pool, torch.float32)
         and tuple(ssm_pool.shape[1:]) == (hv, dk, dv)
-        and all(t.device.type == "cpu" and t.dtype == vd for t in (q, k, v, beta))
+        and all(t.is_cpu and t.dtype == vd for t in (q, k, v, beta))
         and q.stride() == k.stride()
         and q.stride(1) == dk * q.stride(2)  # channels h * Dk + i at one stride
         and v.stride(1) == dv * v.stride(2)
@@ -684,7 +687,7 @@ def mamba2_decode(
         and _cpu_dense(ssm_pool, torch.float32)
         and tuple(ssm_pool.shape[1:]) == (H, P, N)
         and H % G == 0
-        and slots.device.type == "cpu"
+        and slots.is_cpu
     )
     if not fits:  # no warning: the steps composed instead name their own fallbacks
         return None
