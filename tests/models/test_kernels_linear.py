@@ -1,7 +1,8 @@
-"""The native bf16 linear (``csrc/linear.c``, decode batches of up to
-``LINEAR_NATIVE_MAX_ROWS`` rows) against float64 truth and torch's bf16 matmul at the
-projection shapes of the real-size presets, with a tolerance a bf16-accumulating kernel fails
-(negative control); a row's result does not depend on the batch around it; larger batches,
+"""The native bf16 linear (``csrc/linear.c``: the rows kernel for decode batches of up to
+``LINEAR_NATIVE_MAX_ROWS`` rows, the tile kernel for 12-127 rows where fp32 arithmetic is
+chosen) against float64 truth and torch's bf16 matmul at the projection shapes of the real-size
+presets, with a tolerance a bf16-accumulating kernel fails (negative control); the two kernels
+give the same bits, so a row's result does not depend on the batch around it; larger batches,
 fp32 and other layouts take torch's matmul unchanged."""
 
 from __future__ import annotations
