@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32, help="decode steps of each timed run")
     ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
     args = ap.parse_args()
-    rows = args.batch  # (prompts are 128 tokens: a prefill chunk is never this small)
+    rows = args.batch  # (under 128: prompts are 128 tokens, so no prefill has this many rows)
 
     eng = decode_engine(args.preset, args.threads)
     backend, model = eng.runner.backend, eng.model

@@ -733,6 +733,15 @@ def _use_tiles(m: int) -> bool:
     return _tiles[0] and bf16_matmul.choice() == "fp32"
 
 
+def _decode_kernel(m: int, k: int) -> str | None:
+    """Which C kernel takes ``m`` bf16 rows of ``k`` (``tiles``, ``rows``), or None (torch)."""
+    if _use_tiles(m):
+        return "tiles"
+    if 0 < m <= LINEAR_NATIVE_MAX_ROWS and (m == 1 or m * k * 2 <= LINEAR_NATIVE_X_BYTES):
+        return "rows"
+    return None
+
+
 def _tile_scratch(m: int, k: int) -> torch.Tensor:
     """fp32 scratch the tile kernel packs ``m`` x rows of ``k`` into (k rounded up to 32)."""
     return torch.empty(m * ((k + 31) // 32 * 32), dtype=torch.float32)
@@ -749,13 +758,9 @@ def gated_mlp(
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     m, h = rows.shape
     i = down.shape[1]
-    tiles = _use_tiles(m)
-    if not tiles and (
-        m == 0
-        or m > LINEAR_NATIVE_MAX_ROWS
-        or (m > 1 and m * max(h, i) * 2 > LINEAR_NATIVE_X_BYTES)
-    ):
-        return None  # (as in ``linear``: both products' x rows must fit in cache)
+    kernel = _decode_kernel(m, max(h, i))  # (rows: both products' x rows fit in cache)
+    if kernel is None:
+        return None
     lib = native.load("linear")
     fits = (
         lib is not None
@@ -771,7 +776,7 @@ def gated_mlp(
         return None
     scratch = torch.empty(3 * m * i, dtype=torch.bfloat16)  # gate|up [m, 2i], then [m, i]
     out = torch.empty(m, h, dtype=torch.bfloat16)
-    xs = _tile_scratch(m, max(h, i)) if tiles else None
+    xs = _tile_scratch(m, max(h, i)) if kernel == "tiles" else None
     lib.gated_mlp_bf16(
         m, i, h, rows.data_ptr(), rows.stride(0), gate_up.data_ptr(), down.data_ptr(),
         scratch.data_ptr(), scratch[2 * m * i :].data_ptr(), out.data_ptr(),
@@ -791,10 +796,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     flat = x.dim() == 2
     rows = x if flat else x.reshape(-1, x.shape[-1])
     m, k = rows.shape
-    tiles = _use_tiles(m)
-    if not tiles and (
-        m == 0 or m > LINEAR_NATIVE_MAX_ROWS or (m > 1 and m * k * 2 > LINEAR_NATIVE_X_BYTES)
-    ):
+    kernel = _decode_kernel(m, k)
+    if kernel is None:
         if weight.dtype is torch.bfloat16 and weight.is_cpu:
             return bf16_matmul.linear(x, weight, bias)  # many rows: the faster of two paths
         return F.linear(x, weight, bias)
@@ -817,7 +820,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         m, n, k, rows.data_ptr(), rows.stride(0), weight.data_ptr(),
         None if bias is None else bias.data_ptr(), out.data_ptr(),
     )  # fmt: skip
-    if tiles:
+    if kernel == "tiles":
         xs = _tile_scratch(m, k)  # (held until the call returns)
         lib.linear_bf16_many(*args, xs.data_ptr())
     else:
