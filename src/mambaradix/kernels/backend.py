@@ -26,6 +26,7 @@ from typing import ClassVar, TypeVar
 import torch
 
 from mambaradix.kernels.capabilities import BackendCapabilities
+from mambaradix.kernels.norm import GatedNorm
 from mambaradix.layout import ForwardLayout
 
 Tensor = torch.Tensor
@@ -94,11 +95,12 @@ class KernelBackend(ABC):
     @abstractmethod
     def gdn_decode(self, x: Tensor, a: Tensor, b: Tensor, conv_pool: Tensor, ssm_pool: Tensor,
                    layout: ForwardLayout, conv_weight: Tensor, conv_bias: Tensor | None,
-                   A_log: Tensor, dt_bias: Tensor, num_k_heads: int,
-                   activation: str | None) -> Tensor:  # fmt: skip
+                   A_log: Tensor, dt_bias: Tensor, num_k_heads: int, activation: str | None,
+                   norm: GatedNorm | None = None) -> Tensor:  # fmt: skip
         """One fused decode step of the decodes (``x`` ``[D, conv_dim]`` = q|k|v before the
         conv, ``a`` / ``b`` ``[D, Hv]`` raw gates): conv, gates, delta rule; both states
-        updated in the pool. Returns ``[D, Hv, Dv]``."""
+        updated in the pool. Returns ``[D, Hv, Dv]``; with ``norm`` (gate ``[D, Hv * Dv]``,
+        ``group_size`` Dv), the layer's output norm of it (``rms_norm_gated`` per head)."""
 
     # ------------------------------------------------------------ Mamba2
     @abstractmethod
@@ -120,10 +122,13 @@ class KernelBackend(ABC):
                             ssm_pool: Tensor, layout: ForwardLayout, conv_weight: Tensor,
                             conv_bias: Tensor | None, activation: str | None, A_log: Tensor,
                             dt_bias: Tensor, dt_limit: tuple[float, float], D: Tensor | None,
-                            shape: tuple[int, int, int, int]) -> Tensor:  # fmt: skip
+                            shape: tuple[int, int, int, int],
+                            norm: GatedNorm | None = None) -> Tensor:  # fmt: skip
         """One fused decode step of the decodes (``xbc`` ``[D, C]`` before the conv, ``dt_raw``
         ``[D, H]`` before softplus; ``shape`` = ``(H, P, G, N)``): conv, dt, scan; both states
-        updated in the pool. Returns ``[D, H, P]`` in ``xbc``'s dtype."""
+        updated in the pool. Returns ``[D, H, P]`` in ``xbc``'s dtype; with ``norm`` (gate
+        ``[D, H * P]``), the mixer's output norm of it ``[D, H * P]`` (``rms_norm_gate_first``
+        per group)."""
 
     # ------------------------------------------------------------ per-token ops
     @abstractmethod

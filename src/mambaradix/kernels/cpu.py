@@ -81,9 +81,11 @@ def gated_delta_decode(
     num_k_heads: int,
     activation: str | None = "silu",
     use_qk_l2norm: bool = True,
+    out_norm: norm.GatedNorm | None = None,
 ) -> torch.Tensor:
     """``kernels.gated_delta.gated_delta_decode`` in one pass per request (C, in place), the
-    gates included: fp32 throughout, or the model's tensors in bf16 with an fp32 delta state."""
+    gates included: fp32 throughout, or the model's tensors in bf16 with an fp32 delta state.
+    With ``out_norm``, the layer's output norm of each head too (``rms_norm_gated``)."""
     dt = x.dtype
     fn = _native_fn(native.load("gated_delta_decode"), "gated_delta_decode", dt)
     fits = (
@@ -97,12 +99,16 @@ def gated_delta_decode(
     )
     if not fits:
         _fallback("gated_delta_decode", x, conv_pool, ssm_pool, weight, A_log)
-        return gated_delta.gated_delta_decode(
+        out = gated_delta.gated_delta_decode(
             x, conv_pool, ssm_pool, slots, weight, bias, a, b, A_log, dt_bias, num_k_heads,
             activation, use_qk_l2norm,
         )  # fmt: skip
+        return out if out_norm is None else _gdn_norm(out, out_norm)
     B = x.shape[0]
     hv, dk, dv = ssm_pool.shape[1:]
+    fold = (
+        out_norm is not None and out_norm.group_size == dv and _folds(out_norm, dt, B, hv * dv, dv)
+    )
     conv_dim, width = 2 * num_k_heads * dk + hv * dv, weight.shape[1]
     if x.shape[1] != conv_dim or tuple(conv_pool.shape[1:]) != (conv_dim, width - 1):
         raise ValueError(
@@ -121,8 +127,31 @@ def gated_delta_decode(
         out.data_ptr(),
         num_k_heads, hv, dk, dv, width,
         _SILU[activation], int(use_qk_l2norm),
+        *_norm_args(out_norm if fold else None),
     )  # fmt: skip
-    return out
+    return out if out_norm is None or fold else _gdn_norm(out, out_norm)
+
+
+def _folds(gn: norm.GatedNorm, dt: torch.dtype, rows: int, features: int, weights: int) -> bool:
+    """Whether a decode kernel can finish with ``gn`` (else the norm op runs after it)."""
+    g, w = gn.gate, gn.weight
+    return (
+        _cpu_rows(g, dt)
+        and tuple(g.shape) == (rows, features)
+        and _cpu_dense(w, dt)
+        and w.numel() == weights
+    )
+
+
+def _norm_args(gn: norm.GatedNorm | None) -> tuple:
+    """A decode kernel's trailing norm arguments: gate, its row stride, weight, eps."""
+    if gn is None:
+        return None, 0, None, 0.0
+    return gn.gate.data_ptr(), gn.gate.stride(0), gn.weight.data_ptr(), gn.eps
+
+
+def _gdn_norm(out: torch.Tensor, gn: norm.GatedNorm) -> torch.Tensor:
+    return rms_norm_gated(out, gn.gate.reshape(out.shape), gn.weight, gn.eps)
 
 
 def rms_norm(
@@ -662,11 +691,13 @@ def mamba2_decode(
     dt_limit: tuple[float, float],
     D: torch.Tensor | None,
     shape: tuple[int, int, int, int],
+    out_norm: norm.GatedNorm | None = None,
 ) -> torch.Tensor | None:
     """A Mamba2 decode step in one C call (``csrc/ssm_decode.c`` ``mamba2_decode``): the conv
     of ``xbc`` ``[B, C]`` and the scan step with ``dt_raw`` ``[B, H]`` processed inside, both
     row-strided views of one projection; states in place at ``slots``. ``shape`` is
-    ``(H, P, G, N)``. Returns ``y`` ``[B, H, P]`` in the model dtype, or None where the C code
+    ``(H, P, G, N)``. Returns ``y`` ``[B, H, P]`` in the model dtype or, with ``out_norm``, the
+    mixer's output norm of it ``[B, H * P]`` (``rms_norm_gate_first``); None where the C code
     does not cover the inputs (the caller composes the separate steps)."""
     dt = xbc.dtype
     fn = _native_fn(native.load("ssm_decode"), "mamba2_decode", dt)
@@ -694,14 +725,26 @@ def mamba2_decode(
     slots = slots.to(torch.int64).contiguous()
     B = xbc.shape[0]
     y = torch.empty(B, H, P, dtype=dt)
+    fold = (
+        out_norm is not None
+        and out_norm.gate.stride(0) == xbc.stride(0)
+        and (H * P) % out_norm.group_size == 0
+        and _folds(out_norm, dt, B, H * P, H * P)
+    )
+    out = torch.empty(B, H * P, dtype=dt) if fold else y
+    gate, _, weight, eps = _norm_args(out_norm if fold else None)
     fn(
         B, slots.data_ptr(), xbc.data_ptr(), dt_raw.data_ptr(), xbc.stride(0),
         conv_pool.data_ptr(), conv_weight.data_ptr(),
         None if conv_bias is None else conv_bias.data_ptr(), conv_weight.shape[1],
         _SILU[activation], ssm_pool.data_ptr(), A_log.data_ptr(), dt_bias.data_ptr(),
         dt_limit[0], dt_limit[1], None if D is None else D.data_ptr(), y.data_ptr(), H, P, G, N,
+        gate, weight, eps, out_norm.group_size if fold else 0, out.data_ptr(),
     )  # fmt: skip
-    return y
+    if out_norm is None or fold:
+        return out
+    gn = out_norm
+    return rms_norm_gate_first(y.view(B, -1), gn.gate, gn.weight, gn.eps, gn.group_size)
 
 
 # Two C kernels (``csrc/linear.c``) for decode batches, with the same sums bit for bit:

@@ -79,17 +79,29 @@ class CpuBackend(TorchBackend):
         _copy_decode_snapshots(ssm_pool, dec)
         return y
 
+    def gdn_decode(self, x, a, b, conv_pool, ssm_pool, layout, conv_weight, conv_bias, A_log,
+                   dt_bias, num_k_heads, activation, norm=None):  # fmt: skip
+        dec = layout.decode
+        out = cpu.gated_delta_decode(
+            x, conv_pool, ssm_pool, dec.state_slots, conv_weight, conv_bias, a, b, A_log,
+            dt_bias, num_k_heads, activation, out_norm=norm,
+        )  # fmt: skip
+        for pool in (conv_pool, ssm_pool):
+            _copy_decode_snapshots(pool, dec)
+        return out
+
     def mamba2_mixer_decode(self, xbc, dt_raw, conv_pool, ssm_pool, layout, conv_weight,
-                            conv_bias, activation, A_log, dt_bias, dt_limit, D, shape):  # fmt: skip
+                            conv_bias, activation, A_log, dt_bias, dt_limit, D, shape,
+                            norm=None):  # fmt: skip
         dec = layout.decode
         y = cpu.mamba2_decode(
             xbc, dt_raw, conv_pool, ssm_pool, dec.state_slots, conv_weight, conv_bias,
-            activation, A_log, dt_bias, dt_limit, D, shape,
+            activation, A_log, dt_bias, dt_limit, D, shape, out_norm=norm,
         )  # fmt: skip
         if y is None:  # the composition of this backend's conv and scan steps
             return super().mamba2_mixer_decode(
                 xbc, dt_raw, conv_pool, ssm_pool, layout, conv_weight, conv_bias, activation,
-                A_log, dt_bias, dt_limit, D, shape,
+                A_log, dt_bias, dt_limit, D, shape, norm,
             )  # fmt: skip
         for pool in (conv_pool, ssm_pool):
             _copy_decode_snapshots(pool, dec)

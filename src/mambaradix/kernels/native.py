@@ -48,6 +48,8 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR,                  # out
             _I64, _I64, _I64, _I64, _I64,  # Hk, Hv, Dk, Dv, conv kernel width
             _INT, _INT,            # silu, l2norm
+            _PTR, _I64,            # gate z (nullable), its row stride
+            _PTR, ctypes.c_float,  # output norm weight (nullable: no norm), eps
         ],
     },
     "ssm_decode": {
@@ -80,6 +82,9 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR,                  # D (nullable)
             _PTR,                  # y [B, H, P], model dtype
             _I64, _I64, _I64, _I64,  # H, P, G, N
+            _PTR,                  # gate z (nullable), xBC's row stride
+            _PTR, ctypes.c_float, _I64,  # output norm weight (nullable: no norm), eps, group
+            _PTR,                  # out [B, H * P] (with the norm)
         ],
         "mamba2_scan": [
             _I64, _PTR, _PTR,      # S segments, cu_seqlens [S+1], slots [S]

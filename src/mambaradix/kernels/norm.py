@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -56,3 +58,19 @@ def rms_norm_gated(
     x's dtype; ``gate`` has x's shape."""
     y = weight * rms_normalize(x, eps).to(x.dtype)
     return (y * F.silu(gate.float())).to(x.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class GatedNorm:
+    """A recurrent mixer's gated output norm, handed to its decode op to finish there (the
+    backend may fold it into the same kernel): ``gate`` rows ``[D, features]`` (a row-strided
+    view of the input projection is fine), the norm's ``weight`` and ``eps``, and
+    ``group_size``, the features normalised together. Which norm it is belongs to the op: Gated
+    DeltaNet normalises each value head and then gates (``rms_norm_gated``; ``weight``
+    ``[group_size]``, shared by the heads), Mamba2 gates and then normalises each group
+    (``rms_norm_gate_first``; ``weight`` ``[features]``)."""
+
+    gate: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    group_size: int

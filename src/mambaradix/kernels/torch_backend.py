@@ -174,7 +174,7 @@ class TorchBackend(KernelBackend):
         return out
 
     def gdn_decode(self, x, a, b, conv_pool, ssm_pool, layout, conv_weight, conv_bias, A_log,
-                   dt_bias, num_k_heads, activation) -> Tensor:  # fmt: skip
+                   dt_bias, num_k_heads, activation, norm=None) -> Tensor:  # fmt: skip
         dec = layout.decode
         out = self.gated_delta_step(
             x, conv_pool, ssm_pool, dec.state_slots, conv_weight, conv_bias, a, b, A_log,
@@ -182,7 +182,9 @@ class TorchBackend(KernelBackend):
         )  # fmt: skip
         for pool in (conv_pool, ssm_pool):
             _copy_decode_snapshots(pool, dec)
-        return out
+        if norm is None:
+            return out
+        return self.rms_norm_gated(out, norm.gate.reshape(out.shape), norm.weight, norm.eps)
 
     # ------------------------------------------------------------------ Mamba2
 
@@ -203,14 +205,19 @@ class TorchBackend(KernelBackend):
         return y
 
     def mamba2_mixer_decode(self, xbc, dt_raw, conv_pool, ssm_pool, layout, conv_weight,
-                            conv_bias, activation, A_log, dt_bias, dt_limit, D,
-                            shape) -> Tensor:  # fmt: skip
-        """The composition: this backend's conv step, dt, then its scan step."""
+                            conv_bias, activation, A_log, dt_bias, dt_limit, D, shape,
+                            norm=None) -> Tensor:  # fmt: skip
+        """The composition: this backend's conv step, dt, then its scan step (and its norm)."""
         conv_out = self.conv1d_decode(xbc, conv_weight, conv_bias, conv_pool, layout, activation)
         x, B, C = mamba2.split_xbc(conv_out, shape)
         dt = mamba2.process_dt(dt_raw, dt_bias, dt_limit)
         A = -torch.exp(A_log.float())
-        return self.mamba2_decode(x, dt, A, B, C, D, ssm_pool, layout).to(xbc.dtype)
+        y = self.mamba2_decode(x, dt, A, B, C, D, ssm_pool, layout).to(xbc.dtype)
+        if norm is None:
+            return y
+        return self.rms_norm_gate_first(
+            y.view(y.shape[0], -1), norm.gate, norm.weight, norm.eps, norm.group_size
+        )
 
 
 # --------------------------------------------------------------------------- plans

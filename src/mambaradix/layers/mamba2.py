@@ -118,10 +118,15 @@ class Mamba2Mixer(KernelUser, nn.Module):
             y = rows.put(y, ops.mamba2_prefill(x, dt, A, b, c, self.D, ssm_pool, layout))
         if layout.decode is not None:
             rows = layout.decode.rows
+            # decodes alone: the op finishes with the output norm (one kernel on the cpu backend)
+            norm = None if layout.prefill is not None else self.norm.folded(gate)
             step = ops.mamba2_mixer_decode(
                 rows.take(xbc), rows.take(dt_raw), conv_pool, ssm_pool, layout, weight, bias,
                 self.activation, self.A_log, self.dt_bias, self.dt_limit, self.D, self.scan_shape,
+                norm,
             )  # fmt: skip
+            if norm is not None:
+                return self.out_proj(step)
             y = rows.put(y, step)
         out = self.norm(y.view(-1, self.intermediate), gate)
         return self.out_proj(out)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mambaradix.kernels.norm import rms_normalize
+from mambaradix.kernels.norm import GatedNorm, rms_normalize
 from mambaradix.layers.ops import KernelUser
 
 
@@ -47,6 +47,12 @@ class GatedRMSNorm(KernelUser, nn.Module):
         self.norm_before_gate = norm_before_gate
         self.group_size = group_size
         self.weight = nn.Parameter(torch.ones(dim))
+
+    def folded(self, gate: torch.Tensor) -> GatedNorm:
+        """This norm with ``gate`` ``[T, features]``, for a decode op to finish with
+        (``mamba2_mixer_decode``: gate first, per group; ``gdn_decode``: norm first, each
+        head of ``dim`` features)."""
+        return GatedNorm(gate, self.weight, self.eps, self.group_size or self.weight.numel())
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -17,12 +17,18 @@
  * conv pool, conv weight and bias, a, b, A_log, dt_bias, out) bf16, the delta-rule state fp32;
  * everything is computed in fp32, and rounded to bf16 where the torch reference holds a bf16
  * tensor (the conv output, beta, the output).
+ *
+ * Given the output norm's weight (norm_w), each head's output goes on through the layer's
+ * gated norm in the same task: out[b][h] = weight * norm(o) * silu(z[b][h]) (z: the
+ * projection's gate rows, row-strided, Dv features a head), the output rounded first where the
+ * reference holds it.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "conv_window.h"
+#include "gated_norm.h"
 #include "vec_math.h"
 
 #define GDN_CHUNK 256 /* conv channels per parallel task */
@@ -74,7 +80,8 @@ static inline __attribute__((always_inline)) void gdn_head(
     int64_t b, int64_t h, const int64_t *slots, const float *y, float *ssm_pool, const void *a,
     int64_t a_stride, const void *bgate, int64_t b_stride, const void *A_log,
     const void *dt_bias, void *out, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
-    int64_t conv_dim, const int bf)
+    int64_t conv_dim, const void *z, int64_t z_stride, const void *norm_w, float eps,
+    const int bf)
 {
     const int64_t rep = hv / hk;
     const float *yb = y + b * conv_dim;
@@ -109,8 +116,17 @@ static inline __attribute__((always_inline)) void gdn_head(
             o[j] += s * qi;
         }
     }
+    if (!norm_w) {
+        for (int64_t j = 0; j < dv; j++)
+            st(out, (b * hv + h) * dv + j, o[j], bf);
+        return;
+    }
+    /* core: the output as the reference holds it (bf16 values in core's bytes) */
+    float core[dv], gr[dv];
     for (int64_t j = 0; j < dv; j++)
-        st(out, (b * hv + h) * dv + j, o[j], bf);
+        st(core, j, o[j], bf);
+    silu_row(gr, z, b * z_stride + h * dv, dv, bf);
+    norm_gated(dv, core, 0, gr, norm_w, eps, out, (b * hv + h) * dv, bf);
 }
 
 /* The work of one thread of the team: the conv in channel chunks, then the q and k heads'
@@ -122,7 +138,7 @@ static inline __attribute__((always_inline)) void gdn_team(
     float *ssm_pool, const void *weight, const void *bias, const void *a, int64_t a_stride,
     const void *bgate, int64_t b_stride, const void *A_log, const void *dt_bias, void *out,
     int64_t hk, int64_t hv, int64_t dk, int64_t dv, int64_t kernel, int silu, int l2norm,
-    float *y, const int bf)
+    const void *z, int64_t z_stride, const void *norm_w, float eps, float *y, const int bf)
 {
     const int64_t conv_dim = 2 * hk * dk + hv * dv;
     const int64_t chunks = (conv_dim + GDN_CHUNK - 1) / GDN_CHUNK;
@@ -145,7 +161,7 @@ static inline __attribute__((always_inline)) void gdn_team(
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < hv; h++)
             gdn_head(b, h, slots, y, ssm_pool, a, a_stride, bgate, b_stride, A_log, dt_bias,
-                     out, hk, hv, dk, dv, conv_dim, bf);
+                     out, hk, hv, dk, dv, conv_dim, z, z_stride, norm_w, eps, bf);
 }
 
 #define GDN_ARGS                                                                         \
@@ -153,10 +169,12 @@ static inline __attribute__((always_inline)) void gdn_team(
         float *ssm_pool, const void *weight, const void *bias, const void *a,            \
         int64_t a_stride, const void *bgate, int64_t b_stride, const void *A_log,        \
         const void *dt_bias, void *out, int64_t hk, int64_t hv, int64_t dk, int64_t dv,  \
-        int64_t kernel, int silu, int l2norm
+        int64_t kernel, int silu, int l2norm, const void *z, int64_t z_stride,            \
+        const void *norm_w, float eps
 #define GDN_PASS                                                                          \
     B, slots, x, x_stride, conv_pool, ssm_pool, weight, bias, a, a_stride, bgate,         \
-        b_stride, A_log, dt_bias, out, hk, hv, dk, dv, kernel, silu, l2norm
+        b_stride, A_log, dt_bias, out, hk, hv, dk, dv, kernel, silu, l2norm, z, z_stride, \
+        norm_w, eps
 
 #define GDN_DECODE(bf)                                                                    \
     do {                                                                                  \

@@ -16,20 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "vec_math.h"
-
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-ALWAYS_INLINE float inv_rms(const void *x, int64_t off, int64_t dim, float eps, const int bf)
-{
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < dim; i++) {
-        const float v = ld(x, off + i, bf);
-        ss += v * v;
-    }
-    return 1.0f / sqrtf(ss / (float)dim + eps);
-}
+#include "gated_norm.h"
 
 /* One row (norm, norm_gated) or head (norm_rope) per call; the exported functions below own
  * the parallel loops, so that each OpenMP region is outlined with `bf` a constant. */
@@ -47,37 +34,6 @@ ALWAYS_INLINE void norm(
         for (int64_t i = 0; i < dim; i++)
             st(out, oo + i, ld(weight, i, bf) * rnd(ld(x, xo + i, bf) * inv, bf), bf);
     }
-}
-
-ALWAYS_INLINE void norm_gated(
-    int64_t dim, const void *x, int64_t xo, const float *gr, const void *weight, float eps,
-    void *out, int64_t oo, const int bf)
-{
-    const float inv = inv_rms(x, xo, dim, eps, bf);
-#pragma omp simd
-    for (int64_t i = 0; i < dim; i++) {
-        const float y = rnd(ld(weight, i, bf) * rnd(ld(x, xo + i, bf) * inv, bf), bf);
-        st(out, oo + i, y * gr[i], bf);
-    }
-}
-
-/* Mamba2's gate-first norm of one group: v = x * silu(gate) in fp32, out = weight *
- * round(v / rms(v)) (the reference normalises in fp32, rounds, then multiplies by the weight in
- * the model's dtype). */
-ALWAYS_INLINE void norm_gate_first(
-    int64_t dim, const void *x, int64_t xo, const float *gr, const void *weight, int64_t wo,
-    float eps, void *out, int64_t oo, const int bf)
-{
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < dim; i++) {
-        const float v = ld(x, xo + i, bf) * gr[i];
-        ss += v * v;
-    }
-    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < dim; i++)
-        st(out, oo + i, ld(weight, wo + i, bf) * rnd(ld(x, xo + i, bf) * gr[i] * inv, bf), bf);
 }
 
 ALWAYS_INLINE void norm_rope(

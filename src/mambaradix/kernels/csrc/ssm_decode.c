@@ -9,7 +9,9 @@
  *   ([P][N], fp32): S = exp(dt A) S + dt x B^T;  y = S C + D x, all in fp32; y fp32.
  *   x, B and C rows are addressed with their own row strides (views of the conv output).
  * mamba2_decode: the two above as one step from the input projection's xBC and raw dt rows,
- *   with dt's softplus and clamp and A = -exp(A_log) inside (see m2_decode_team).
+ *   with dt's softplus and clamp and A = -exp(A_log) inside (see m2_decode_team); given the
+ *   output norm's weight, also the mixer's gate-first norm of y with the projection's gate rows
+ *   (out = weight * norm(y * silu(z)) per group), so y never leaves the call.
  * mamba2_scan: the prefill scan of S varlen segments, token after token with the step above
  *   (see m2_scan_task); the state after any token is there for a snapshot. Returns 0, or -1
  *   (nothing done) when its scratch cannot be had.
@@ -24,6 +26,7 @@
 #include <stdlib.h>
 
 #include "conv_window.h"
+#include "gated_norm.h"
 #include "vec_math.h"
 
 #define CONV_CHUNK 256 /* channels per parallel task */
@@ -140,14 +143,16 @@ static inline __attribute__((always_inline)) void m2_step_head(
  * views of it, same stride): conv (+ activation) into `conv_out` ([B][C] scratch, model dtype,
  * as the reference holds it), then per head dt = clamp(softplus(dt_raw + dt_bias)),
  * A = -exp(A_log) and the scan step; y [B][H][P] in the model dtype. One call where the
- * composed step took ten torch operations between the two kernels. Called by every thread of
- * the exported functions' parallel regions. */
+ * composed step took ten torch operations between the two kernels. With `norm_w`, then the
+ * gate-first norm of each group of `group` features of y with the gate rows z (row-strided as
+ * xBC) into `out` [B][H * P] (y is scratch then). Called by every thread of the exported
+ * functions' parallel regions. */
 static inline __attribute__((always_inline)) void m2_decode_team(
     int64_t B, const int64_t *slots, const void *xbc, const void *dt_raw, int64_t in_stride,
     void *conv_pool, const void *conv_w, const void *conv_b, int64_t kernel, int silu,
     float *ssm_pool, const void *A_log, const void *dt_bias, float dt_lo, float dt_hi,
-    const void *D, void *y, int64_t H, int64_t P, int64_t G, int64_t N, void *conv_out,
-    const int bf)
+    const void *D, void *y, int64_t H, int64_t P, int64_t G, int64_t N, const void *z,
+    const void *norm_w, float eps, int64_t group, void *out, void *conv_out, const int bf)
 {
     const int64_t C = H * P + 2 * G * N, hpg = H / G;
     const int64_t chunks = (C + CONV_CHUNK - 1) / CONV_CHUNK;
@@ -169,6 +174,17 @@ static inline __attribute__((always_inline)) void m2_decode_team(
             m2_head(ssm_pool + (slots[b] * H + h) * P * N, conv_out, row + h * P, conv_out, bc,
                     conv_out, bc + G * N, d, -expf(ld(A_log, h, bf)), D ? ld(D, h, bf) : 0.0f, y,
                     (b * H + h) * P, P, N, bf, bf);
+        }
+    if (!norm_w)
+        return;
+    const int64_t groups = H * P / group; /* (the loop above ends with a barrier) */
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t g = 0; g < groups; g++) {
+            float gr[group];
+            silu_row(gr, z, b * in_stride + g * group, group, bf);
+            norm_gate_first(group, y, b * H * P + g * group, gr, norm_w, g * group, eps, out,
+                            b * H * P + g * group, bf);
         }
 }
 
@@ -199,13 +215,16 @@ void mamba2_step_bf16(STEP_ARGS) { M2_STEP(1); }
     int64_t B, const int64_t *slots, const void *xbc, const void *dt_raw, int64_t in_stride, \
         void *conv_pool, const void *conv_w, const void *conv_b, int64_t kernel, int silu,   \
         float *ssm_pool, const void *A_log, const void *dt_bias, float dt_lo, float dt_hi,   \
-        const void *D, void *y, int64_t H, int64_t P, int64_t G, int64_t N
+        const void *D, void *y, int64_t H, int64_t P, int64_t G, int64_t N, const void *z,    \
+        const void *norm_w, float eps, int64_t group, void *out
+/* conv_out and (with the norm) y: scratch in the model dtype, as the reference holds them */
 #define DECODE_STEP(bf, T)                                                                  \
     do {                                                                                    \
         T *conv_out = malloc(sizeof(T) * (size_t)(B * (H * P + 2 * G * N)));                \
         _Pragma("omp parallel") m2_decode_team(                                             \
             B, slots, xbc, dt_raw, in_stride, conv_pool, conv_w, conv_b, kernel, silu,       \
-            ssm_pool, A_log, dt_bias, dt_lo, dt_hi, D, y, H, P, G, N, conv_out, bf);         \
+            ssm_pool, A_log, dt_bias, dt_lo, dt_hi, D, y, H, P, G, N, z, norm_w, eps, group, \
+            out, conv_out, bf);                                                             \
         free(conv_out);                                                                     \
     } while (0)
 
