@@ -13,6 +13,13 @@ Three figures, alternated over rounds, all on the runner's thread (``ModelRunner
 
 If the two parts add up to the forward, the linears run among the other ops as fast as alone.
 
+Then what bounds the step: the read bandwidth (``torch.sum`` over 1 GiB, best of 5, on the
+runner's thread, alternated with the rounds), the weight bytes a step reads (as the limit of
+``bench_real.py`` counts them) and the recurrent-state bytes it reads and writes (every
+decode's conv and temporal state, once each way): their times at that bandwidth, the ceiling
+of decode tok/s over the weight-only limit that the state traffic leaves, and the rest of the
+forward (norms, attention, Python and the kernel calls' fixed costs).
+
     HF_HUB_OFFLINE=1 python bench/bench_decode_parts.py --preset lfm2_350m [--batch 64]
 """
 
@@ -29,7 +36,13 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_real import PRESETS, decode_engine, engine_decode  # noqa: E402
+from bench_real import (  # noqa: E402
+    PRESETS,
+    decode_engine,
+    engine_decode,
+    read_bandwidth,
+    weight_figures,
+)
 
 
 def main() -> None:
@@ -98,7 +111,9 @@ def main() -> None:
 
     figures: dict[str, list[float]] = {"forward": [], "without the linears": [],
                                        "linears alone": []}  # fmt: skip
+    bandwidth: list[float] = []
     for r in tqdm(range(args.rounds), desc="rounds", leave=False):
+        bandwidth.append(eng.runner.on_thread(read_bandwidth, args.threads).result())
         for name, ops in (("forward", (linear, gated_mlp)),
                           ("without the linears", (fake_linear, fake_mlp))):  # fmt: skip
             backend.linear, backend.gated_mlp = ops
@@ -116,7 +131,23 @@ def main() -> None:
     parts = statistics.median(figures["without the linears"]) + statistics.median(
         figures["linears alone"]
     )
-    print(f"parts / forward: {parts / statistics.median(figures['forward']):.2f}")
+    forward = statistics.median(figures["forward"])
+    print(f"parts / forward: {parts / forward:.2f}")
+    bw = statistics.median(bandwidth)
+    weights, _ = weight_figures(model)
+    state = 2 * rows * eng.runner.state_pool.slot_bytes  # read and written once a step
+    each = ", ".join(f"{b / 1e9:.1f}" for b in bandwidth)
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s median ({each})")
+    print(f"weights  {weights / 1e9:.3f} GB a step: {weights / bw * 1e3:6.2f} ms at that bandwidth")
+    print(
+        f"states   {state / 1e6:.1f} MB read + written: {state / bw * 1e3:6.2f} ms; ceiling of "
+        f"decode over the weight-only limit: {weights / (weights + state):.3f}"
+    )
+    rest = forward - (weights + state) / bw
+    print(
+        f"rest of the forward {rest * 1e3:.2f} ms ({rest / forward:.0%}); forward over the "
+        f"weight-only limit: {weights / bw / forward:.3f}"
+    )
 
 
 if __name__ == "__main__":
