@@ -115,7 +115,7 @@ class GatedDeltaNet(KernelUser, nn.Module):
         if layout.decode is not None:
             rows = layout.decode.rows
             # decodes alone: the op finishes with the output norm (one kernel on the cpu backend)
-            norm = None if layout.prefill is not None else self.norm.folded(z.flatten(1))
+            norm = self.norm.folded(z.flatten(1)) if rows.whole else None
             o = ops.gdn_decode(
                 rows.take(mixed), rows.take(a), rows.take(b), conv_pool, ssm_pool, layout,
                 weight, self.conv1d.bias, self.A_log, self.dt_bias, self.hk, self.activation,

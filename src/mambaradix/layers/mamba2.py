@@ -119,7 +119,7 @@ class Mamba2Mixer(KernelUser, nn.Module):
         if layout.decode is not None:
             rows = layout.decode.rows
             # decodes alone: the op finishes with the output norm (one kernel on the cpu backend)
-            norm = None if layout.prefill is not None else self.norm.folded(gate)
+            norm = self.norm.folded(gate) if rows.whole else None
             step = ops.mamba2_mixer_decode(
                 rows.take(xbc), rows.take(dt_raw), conv_pool, ssm_pool, layout, weight, bias,
                 self.activation, self.A_log, self.dt_bias, self.dt_limit, self.D, self.scan_shape,
