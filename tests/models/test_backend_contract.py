@@ -20,6 +20,7 @@ from mambaradix.core import ForwardReq
 from mambaradix.kernels.backend import backend_names, create_backend
 from mambaradix.kernels.gated_delta import gdn_gates
 from mambaradix.kernels.mamba2 import process_dt
+from mambaradix.kernels.norm import GatedNorm
 from mambaradix.kernels.torch_backend import TorchBackend
 from mambaradix.layers.moe import experts_forward
 from mambaradix.layout import ForwardLayout
@@ -117,6 +118,15 @@ class _Ops:
         )
         T = self.layout.num_tokens
         self.q, self.k, self.v = (_rand(g, T, h, 128, dtype=dt) for h in (8, 2, 2))
+        # the mixers' output norms handed to their decode ops (gate rows, weight)
+        g = torch.Generator().manual_seed(2)
+        self.gdn_norm = GatedNorm(
+            _rand(g, Td, self.hv * self.dv, dtype=dt), (1 + _rand(g, self.dv, scale=0.2)).to(dt),
+            1e-6, self.dv,
+        )  # fmt: skip
+        self.m2_norm = GatedNorm(
+            _rand(g, Td, H * P, dtype=dt), (1 + _rand(g, H * P, scale=0.2)).to(dt), 1e-6, H * P
+        )
 
     # each returns (outputs, pools) after running on fresh copies of the pools
     def conv_prefill(self, be, layout=None):
@@ -147,14 +157,17 @@ class _Ops:
         )  # fmt: skip
         return [y], pools
 
-    def gdn_decode(self, be):
+    def gdn_decode(self, be, norm=None):
         pools = {k: v.clone() for k, v in self.gdn.items()}
         y = be.gdn_decode(
             self.x_dec, *self.ab_dec, pools["conv_pool"],
             pools["ssm_pool"], self.layout, self.conv_w, self.conv_b, self.A_log, self.dt_bias,
-            self.hk, "silu",
+            self.hk, "silu", norm,
         )  # fmt: skip
         return [y], pools
+
+    def gdn_decode_norm(self, be):
+        return self.gdn_decode(be, self.gdn_norm)
 
     def mamba2_prefill(self, be, layout=None):
         pools = {"ssm_pool": self.m2["ssm_pool"].clone()}
@@ -170,7 +183,10 @@ class _Ops:
                              pools["ssm_pool"], self.layout)  # fmt: skip
         return [y], pools
 
-    def mamba2_mixer_decode(self, be):
+    def mamba2_mixer_decode_norm(self, be):
+        return self.mamba2_mixer_decode(be, self.m2_norm)
+
+    def mamba2_mixer_decode(self, be, norm=None):
         pools = {
             **{k: v.clone() for k, v in self.m2_conv.items()},
             "ssm_pool": self.m2["ssm_pool"].clone(),
@@ -181,6 +197,7 @@ class _Ops:
         y = be.mamba2_mixer_decode(
             xbc, dt_raw, pools["conv_pool"], pools["ssm_pool"], self.layout, self.m2_conv_w,
             self.m2_conv_b, "silu", *self.m2_params, (0.0, float("inf")), self.m2_D, self.m2_shape,
+            norm,
         )  # fmt: skip
         return [y], pools
 
@@ -230,8 +247,9 @@ class _Ops:
         return t[start : start + layout.prefill.num_tokens]
 
 
-STATE_OPS = ["conv_prefill", "conv_decode", "gdn_prefill", "gdn_decode", "mamba2_prefill",
-             "mamba2_decode", "mamba2_mixer_decode", "attention", "per_token"]  # fmt: skip
+STATE_OPS = ["conv_prefill", "conv_decode", "gdn_prefill", "gdn_decode", "gdn_decode_norm",
+             "mamba2_prefill", "mamba2_decode", "mamba2_mixer_decode", "mamba2_mixer_decode_norm",
+             "attention", "per_token"]  # fmt: skip
 PREFILL_OPS = {"conv_prefill": "conv_pool", "gdn_prefill": "ssm_pool", "mamba2_prefill": "ssm_pool"}
 
 
@@ -269,8 +287,10 @@ def contract_failures(backend, case: Case) -> list[str]:
         ("conv_decode", "conv_pool"),
         ("gdn_decode", "ssm_pool"),
         ("mamba2_decode", "ssm_pool"),
+        ("gdn_decode_norm", "ssm_pool"),
         ("mamba2_mixer_decode", "conv_pool"),
         ("mamba2_mixer_decode", "ssm_pool"),
+        ("mamba2_mixer_decode_norm", "ssm_pool"),
     ):
         _, pools = getattr(ops, name)(backend)
         for src, dst in zip(dec.snapshot_src.tolist(), dec.snapshot_slots.tolist()):
@@ -303,6 +323,23 @@ class _DropsSnapshots(TorchBackend):
 
 def _restore(pool: torch.Tensor, before: torch.Tensor, slots: torch.Tensor) -> None:
     pool[slots] = before[slots]
+
+
+class _IgnoresNorms(TorchBackend):
+    """Accepts the mixers' output norm but returns the decode step's output without it."""
+
+    def gdn_decode(self, *args, norm=None):
+        return super().gdn_decode(*args[:12])
+
+    def mamba2_mixer_decode(self, *args, norm=None):
+        return super().mamba2_mixer_decode(*args[:13])
+
+
+def test_a_backend_that_ignores_the_output_norm_fails_the_contract() -> None:
+    failures = contract_failures(_IgnoresNorms(), CASES["bf16"])
+    assert "gdn_decode_norm: output 0 differs from the reference" in failures, failures
+    assert "mamba2_mixer_decode_norm: output 0 differs from the reference" in failures, failures
+    assert not any(f.startswith(("gdn_decode:", "mamba2_mixer_decode:")) for f in failures)
 
 
 def test_a_backend_that_drops_snapshots_fails_the_contract() -> None:
