@@ -9,7 +9,12 @@ Three figures, alternated over rounds, all on the runner's thread (``ModelRunner
   answered by a preallocated output (no weight is read): the recurrent steps, norms,
   attention, sampling's share and Python;
 - **linears alone**: the linear and gated-MLP calls of one such step, captured with their
-  inputs, replayed in the model's order.
+  inputs, replayed in the model's order;
+- **native calls alone**: every C kernel call of that step (linears, recurrent steps, norms,
+  attention, sampling), captured at the ctypes boundary with every tensor of the step kept
+  alive, replayed with the same arguments: the step without Python between the kernels, what
+  replaying a recorded step from C would approach. The replays run the state kernels again on
+  the captured slots (timing only: the benchmark's outputs are not used).
 
 If the two parts add up to the forward, the linears run among the other ops as fast as alone.
 
@@ -32,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -55,6 +61,8 @@ def main() -> None:
     args = ap.parse_args()
     rows = args.batch  # (under 128: prompts are 128 tokens, so no prefill has this many rows)
 
+    from mambaradix.kernels import native
+
     eng = decode_engine(args.preset, args.threads)
     backend, model = eng.runner.backend, eng.model
     linear, gated_mlp, forward = backend.linear, backend.gated_mlp, model.forward
@@ -73,12 +81,38 @@ def main() -> None:
 
     times: list[float] = []
     capture = {"on": False, "done": False}  # the first whole-batch decode step is captured
+    native_calls: list[tuple] = []
+    kept: list = []  # every tensor of the captured step, so its pointers stay valid
+
+    class KeepTensors(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            kept.append(out)
+            return out
+
+    def recorder(fn):
+        def recorded(*a):
+            if capture["on"]:
+                native_calls.append((fn, a))
+            return fn(*a)
+
+        return recorded
+
+    for lib_name, functions in native.SIGNATURES.items():
+        lib = native.load(lib_name)
+        for fn in functions if lib is not None else ():
+            setattr(lib, fn, recorder(getattr(lib, fn)))
 
     def timed_forward(ctx):
         whole = ctx.layout.prefill is None and len(ctx.layout.reqs) == rows
         capture["on"] = whole and not capture["done"]
         t = time.perf_counter()
-        out = forward(ctx)
+        if capture["on"]:
+            with KeepTensors():
+                out = forward(ctx)
+            kept.append(ctx)
+        else:
+            out = forward(ctx)
         if whole:
             times.append(time.perf_counter() - t)
         capture["done"] |= capture["on"]
@@ -109,8 +143,14 @@ def main() -> None:
             fn(*a)
         return time.perf_counter() - t
 
+    def replay_native() -> float:
+        t = time.perf_counter()
+        for fn, a in native_calls:
+            fn(*a)
+        return time.perf_counter() - t
+
     figures: dict[str, list[float]] = {"forward": [], "without the linears": [],
-                                       "linears alone": []}  # fmt: skip
+                                       "linears alone": [], "native calls alone": []}  # fmt: skip
     bandwidth: list[float] = []
     for r in tqdm(range(args.rounds), desc="rounds", leave=False):
         bandwidth.append(eng.runner.on_thread(read_bandwidth, args.threads).result())
@@ -123,8 +163,11 @@ def main() -> None:
         backend.linear, backend.gated_mlp = linear, gated_mlp
         runs = eng.runner.on_thread(lambda: [replay() for _ in range(5)]).result()
         figures["linears alone"].append(statistics.median(runs))
+        runs = eng.runner.on_thread(lambda: [replay_native() for _ in range(5)]).result()
+        figures["native calls alone"].append(statistics.median(runs))
     eng.shutdown()
-    print(f"{args.preset}, batch {rows}: {len(step)} linear / gated-MLP calls a decode step")
+    print(f"{args.preset}, batch {rows}: {len(step)} linear / gated-MLP calls and "
+          f"{len(native_calls)} native calls in all a decode step")  # fmt: skip
     for name, v in figures.items():
         print(f"{name:22s} {statistics.median(v) * 1e3:7.2f} ms median "
               f"({', '.join(f'{x * 1e3:.1f}' for x in v)})")  # fmt: skip
@@ -133,6 +176,8 @@ def main() -> None:
     )
     forward = statistics.median(figures["forward"])
     print(f"parts / forward: {parts / forward:.2f}")
+    alone = statistics.median(figures["native calls alone"])
+    print(f"native calls alone / forward: {alone / forward:.2f}")
     bw = statistics.median(bandwidth)
     weights, _ = weight_figures(model)
     state = 2 * rows * eng.runner.state_pool.slot_bytes  # read and written once a step
