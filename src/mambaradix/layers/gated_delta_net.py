@@ -111,18 +111,20 @@ class GatedDeltaNet(KernelUser, nn.Module):
         conv_pool, ssm_pool = pool.conv[self.state_layer], pool.temporal[self.state_layer]
         mixed, z, b, a = self._project(x)
         weight = self.conv1d.weight.squeeze(1)
+        if layout.decode is not None and layout.decode.rows.whole:
+            # decodes alone: the op finishes with the output norm (one kernel on the cpu backend)
+            o = ops.gdn_decode(
+                mixed, a, b, conv_pool, ssm_pool, layout, weight, self.conv1d.bias, self.A_log,
+                self.dt_bias, self.hk, self.activation, self.norm.folded(z.flatten(1)),
+            )  # fmt: skip
+            return self.out_proj(o.reshape(x.shape[0], self.value_dim))
         core = torch.empty(x.shape[0], self.hv, self.dv, dtype=x.dtype, device=x.device)
         if layout.decode is not None:
             rows = layout.decode.rows
-            # decodes alone: the op finishes with the output norm (one kernel on the cpu backend)
-            norm = self.norm.folded(z.flatten(1)) if rows.whole else None
             o = ops.gdn_decode(
                 rows.take(mixed), rows.take(a), rows.take(b), conv_pool, ssm_pool, layout,
                 weight, self.conv1d.bias, self.A_log, self.dt_bias, self.hk, self.activation,
-                norm,
             )  # fmt: skip
-            if norm is not None:
-                return self.out_proj(o.reshape(x.shape[0], self.value_dim))
             core = rows.put(core, o)
         if layout.prefill is not None:
             rows = layout.prefill.rows

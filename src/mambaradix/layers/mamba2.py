@@ -105,8 +105,16 @@ class Mamba2Mixer(KernelUser, nn.Module):
         conv_pool, ssm_pool = ctx.state_pool.conv[j], ctx.state_pool.temporal[j]
         proj = self.in_proj(hidden)
         gate, xbc, dt_raw = proj.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
-        y = hidden.new_empty((hidden.shape[0], self.num_heads, self.head_dim))
         weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
+        if layout.decode is not None and layout.decode.rows.whole:
+            # decodes alone: the op finishes with the output norm (one kernel on the cpu backend)
+            out = ops.mamba2_mixer_decode(
+                xbc, dt_raw, conv_pool, ssm_pool, layout, weight, bias, self.activation,
+                self.A_log, self.dt_bias, self.dt_limit, self.D, self.scan_shape,
+                self.norm.folded(gate),
+            )  # fmt: skip
+            return self.out_proj(out)
+        y = hidden.new_empty((hidden.shape[0], self.num_heads, self.head_dim))
         if layout.prefill is not None:
             rows = layout.prefill.rows
             conv_out = ops.conv1d_prefill(
@@ -118,15 +126,10 @@ class Mamba2Mixer(KernelUser, nn.Module):
             y = rows.put(y, ops.mamba2_prefill(x, dt, A, b, c, self.D, ssm_pool, layout))
         if layout.decode is not None:
             rows = layout.decode.rows
-            # decodes alone: the op finishes with the output norm (one kernel on the cpu backend)
-            norm = self.norm.folded(gate) if rows.whole else None
             step = ops.mamba2_mixer_decode(
                 rows.take(xbc), rows.take(dt_raw), conv_pool, ssm_pool, layout, weight, bias,
                 self.activation, self.A_log, self.dt_bias, self.dt_limit, self.D, self.scan_shape,
-                norm,
             )  # fmt: skip
-            if norm is not None:
-                return self.out_proj(step)
             y = rows.put(y, step)
         out = self.norm(y.view(-1, self.intermediate), gate)
         return self.out_proj(out)
