@@ -12,9 +12,12 @@ Three figures, alternated over rounds, all on the runner's thread (``ModelRunner
   inputs, replayed in the model's order;
 - **native calls alone**: every C kernel call of that step (linears, recurrent steps, norms,
   attention, sampling), captured at the ctypes boundary with every tensor of the step kept
-  alive, replayed with the same arguments: the step without Python between the kernels, what
-  replaying a recorded step from C would approach. The replays run the state kernels again on
-  the captured slots (timing only: the benchmark's outputs are not used).
+  alive, replayed with the same arguments: the step without Python between the kernels. The
+  replays run the state kernels again on the captured slots (timing only: the benchmark's
+  outputs are not used);
+- **replayed step**: the engine's own decode step graph (``engine.step_graph``: the recorded
+  step replayed with each step's inputs written in), timed inside the runner as the forward
+  is. The first three figures run with the graphs off (the Python forward).
 
 If the two parts add up to the forward, the linears run among the other ops as fast as alone.
 
@@ -65,6 +68,8 @@ def main() -> None:
 
     eng = decode_engine(args.preset, args.threads)
     backend, model = eng.runner.backend, eng.model
+    graphs = eng.runner.graphs  # off for the Python forward's figures
+    eng.runner.graphs = None
     linear, gated_mlp, forward = backend.linear, backend.gated_mlp, model.forward
     outputs: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -104,6 +109,18 @@ def main() -> None:
         for fn in functions if lib is not None else ():
             originals.append((lib, fn, getattr(lib, fn)))
             setattr(lib, fn, recorder(getattr(lib, fn)))
+
+    def timed_graph(ctx):
+        whole = ctx.layout.prefill is None and len(ctx.layout.reqs) == rows
+        t = time.perf_counter()
+        out = graph_forward(ctx)
+        if whole and out is not None:
+            times.append(time.perf_counter() - t)
+        return out
+
+    if graphs is not None:
+        graph_forward = graphs.forward
+        graphs.forward = timed_graph
 
     def timed_forward(ctx):
         whole = ctx.layout.prefill is None and len(ctx.layout.reqs) == rows
@@ -154,7 +171,8 @@ def main() -> None:
         return time.perf_counter() - t
 
     figures: dict[str, list[float]] = {"forward": [], "without the linears": [],
-                                       "linears alone": [], "native calls alone": []}  # fmt: skip
+                                       "linears alone": [], "native calls alone": [],
+                                       "replayed step": []}  # fmt: skip
     bandwidth: list[float] = []
     for r in tqdm(range(args.rounds), desc="rounds", leave=False):
         bandwidth.append(eng.runner.on_thread(read_bandwidth, args.threads).result())
@@ -169,10 +187,19 @@ def main() -> None:
         figures["linears alone"].append(statistics.median(runs))
         runs = eng.runner.on_thread(lambda: [replay_native() for _ in range(5)]).result()
         figures["native calls alone"].append(statistics.median(runs))
+        if graphs is not None:
+            eng.runner.graphs = graphs
+            times.clear()
+            engine_decode(eng, rows, model.vocab_size, args.steps, r + 2)
+            eng.runner.graphs = None
+            if times:  # (none when the step cannot be replayed: the engine logged why)
+                figures["replayed step"].append(statistics.median(times))
     eng.shutdown()
     print(f"{args.preset}, batch {rows}: {len(step)} linear / gated-MLP calls and "
           f"{len(native_calls)} native calls in all a decode step")  # fmt: skip
     for name, v in figures.items():
+        if not v:
+            continue
         print(f"{name:22s} {statistics.median(v) * 1e3:7.2f} ms median "
               f"({', '.join(f'{x * 1e3:.1f}' for x in v)})")  # fmt: skip
     parts = statistics.median(figures["without the linears"]) + statistics.median(
@@ -182,6 +209,9 @@ def main() -> None:
     print(f"parts / forward: {parts / forward:.2f}")
     alone = statistics.median(figures["native calls alone"])
     print(f"native calls alone / forward: {alone / forward:.2f}")
+    if figures["replayed step"]:
+        replayed = statistics.median(figures["replayed step"])
+        print(f"replayed step / forward: {replayed / forward:.2f}")
     bw = statistics.median(bandwidth)
     weights, _ = weight_figures(model)
     state = 2 * rows * eng.runner.state_pool.slot_bytes  # read and written once a step

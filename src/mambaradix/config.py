@@ -100,6 +100,14 @@ class EngineConfig:
         "Seconds a forward may run with work pending before /health reports the engine stuck "
         "(503).",
     )
+    disable_decode_graph: bool = opt(
+        False,
+        "Run every decode step through the model's Python forward instead of replaying the "
+        "step recorded for its batch size (as SGLang's --disable-cuda-graph).",
+    )
+    decode_graph_max_bs: int = opt(
+        64, "Largest decode batch whose steps are recorded and replayed (--cuda-graph-max-bs)."
+    )
     num_threads: int = opt(0, "torch intra-op threads; 0 keeps torch's default.")
     kernel_backend: str = opt(
         "auto",
@@ -122,6 +130,8 @@ class EngineConfig:
             raise ValueError("--mem-budget-gb must be >= 0 (0: use --mem-fraction-static)")
         if not 0 < self.mamba_full_memory_ratio:
             raise ValueError("--mamba-full-memory-ratio must be > 0")
+        if self.decode_graph_max_bs < 0:
+            raise ValueError("--decode-graph-max-bs must be >= 0")
         if not self.watchdog_timeout > 0:
             raise ValueError("--watchdog-timeout must be > 0")
         check_device(self.device)

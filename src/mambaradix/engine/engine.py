@@ -147,8 +147,9 @@ class Engine:
         self._compiling: set[str] = set()  # rids whose grammar is compiling (not queued yet)
         self._aborted_early: set[str] = set()  # of those, aborted before they were queued
         self.runner = ModelRunner(
-            model, self.kv_pool, self.state_pool, cfg.device, self.backend, self.structured
-        )
+            model, self.kv_pool, self.state_pool, cfg.device, self.backend, self.structured,
+            decode_graph_max_bs=0 if cfg.disable_decode_graph else cfg.decode_graph_max_bs,
+        )  # fmt: skip
         if cfg.device == "cpu":  # before the warm-up, whose heap growth is then kept
             keep_freed_memory()
         if not cfg.skip_warmup:

@@ -17,6 +17,7 @@ from mambaradix.cache.state_pool import StatePool
 from mambaradix.core import ForwardBatch, ForwardReq, SamplingParams, StateOps
 from mambaradix.engine.batch import FUTURE_STRIDE, RunBatch, RunResult
 from mambaradix.engine.sampler import sample, top_logprobs
+from mambaradix.engine.step_graph import DecodeGraphs
 from mambaradix.engine.structured import BatchMasks, StructuredOutput
 from mambaradix.kernels.backend import KernelBackend, reference_backend
 from mambaradix.kernels.sampling import argmax_logsumexp, logprobs_of
@@ -34,7 +35,8 @@ class ModelRunner:
     """Contract: ``run(batch)`` resolves placeholder tokens from earlier batches, applies
     ``batch.forward.state_ops`` (copies, then clears) before any layer reads a state, builds the
     forward's layout once (``ForwardLayout.build``) and lets the backend prepare it, runs the
-    model and samples the rows in ``sample_rows``. The model is bound to ``backend`` here."""
+    model (or replays a recorded decode step: ``engine.step_graph``) and samples the rows in
+    ``sample_rows``. The model is bound to ``backend`` here."""
 
     def __init__(
         self,
@@ -44,6 +46,7 @@ class ModelRunner:
         device: str = "cpu",
         backend: KernelBackend | None = None,
         structured: StructuredOutput | None = None,
+        decode_graph_max_bs: int = 0,
     ) -> None:
         self.model = model
         self.structured = structured  # grammar masks of structured-output rows
@@ -58,6 +61,12 @@ class ModelRunner:
         self._carry: dict = {}  # ForwardLayout.carry: kept from one forward to the next
         self._executor: ThreadPoolExecutor | None = None
         self._num_threads = torch.get_num_threads()
+        # decode steps of up to this many requests are recorded once and replayed (0: never)
+        self.graphs = (
+            DecodeGraphs(model, self.backend, kv_pool, state_pool, decode_graph_max_bs)
+            if decode_graph_max_bs > 0 and getattr(model, "replayable_decode", False)
+            else None
+        )
 
     def _resolve(self, ids: list[int]) -> list[int]:
         out = []
@@ -82,7 +91,10 @@ class ModelRunner:
                 fb.reqs, self.device, fb.decode_table, with_kv=self._with_kv, carry=self._carry
             )
             self.backend.prepare(layout)
-            logits = self.model.forward(ForwardContext(layout, self.kv_pool, self.state_pool))
+            ctx = ForwardContext(layout, self.kv_pool, self.state_pool)
+            logits = self.graphs.forward(ctx) if self.graphs is not None else None
+            if logits is None:
+                logits = self.model.forward(ctx)
             sample_rows = batch.sample_rows
             first_row: list[int] = []
             if batch.prompt_rows:  # some requests return logits for all their new tokens

@@ -80,6 +80,12 @@ def decode_plan(
     changed but kept their prefix slots are still served exactly: a piece only needs its
     members to start with its slots.)"""
     B = slot_table.shape[0]
+    longest = int(seq_lens.max()) if B else 0
+    if longest > slot_table.shape[1]:  # a kernel would read past the table
+        raise ValueError(
+            f"attention_decode: a seq_len of {longest} exceeds the slot table's "
+            f"{slot_table.shape[1]} columns"
+        )
     if previous is not None and _still_fits(previous, slot_table, seq_lens, num_kv_heads):
         return DecodePlan(
             slot_table,

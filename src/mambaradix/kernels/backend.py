@@ -52,6 +52,14 @@ class KernelBackend(ABC):
     def prepare(self, layout: ForwardLayout) -> None:
         """Build this backend's per-forward tensors into ``layout.meta``."""
 
+    def replayable(self, layout: ForwardLayout, num_kv_heads: int) -> bool:
+        """Whether a decode forward over ``layout`` (prepared) may be recorded and replayed
+        (``engine.step_graph``): the backend builds now every plan it would build inside the
+        forward (none may be built while a step is recorded) and answers True when those plans
+        have no structure that depends on the step's data beyond the layout's tensors.
+        ``num_kv_heads``: the KV pool's heads (0 without attention). Default: False."""
+        return False
+
     # ------------------------------------------------------------ attention over the KV pool
     @abstractmethod
     def store_kv(self, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor,

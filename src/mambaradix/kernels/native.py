@@ -18,6 +18,7 @@ or a failed build, leaves the torch kernels in place with one warning.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -26,6 +27,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from mambaradix.kernels.openmp import openmp_runtime_path
@@ -242,6 +246,9 @@ SIGNATURES["moe"]["moe_unpad_bf16"] = [*SIGNATURES["moe"]["moe_unpad"], _INT]  #
 RESULTS = {"moe_pad": _I64, "moe_pad_bf16": _I64, "linear_uses_dpbf16": _INT}
 RESULTS.update({f"{scan}{v}": _INT for scan in ("mamba2_scan", "gated_delta_scan", "conv1d_prefill")
                 for v in ("", "_bf16")})  # fmt: skip
+# of those, the ones whose value depends on the data (a recorded step that calls one cannot be
+# replayed: Python read what the call returned); linear_uses_dpbf16 describes the build
+DATA_RESULTS = frozenset(RESULTS) - {"linear_uses_dpbf16"}
 
 
 def cache_dir() -> Path:
@@ -329,3 +336,64 @@ def load(name: str) -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether every native kernel builds and loads here."""
     return all(load(name) is not None for name in SIGNATURES)
+
+
+# ------------------------------------------------------------------ recording calls
+
+
+@dataclass(slots=True)
+class NativeCall:
+    """One call of an exported C function: ``function(*args)`` (the ctypes function itself,
+    argtypes set), with the positions of its pointer arguments."""
+
+    name: str
+    function: ctypes._CFuncPtr
+    args: tuple
+    pointers: tuple[int, ...]
+
+
+_thread = threading.local()  # .calls: the list the current thread records into, if any
+_install_lock = threading.Lock()
+_installed: list[tuple[ctypes.CDLL, str, object]] = []  # (library, name, original function)
+_recorders = 0
+
+
+def _recorded(name: str, function, pointers: tuple[int, ...]):
+    def call(*args):
+        calls = getattr(_thread, "calls", None)
+        if calls is not None:
+            calls.append(NativeCall(name, function, args, pointers))
+        return function(*args)
+
+    return call
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[NativeCall]]:
+    """Every native call this thread makes inside the block, in order (other threads' calls
+    pass through unrecorded). While any thread records, each exported function is wrapped;
+    the originals are put back when the last recording ends."""
+    global _recorders
+    with _install_lock:
+        if _recorders == 0:
+            for lib_name, functions in SIGNATURES.items():
+                lib = load(lib_name)
+                for fn in functions if lib is not None else ():
+                    original = getattr(lib, fn)
+                    ptrs = tuple(i for i, t in enumerate(functions[fn]) if t is _PTR)
+                    _installed.append((lib, fn, original))
+                    setattr(lib, fn, _recorded(fn, original, ptrs))
+        _recorders += 1
+    calls: list[NativeCall] = []
+    outer = getattr(_thread, "calls", None)
+    _thread.calls = calls
+    try:
+        yield calls
+    finally:
+        _thread.calls = outer
+        with _install_lock:
+            _recorders -= 1
+            if _recorders == 0:
+                for lib, fn, original in _installed:
+                    setattr(lib, fn, original)
+                _installed.clear()

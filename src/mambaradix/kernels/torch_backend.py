@@ -116,9 +116,22 @@ class TorchBackend(KernelBackend):
 
     def paged_attention_decode(self, q, k_pool, v_pool, layout, scale) -> Tensor:
         dec = layout.decode
-        heads = k_pool.shape[1]
-        plan = self._plan(layout).get(("decode_plan", heads), lambda: _decode_plan(layout, heads))
+        plan = self._decode_attention_plan(layout, k_pool.shape[1])
         return self.attention_decode(q, k_pool, v_pool, dec.kv_table, dec.seq_lens, scale, plan)
+
+    def _decode_attention_plan(self, layout, heads: int) -> attention_plan.DecodePlan:
+        return self._plan(layout).get(("decode_plan", heads), lambda: _decode_plan(layout, heads))
+
+    def replayable(self, layout, num_kv_heads) -> bool:
+        """Decode steps replay where the attention plan has no shared-prefix pieces (those
+        attend with shapes that follow the data); the reference's own attention reads its
+        plan's spans in Python, so only a backend whose ``attention_decode`` does not (the
+        ``cpu`` one) is replayable with attention."""
+        if layout.decode is None or layout.decode.kv_table is None or not num_kv_heads:
+            return True
+        if type(self).attention_decode is TorchBackend.attention_decode:
+            return False
+        return not self._decode_attention_plan(layout, num_kv_heads).pieces
 
     # ------------------------------------------------------------------ conv
 

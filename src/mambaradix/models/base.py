@@ -41,6 +41,9 @@ class HybridCausalLM(torch.nn.Module):
     ``logits_scaling``. Every recurrent mixer has ``state_layer_spec(conv_dtype, ssm_dtype)``.
     """
 
+    # the decode forward reads the batch only through the layout's tensors (never its Python
+    # lists), so the runner may record a decode step and replay it (engine.step_graph)
+    replayable_decode: bool = True
     embedding_multiplier: float = 1.0
     logits_scaling: float = 1.0
     tie_word_embeddings: bool = False
