@@ -106,7 +106,10 @@ class EngineConfig:
         "step recorded for its batch size (as SGLang's --disable-cuda-graph).",
     )
     decode_graph_max_bs: int = opt(
-        64, "Largest decode batch whose steps are recorded and replayed (--cuda-graph-max-bs)."
+        16,
+        "Largest decode batch whose steps are recorded and replayed (as --cuda-graph-max-bs): "
+        "the Python a replay saves is the same at any batch, a smaller share of larger steps, "
+        "and each recorded step holds its batch's activations and logits.",
     )
     num_threads: int = opt(0, "torch intra-op threads; 0 keeps torch's default.")
     kernel_backend: str = opt(

@@ -278,6 +278,10 @@ def test_graphs_kept_are_bounded():
             _generate(eng, _prompts(eng.model.vocab_size, [10, 20, 30, 40]), [4, 7, 10, 13])
         assert len(eng.runner.graphs.graphs) == 2
         assert eng.runner.graphs.stats["recorded"] >= 4
+        eng.runner.graphs.max_graphs = 8
+        eng.runner.graphs.max_bytes = max(g.nbytes for g in eng.runner.graphs.graphs) + 1
+        _generate(eng, _prompts(eng.model.vocab_size, [11, 21, 31]), [4, 7, 10])
+        assert len(eng.runner.graphs.graphs) == 1  # two would not fit the bytes
     assert checks and all(logits and pools for _, logits, pools in checks)
 
 

@@ -51,7 +51,10 @@ from mambaradix.layout import ForwardContext, ForwardLayout
 logger = logging.getLogger(__name__)
 
 MIN_TABLE = 256  # smallest KV slot table a graph is recorded with (columns)
-MAX_GRAPHS = 8  # graphs kept (least recently replayed dropped first)
+MAX_GRAPHS = 8  # graphs kept (least recently replayed dropped first) ...
+MAX_GRAPH_BYTES = 512 << 20  # ... and the bytes their step tensors may hold together (the
+# logits dominate: [batch, vocab] in the model dtype and fp32, ~40 MB at batch 16 for a
+# 248k-token vocabulary)
 
 _aten = torch.ops.aten
 _ALLOCATIONS = {
@@ -131,6 +134,7 @@ class DecodeGraphs:
         state_pool: object,
         max_batch: int,
         max_graphs: int = MAX_GRAPHS,
+        max_bytes: int = MAX_GRAPH_BYTES,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -138,6 +142,7 @@ class DecodeGraphs:
         self.state_pool = state_pool
         self.max_batch = max_batch
         self.max_graphs = max_graphs
+        self.max_bytes = max_bytes
         k = getattr(kv_pool, "k", None)
         self._kv_heads = int(k[0].shape[1]) if k else 0
         self._graphs: OrderedDict[tuple[int, int], StepGraph] = OrderedDict()
@@ -147,6 +152,11 @@ class DecodeGraphs:
     @property
     def graphs(self) -> list[StepGraph]:
         return list(self._graphs.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kept graphs' step tensors hold."""
+        return sum(g.nbytes for g in self._graphs.values())
 
     def key(self, layout: ForwardLayout) -> tuple[int, int] | None:
         """The graph a decode forward over ``layout`` would replay, or None (not a plain
@@ -197,8 +207,10 @@ class DecodeGraphs:
             logger.info("decode step of %d requests not replayable: %s", key[0], e)
             return logits
         self._graphs[key] = graph
-        while len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
+        while len(self._graphs) > 1 and (
+            len(self._graphs) > self.max_graphs or self.nbytes > self.max_bytes
+        ):
+            self._graphs.popitem(last=False)  # the least recently replayed
         self.stats["recorded"] += 1
         logger.info(
             "decode graph recorded: %d requests, KV table %d wide, %d native calls and %d torch "

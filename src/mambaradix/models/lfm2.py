@@ -80,10 +80,15 @@ class Lfm2Attention(KernelUser, nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_layernorm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
-        k = self.k_layernorm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
+        qn, kn = self.q_layernorm, self.k_layernorm
+        if rotary.interleaved:
+            q, k = rotary.apply(qn(q), *cos_sin), rotary.apply(kn(k), *cos_sin)
+        else:  # the norm and the rotation in one op (as Qwen3.5's)
+            q = self.ops.rms_norm_rope(q, qn.weight, qn.eps, qn.zero_centered, *cos_sin)
+            k = self.ops.rms_norm_rope(k, kn.weight, kn.eps, kn.zero_centered, *cos_sin)
         out = pooled_attention(self.ops, ctx, self.attn_index, q, k, v, self.head_dim**-0.5)
         return self.out_proj(out.reshape(t, -1))
 
