@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -197,6 +198,7 @@ class DecodeGraphs:
             dec.kv_table = table
             self.backend.prepare(layout)  # its plans over the recorded table
             self.backend.replayable(layout, self._kv_heads)
+        t0 = time.perf_counter()
         with native.recording() as calls, _Recorder(calls) as recorder:
             logits = self.model.forward(ctx)
         try:
@@ -213,9 +215,9 @@ class DecodeGraphs:
             self._graphs.popitem(last=False)  # the least recently replayed
         self.stats["recorded"] += 1
         logger.info(
-            "decode graph recorded: %d requests, KV table %d wide, %d native calls and %d torch "
-            "ops, %.1f MB of step tensors", key[0], key[1], graph.native_calls, graph.torch_ops,
-            graph.nbytes / 1e6,
+            "decode graph recorded in %.0f ms: %d requests, KV table %d wide, %d native calls "
+            "and %d torch ops, %.1f MB of step tensors", (time.perf_counter() - t0) * 1e3,
+            key[0], key[1], graph.native_calls, graph.torch_ops, graph.nbytes / 1e6,
         )  # fmt: skip
         return logits
 
@@ -254,6 +256,12 @@ def _tensors_in(obj: object, depth: int) -> Iterable[torch.Tensor]:
 class _Recorder(TorchDispatchMode):
     """Every torch op of the forward with its arguments and result, and how many native calls
     came before it (so the two streams merge in their order)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # nothing is compiled under this mode; the default wraps __torch_dispatch__ in a
+        # dynamo guard whose first call imports torch._dynamo (~2 s at start-up)
+        return False
 
     def __init__(self, calls: list[native.NativeCall]) -> None:
         super().__init__()
