@@ -21,6 +21,7 @@ class EngineStats:
     max_total_num_tokens: int = 0  # KV pool size in tokens
     state_copies: int = 0  # executed by the state pool
     state_copy_bytes: int = 0
+    decode_graph_bytes: int = 0  # held by the recorded decode steps (engine.step_graph)
     # scheduler counters
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -39,3 +40,6 @@ class EngineStats:
     skipped_snapshots: int = 0
     snapshots_inserted: int = 0
     snapshot_attempts: int = 0  # snapshot slots offered to the tree (attached or not)
+    # runner counters (engine.step_graph)
+    decode_graph_replays: int = 0  # decode steps replayed from a recorded step
+    decode_graph_recordings: int = 0  # decode steps recorded (kept as graphs)

@@ -92,6 +92,10 @@ def test_every_replay_equals_the_python_forward(arch, dtype):
         eng.check_integrity()
         keys = {k for k, _, _ in checks}
         stats = eng.runner.graphs.stats
+        reported = eng.stats()
+    assert reported.decode_graph_replays == stats["replayed"]
+    assert reported.decode_graph_recordings == stats["recorded"]
+    assert reported.decode_graph_bytes > 0
     assert stats["replayed"] == len(checks) >= 20, stats
     assert {(3, 256), (2, 256), (1, 256), (1, 512)} <= keys, keys
     bad = [(k, logits, pools) for k, logits, pools in checks if not (logits and pools)]

@@ -31,7 +31,9 @@ def test_metrics_move_with_requests(http, engine, wait_idle) -> None:
                  "mambaradix:num_retracted_requests_total", "mambaradix:skipped_snapshots_total",
                  "mambaradix:state_copies_total", "mambaradix:num_used_tokens",
                  "mambaradix:max_total_num_tokens", "mambaradix:gen_throughput",
-                 "mambaradix:cache_hit_rate"):  # fmt: skip
+                 "mambaradix:cache_hit_rate", "mambaradix:decode_graph_replays_total",
+                 "mambaradix:decode_graph_recordings_total",
+                 "mambaradix:decode_graph_bytes"):  # fmt: skip
         assert name in m0, name
     prompt = [7] * 40
     r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5,

@@ -300,6 +300,18 @@ class Engine:
             mamba_usage=self.cache.mamba_usage(),
             state_copies=self.state_pool.copies,
             state_copy_bytes=self.state_pool.copied_bytes,
+            **self._graph_stats(),
+        )
+
+    def _graph_stats(self) -> dict[str, int]:
+        graphs = self.runner.graphs
+        if graphs is None:
+            return {}
+        counts = dict(graphs.stats)  # (a copy: the runner's thread updates it)
+        return dict(
+            decode_graph_replays=counts.get("replayed", 0),
+            decode_graph_recordings=counts.get("recorded", 0),
+            decode_graph_bytes=graphs.nbytes,
         )
 
     def is_idle(self) -> bool:

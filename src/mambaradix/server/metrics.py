@@ -43,6 +43,7 @@ _ENGINE_GAUGES = {
     "max_total_num_tokens": ("max_total_num_tokens", "Size of the KV pool in tokens."),
     "token_usage": ("token_usage", "KV pool usage: (size - free - evictable) / size."),
     "mamba_usage": ("mamba_usage", "State pool usage: (size - free - evictable) / size."),
+    "decode_graph_bytes": ("decode_graph_bytes", "Bytes held by the recorded decode steps."),
 }
 _ENGINE_COUNTERS = {
     "retractions": ("num_retracted_requests", "Running requests retracted for lack of KV."),
@@ -53,6 +54,8 @@ _ENGINE_COUNTERS = {
     "state_copies": ("state_copies", "Recurrent-state slot copies executed."),
     "state_copy_bytes": ("state_copy_bytes", "Bytes moved by recurrent-state slot copies."),
     "finished_requests": ("engine_finished_requests", "Requests finished by the engine."),
+    "decode_graph_replays": ("decode_graph_replays", "Decode steps replayed from a recording."),
+    "decode_graph_recordings": ("decode_graph_recordings", "Decode steps recorded for replay."),
 }
 
 
