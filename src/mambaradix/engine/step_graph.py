@@ -11,9 +11,11 @@ the first decode forward of a shape and from then on replays it::
     step N+1, N+2, ...   layout -> inputs written into the recorded layout's tensors
                                 -> the recorded calls, in order           -> logits
 
-A shape (the key) is the batch size and the capacity of the KV slot table (a power of two
-that covers every request's length; the recorded table is that wide and each step's rows are
-written into it). What a replay runs:
+A shape (the key) is the batch size, the capacity of the KV slot table (a power of two that
+covers every request's length; the recorded table is that wide and each step's rows are
+written into it) and the structure of the backend's per-forward plans (``replay_key``: for
+the cascade decode attention, each shared-prefix piece's length, groups and width; the
+plans' tensors are written in like the layout's). What a replay runs:
 
 - every native call (``kernels.native.recording``: the ctypes boundary), with the recorded
   arguments, so over the recorded buffers;
@@ -27,9 +29,8 @@ refused (the key runs the Python path from then on, the reason logged once) wher
 could not give the Python path's result: Python read a tensor's data (``item``, ``bool``,
 ``tolist``) or built a tensor from Python values, an op's output shape or values depend on
 more than its inputs (``nonzero``, random ops), a native call returned a value Python reads
-(MoE routing), or a native call reads memory the graph does not hold. Steps with prefill rows,
-snapshots or a shared-prefix attention plan are never replayed (checked every step: the
-backend's ``replayable``).
+(MoE routing), or a native call reads memory the graph does not hold. Steps with prefill rows
+or snapshots are never replayed, nor those the backend's ``replay_key`` refuses.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ _REFUSED_TAGS = {
     torch.Tag.dynamic_output_shape: "an output shape depends on the data",
     torch.Tag.nondeterministic_seeded: "a random op",
 }
+_DROPOUT_ONLY = {_aten._scaled_dot_product_flash_attention_for_cpu.default}  # random if p > 0
 
 
 class RecordingRefused(Exception):
@@ -85,7 +87,7 @@ class StepGraph:
     recorded layout) and runs ``program`` (the recorded calls); ``logits`` then holds the
     step's logits (the same tensor every replay: read it before the next)."""
 
-    key: tuple[int, int]
+    key: tuple
     layout: ForwardLayout
     logits: torch.Tensor
     program: list[tuple[Callable, tuple]]
@@ -94,8 +96,9 @@ class StepGraph:
     native_calls: int = 0
     torch_ops: int = 0
 
-    def replay(self, layout: ForwardLayout) -> torch.Tensor:
+    def replay(self, layout: ForwardLayout, backend: KernelBackend) -> torch.Tensor:
         write_inputs(self.layout, layout)
+        backend.write_replay_inputs(self.layout, layout)
         for fn, args in self.program:
             fn(*args)
         return self.logits
@@ -146,8 +149,8 @@ class DecodeGraphs:
         self.max_bytes = max_bytes
         k = getattr(kv_pool, "k", None)
         self._kv_heads = int(k[0].shape[1]) if k else 0
-        self._graphs: OrderedDict[tuple[int, int], StepGraph] = OrderedDict()
-        self._refused: dict[tuple[int, int], str] = {}
+        self._graphs: OrderedDict[tuple, StepGraph] = OrderedDict()
+        self._refused: dict[tuple, str] = {}
         self.stats: Counter[str] = Counter()  # recorded, replayed, python (+ refused reasons)
 
     @property
@@ -160,8 +163,9 @@ class DecodeGraphs:
         return sum(g.nbytes for g in self._graphs.values())
 
     def key(self, layout: ForwardLayout) -> tuple[int, int] | None:
-        """The graph a decode forward over ``layout`` would replay, or None (not a plain
-        decode step of at most ``max_batch`` requests)."""
+        """The batch and table capacity of a decode forward over ``layout``, or None (not a
+        plain decode step of at most ``max_batch`` requests); the backend's ``replay_key``
+        completes a graph's key."""
         dec = layout.decode
         if layout.prefill is not None or dec is None or not dec.rows.whole:
             return None
@@ -174,20 +178,24 @@ class DecodeGraphs:
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor | None:
         layout = ctx.layout
-        key = self.key(layout)
-        if key is None or key in self._refused:
+        shape = self.key(layout)
+        if shape is None:
             return None
-        if not self.backend.replayable(layout, self._kv_heads):
+        plans = self.backend.replay_key(layout, self._kv_heads)
+        if plans is None:
             self.stats["python"] += 1
+            return None
+        key = (*shape, plans)
+        if key in self._refused:
             return None
         graph = self._graphs.get(key)
         if graph is not None:
             self._graphs.move_to_end(key)
             self.stats["replayed"] += 1
-            return graph.replay(layout)
+            return graph.replay(layout, self.backend)
         return self._record(key, ctx)
 
-    def _record(self, key: tuple[int, int], ctx: ForwardContext) -> torch.Tensor:
+    def _record(self, key: tuple, ctx: ForwardContext) -> torch.Tensor:
         """Run the forward of ``ctx`` recorded (over a KV table ``key[1]`` wide), keep the graph
         unless refused; the forward's logits either way."""
         layout = ctx.layout
@@ -197,7 +205,8 @@ class DecodeGraphs:
             table[:, : dec.kv_table.shape[1]] = dec.kv_table
             dec.kv_table = table
             self.backend.prepare(layout)  # its plans over the recorded table
-            self.backend.replayable(layout, self._kv_heads)
+            if self.backend.replay_key(layout, self._kv_heads) != key[2]:
+                return self.model.forward(ctx)  # (a plan cannot change with the width)
         t0 = time.perf_counter()
         with native.recording() as calls, _Recorder(calls) as recorder:
             logits = self.model.forward(ctx)
@@ -290,6 +299,14 @@ def _storage_span(t: torch.Tensor) -> tuple[int, int]:
     return s.data_ptr(), s.data_ptr() + s.nbytes()
 
 
+def _without_dropout(func, args: tuple, kwargs: dict) -> bool:
+    """An attention op whose only randomness is its dropout, called with none."""
+    if func not in _DROPOUT_ONLY:
+        return False
+    p = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
+    return p == 0.0
+
+
 def _aliases_input(args: tuple, kwargs: dict, outs: list[torch.Tensor]) -> bool:
     """Whether every output shares its memory with an input (decided by the memory: ops like
     ``to`` may or may not return a new tensor)."""
@@ -304,7 +321,9 @@ def _replay_op(func, args: tuple, kwargs: dict, out) -> tuple[Callable, tuple] |
     if func in _PYTHON_DATA:
         raise RecordingRefused(f"{_PYTHON_DATA[func]} ({name})")
     for tag, why in _REFUSED_TAGS.items():
-        if tag in func.tags:
+        if tag in func.tags and not (
+            tag is torch.Tag.nondeterministic_seeded and _without_dropout(func, args, kwargs)
+        ):
             raise RecordingRefused(f"{why} ({name})")
     if func in _ALLOCATIONS:
         return None

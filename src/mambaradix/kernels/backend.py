@@ -20,7 +20,7 @@ the decode part (``layout.decode``: one token per request).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import ClassVar, TypeVar
 
 import torch
@@ -52,13 +52,20 @@ class KernelBackend(ABC):
     def prepare(self, layout: ForwardLayout) -> None:
         """Build this backend's per-forward tensors into ``layout.meta``."""
 
-    def replayable(self, layout: ForwardLayout, num_kv_heads: int) -> bool:
+    def replay_key(self, layout: ForwardLayout, num_kv_heads: int) -> Hashable | None:
         """Whether a decode forward over ``layout`` (prepared) may be recorded and replayed
-        (``engine.step_graph``): the backend builds now every plan it would build inside the
-        forward (none may be built while a step is recorded) and answers True when those plans
-        have no structure that depends on the step's data beyond the layout's tensors.
-        ``num_kv_heads``: the KV pool's heads (0 without attention). Default: False."""
-        return False
+        (``engine.step_graph``), and with which recording: the backend builds now every plan
+        it would build inside the forward (none may be built while a step is recorded) and
+        returns the structure of those plans that shapes the forward (two steps with the same
+        key and batch replay one recording), or None where it cannot be replayed.
+        ``num_kv_heads``: the KV pool's heads (0 without attention). Default: None."""
+        return None
+
+    def write_replay_inputs(self, recorded: ForwardLayout, layout: ForwardLayout) -> None:
+        """Copy the plans' tensors ``replay_key`` built for ``layout`` into those it built for
+        ``recorded`` (a step of the same key), before that recording is replayed. Default:
+        nothing (no plans)."""
+        return None
 
     # ------------------------------------------------------------ attention over the KV pool
     @abstractmethod

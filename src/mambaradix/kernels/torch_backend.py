@@ -122,16 +122,34 @@ class TorchBackend(KernelBackend):
     def _decode_attention_plan(self, layout, heads: int) -> attention_plan.DecodePlan:
         return self._plan(layout).get(("decode_plan", heads), lambda: _decode_plan(layout, heads))
 
-    def replayable(self, layout, num_kv_heads) -> bool:
-        """Decode steps replay where the attention plan has no shared-prefix pieces (those
-        attend with shapes that follow the data); the reference's own attention reads its
-        plan's spans in Python, so only a backend whose ``attention_decode`` does not (the
-        ``cpu`` one) is replayable with attention."""
+    def replay_key(self, layout, num_kv_heads):
+        """The decode attention plan's structure: for each shared-prefix piece its prefix
+        length, groups and padded width, and how many requests have one (these shape the
+        pieces' attention); () without pieces. The reference's own attention reads its plan's
+        spans in Python, so only a backend whose ``attention_decode`` does not (the ``cpu``
+        one) replays steps with attention."""
         if layout.decode is None or layout.decode.kv_table is None or not num_kv_heads:
-            return True
+            return ()
         if type(self).attention_decode is TorchBackend.attention_decode:
-            return False
-        return not self._decode_attention_plan(layout, num_kv_heads).pieces
+            return None
+        plan = self._decode_attention_plan(layout, num_kv_heads)
+        if not plan.pieces:
+            return ()
+        members = plan.shared_members.numel()
+        return (*((p.plen, p.n, p.width) for p in plan.pieces), members)
+
+    def write_replay_inputs(self, recorded, layout) -> None:
+        for key, plan in self._plan(layout)._memo.items():
+            if key[0] != "decode_plan":
+                continue
+            into = self._plan(recorded)._memo[key]
+            pairs = [(into.begin, plan.begin), (into.shared_row, plan.shared_row),
+                     (into.shared_members, plan.shared_members)]  # fmt: skip
+            for a, b in zip(into.pieces, plan.pieces):
+                pairs += [(a.queries, b.queries), (a.kv_rows, b.kv_rows)]
+            for dst, src in pairs:
+                if dst is not src:
+                    dst.copy_(src)
 
     # ------------------------------------------------------------------ conv
 
