@@ -226,15 +226,21 @@ def test_engine_outputs_equal_with_graphs_on_and_off(flags):
 
 def test_moe_steps_are_refused_and_still_correct():
     """An MoE layer's routing is read by Python (the expert counts): the recording is refused,
-    the step runs the Python path, outputs equal those without graphs."""
+    the step runs the Python path, outputs equal those without graphs; after
+    REFUSALS_TO_STOP keys refused for that reason nothing more is recorded (batches 5, 4, 3,
+    2 and 1 below would otherwise each be tried)."""
     outs = {}
     for off in (True, False):
         with Engine(model_path="tiny:granite_hybrid_moe", disable_decode_graph=off, **POOLS) as e:
-            outs[off] = _generate(e, _prompts(e.model.vocab_size, [15, 22]), [6, 6])
+            prompts = _prompts(e.model.vocab_size, [15, 22, 9, 30, 12])
+            outs[off] = _generate(e, prompts, [3, 4, 5, 6, 7])
             stats = None if off else dict(e.runner.graphs.stats)
             kept = None if off else e.runner.graphs.graphs
+            stopped = None if off else e.runner.graphs.stopped
     assert stats.get("replayed", 0) == 0 and not kept
-    assert any(k.startswith("refused: ") and "moe_pad" in k for k in stats), stats
+    refused = [v for k, v in stats.items() if k.startswith("refused: ") and "moe_pad" in k]
+    assert refused == [step_graph.REFUSALS_TO_STOP], stats
+    assert "moe_pad" in stopped
     assert [o["output_ids"] for o in outs[True]] == [o["output_ids"] for o in outs[False]]
 
 

@@ -25,7 +25,9 @@ plans' tensors are written in like the layout's). What a replay runs:
 
 Every tensor the recording saw stays alive with the graph, so every pointer stays valid; the
 graph's tensors are checked to hold every pointer its native calls pass. A recording is
-refused (the key runs the Python path from then on, the reason logged once) where a replay
+refused (the key runs the Python path from then on, the reason logged once; after
+``REFUSALS_TO_STOP`` keys refused for one reason, a reason of the model's, nothing more is
+recorded) where a replay
 could not give the Python path's result: Python read a tensor's data (``item``, ``bool``,
 ``tolist``) or built a tensor from Python values, an op's output shape or values depend on
 more than its inputs (``nonzero``, random ops), a native call returned a value Python reads
@@ -53,6 +55,7 @@ from mambaradix.layout import ForwardContext, ForwardLayout
 logger = logging.getLogger(__name__)
 
 MIN_TABLE = 256  # smallest KV slot table a graph is recorded with (columns)
+REFUSALS_TO_STOP = 3  # keys refused for the same reason before recording stops altogether
 MAX_GRAPHS = 8  # graphs kept (least recently replayed dropped first) ...
 MAX_GRAPH_BYTES = 512 << 20  # ... and the bytes their step tensors may hold together (the
 # logits dominate: [batch, vocab] in the model dtype and fp32, ~40 MB at batch 16 for a
@@ -151,6 +154,7 @@ class DecodeGraphs:
         self._kv_heads = int(k[0].shape[1]) if k else 0
         self._graphs: OrderedDict[tuple, StepGraph] = OrderedDict()
         self._refused: dict[tuple, str] = {}
+        self.stopped: str | None = None  # why nothing is recorded any more
         self.stats: Counter[str] = Counter()  # recorded, replayed, python (+ refused reasons)
 
     @property
@@ -186,7 +190,7 @@ class DecodeGraphs:
             self.stats["python"] += 1
             return None
         key = (*shape, plans)
-        if key in self._refused:
+        if key in self._refused or (self.stopped and key not in self._graphs):
             return None
         graph = self._graphs.get(key)
         if graph is not None:
@@ -215,6 +219,9 @@ class DecodeGraphs:
         except RecordingRefused as e:
             self._refused[key] = str(e)
             self.stats["refused: " + str(e)] += 1
+            if self.stats["refused: " + str(e)] >= REFUSALS_TO_STOP:
+                self.stopped = str(e)
+                logger.info("decode steps are no longer recorded: %s", e)
             logger.info("decode step of %d requests not replayable: %s", key[0], e)
             return logits
         self._graphs[key] = graph
