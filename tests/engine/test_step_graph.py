@@ -228,12 +228,12 @@ def test_moe_steps_are_refused_and_still_correct():
     """An MoE layer's routing is read by Python (the expert counts): the recording is refused,
     the step runs the Python path, outputs equal those without graphs; after
     REFUSALS_TO_STOP keys refused for that reason nothing more is recorded (batches 5, 4, 3,
-    2 and 1 below would otherwise each be tried)."""
+    2 and 1 below, two steps each, would otherwise each be tried)."""
     outs = {}
     for off in (True, False):
         with Engine(model_path="tiny:granite_hybrid_moe", disable_decode_graph=off, **POOLS) as e:
             prompts = _prompts(e.model.vocab_size, [15, 22, 9, 30, 12])
-            outs[off] = _generate(e, prompts, [3, 4, 5, 6, 7])
+            outs[off] = _generate(e, prompts, [3, 5, 7, 9, 11])
             stats = None if off else dict(e.runner.graphs.stats)
             kept = None if off else e.runner.graphs.graphs
             stopped = None if off else e.runner.graphs.stopped
@@ -250,7 +250,8 @@ def _record(fn, *tensors):
 
     with native.recording() as calls, step_graph._Recorder(calls) as rec:
         out = fn(*tensors)
-    return step_graph._build((1, 0), None, out, calls, rec, list(tensors))
+    spans = {step_graph._storage_span(t) for t in tensors}
+    return step_graph._build((1, 0), None, out, calls, rec, spans)
 
 
 @pytest.mark.parametrize(

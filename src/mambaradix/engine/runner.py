@@ -169,9 +169,10 @@ class ModelRunner:
         ``WARMUP_MIN_TOKENS`` tokens (requests of ``per_request``, the last cut), then, if its
         rate says more fits in what is left of ``budget_s``, one shaped like the largest prefill
         batch (``num_tokens`` new tokens) cut to fit, then a decode step of all the requests of
-        the larger one and one of a single request, on scratch KV and state slots freed
-        afterwards. Returns the prefill tokens of the larger forward (fewer than ``num_tokens``
-        if the pools are small or the model is slow).
+        the larger one and one of a single request (two with step graphs on: the second records
+        batch 1's, ``engine.step_graph``), on scratch KV and state slots freed afterwards.
+        Returns the prefill tokens of the larger forward (fewer than ``num_tokens`` if the pools
+        are small or the model is slow).
 
         On CPU the allocator's heap grows to a forward's working size here (~40k page faults
         on the benchmark model), the prefill matmul path is chosen (kernels.bf16_matmul needs
@@ -231,7 +232,8 @@ class ModelRunner:
             t2 = time.perf_counter()
             # decode steps: each request's last token again, over the keys before it
             prefilled = large or small
-            for rows in (prefilled, prefilled[:1]):
+            singles = [prefilled[:1]] * (2 if self.graphs is not None else 1)
+            for rows in (prefilled, *singles):
                 decodes = [
                     ForwardReq(r.seq_len - 1, r.input_ids[-1:], r.kv_slots, r.state_slot)
                     for r in rows
@@ -242,9 +244,10 @@ class ModelRunner:
                 self._forward(decodes, StateOps(), decode_table=table)
             logger.info(
                 "warm-up %.2f s: prefill of %d tokens %.2f s, then of %d tokens in %d requests "
-                "%.2f s (of %d wanted; budget %.0f s), decode steps of %d and 1 requests %.2f s",
+                "%.2f s (of %d wanted; budget %.0f s), decode steps of %d and 1 (x%d) requests "
+                "%.2f s",
                 time.perf_counter() - t0, n_small, t1 - t0, n_large, len(large), t2 - t1,
-                num_tokens, budget_s, len(prefilled), time.perf_counter() - t2,
+                num_tokens, budget_s, len(prefilled), len(singles), time.perf_counter() - t2,
             )  # fmt: skip
             return n_large or n_small
         finally:

@@ -11,6 +11,8 @@ the first decode forward of a shape and from then on replays it::
     step N+1, N+2, ...   layout -> inputs written into the recorded layout's tensors
                                 -> the recorded calls, in order           -> logits
 
+A key is recorded on its second step in a row (a batch that lasts one step, as batches do
+while requests join and finish, is not worth a recording, which costs about one more step).
 A shape (the key) is the batch size, the capacity of the KV slot table (a power of two that
 covers every request's length; the recorded table is that wide and each step's rows are
 written into it) and the structure of the backend's per-forward plans (``replay_key``: for
@@ -155,6 +157,8 @@ class DecodeGraphs:
         self._graphs: OrderedDict[tuple, StepGraph] = OrderedDict()
         self._refused: dict[tuple, str] = {}
         self.stopped: str | None = None  # why nothing is recorded any more
+        self._previous: tuple | None = None  # the key of the step before
+        self._static_spans: set[tuple[int, int]] | None = None  # model's and pools' memory
         self.stats: Counter[str] = Counter()  # recorded, replayed, python (+ refused reasons)
 
     @property
@@ -190,13 +194,15 @@ class DecodeGraphs:
             self.stats["python"] += 1
             return None
         key = (*shape, plans)
-        if key in self._refused or (self.stopped and key not in self._graphs):
-            return None
+        previous, self._previous = self._previous, key
         graph = self._graphs.get(key)
         if graph is not None:
             self._graphs.move_to_end(key)
             self.stats["replayed"] += 1
             return graph.replay(layout, self.backend)
+        if key in self._refused or self.stopped or key != previous:
+            self.stats["python"] += 1
+            return None
         return self._record(key, ctx)
 
     def _record(self, key: tuple, ctx: ForwardContext) -> torch.Tensor:
@@ -215,7 +221,7 @@ class DecodeGraphs:
         with native.recording() as calls, _Recorder(calls) as recorder:
             logits = self.model.forward(ctx)
         try:
-            graph = _build(key, layout, logits, calls, recorder, self._static_tensors(layout))
+            graph = _build(key, layout, logits, calls, recorder, self._static_spans_with(layout))
         except RecordingRefused as e:
             self._refused[key] = str(e)
             self.stats["refused: " + str(e)] += 1
@@ -237,17 +243,18 @@ class DecodeGraphs:
         )  # fmt: skip
         return logits
 
-    def _static_tensors(self, layout: ForwardLayout) -> Iterable[torch.Tensor]:
-        """Tensors that outlive every step: the model's, the pools', the recorded layout's and
-        the backend's plans for it."""
-        yield from self.model.parameters()
-        yield from self.model.buffers()
-        for module in self.model.modules():
-            yield from (v for v in vars(module).values() if isinstance(v, torch.Tensor))
-        for pool in (self.kv_pool, self.state_pool):
-            for name in ("k", "v", "conv", "temporal"):
-                yield from (t for t in getattr(pool, name, None) or () if t is not None)
-        yield from _tensors_in(layout, depth=3)
+    def _static_spans_with(self, layout: ForwardLayout) -> set[tuple[int, int]]:
+        """The memory of the tensors that outlive every step: the model's and the pools' (read
+        once), the recorded layout's and the backend's plans for it."""
+        if self._static_spans is None:
+            tensors = [*self.model.parameters(), *self.model.buffers()]
+            for module in self.model.modules():
+                tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+            for pool in (self.kv_pool, self.state_pool):
+                for name in ("k", "v", "conv", "temporal"):
+                    tensors += [t for t in getattr(pool, name, None) or () if t is not None]
+            self._static_spans = {_storage_span(t) for t in tensors}
+        return self._static_spans | {_storage_span(t) for t in _tensors_in(layout, depth=3)}
 
 
 def _tensors_in(obj: object, depth: int) -> Iterable[torch.Tensor]:
@@ -390,11 +397,13 @@ def _build(
     logits: torch.Tensor,
     calls: list[native.NativeCall],
     recorder: _Recorder,
-    static: Iterable[torch.Tensor],
+    static: set[tuple[int, int]],
 ) -> StepGraph:
+    """The graph of a recorded step. ``static``: the memory spans of the tensors that outlive
+    every step."""
     kept: list = [layout, logits, recorder.ops]
     program: list[tuple[Callable, tuple]] = []
-    spans = {_storage_span(t) for t in static}
+    spans = set(static)
     made: dict[int, int] = {}  # storages the step allocated: start -> bytes
     steps: list[tuple[int, int, object]] = []  # (native calls before, order, entry)
     for order, (before, func, args, kwargs, out) in enumerate(recorder.ops):
