@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 WARMUP_BUDGET_S = 3.0  # most the warm-up's prefill forwards may take, judged from the first
 WARMUP_MIN_TOKENS = 256  # the first prefill forward's tokens, whatever the budget
+WARMUP_SINGLE_KEYS = 128  # keys of the warm-up's single-request decode steps
 
 _KEEP_BATCHES = 4
 
@@ -232,7 +233,12 @@ class ModelRunner:
             t2 = time.perf_counter()
             # decode steps: each request's last token again, over the keys before it
             prefilled = large or small
-            singles = [prefilled[:1]] * (2 if self.graphs is not None else 1)
+            # the single request cut to a short one, the shape (KV table capacity) of a first
+            # request's decode steps
+            one = prefilled[0]
+            n = min(one.seq_len, WARMUP_SINGLE_KEYS)
+            one = ForwardReq(0, one.input_ids[:n], one.kv_slots[:n], one.state_slot)
+            singles = [[one]] * (2 if self.graphs is not None else 1)
             for rows in (prefilled, *singles):
                 decodes = [
                     ForwardReq(r.seq_len - 1, r.input_ids[-1:], r.kv_slots, r.state_slot)
