@@ -5,9 +5,9 @@ the weights at the machine's speed; the Python between them (layers, op wrappers
 allocations, ~10 us a call, run with caches the weight stream flushed) cost 20-30% of the step
 (``bench/bench_decode_parts.py``, "native calls alone"). So, as GPU engines replay a captured
 CUDA graph (SGLang's ``--disable-cuda-graph``, ``--cuda-graph-max-bs``), the runner records
-the first decode forward of a shape and from then on replays it::
+a decode forward of a shape once and from then on replays it::
 
-    step N (new shape)   layout -> model.forward, recorded  -> logits   (the normal forward)
+    step N (shape seen)  layout -> model.forward, recorded  -> logits   (the normal forward)
     step N+1, N+2, ...   layout -> inputs written into the recorded layout's tensors
                                 -> the recorded calls, in order           -> logits
 
