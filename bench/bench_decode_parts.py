@@ -95,21 +95,6 @@ def main() -> None:
             kept.append(out)
             return out
 
-    def recorder(fn):
-        def recorded(*a):
-            if capture["on"]:
-                native_calls.append((fn, a))
-            return fn(*a)
-
-        return recorded
-
-    originals = []  # (library, name, function): restored once the step is captured
-    for lib_name, functions in native.SIGNATURES.items():
-        lib = native.load(lib_name)
-        for fn in functions if lib is not None else ():
-            originals.append((lib, fn, getattr(lib, fn)))
-            setattr(lib, fn, recorder(getattr(lib, fn)))
-
     def timed_graph(ctx):
         whole = ctx.layout.prefill is None and len(ctx.layout.reqs) == rows
         t = time.perf_counter()
@@ -127,8 +112,9 @@ def main() -> None:
         capture["on"] = whole and not capture["done"]
         t = time.perf_counter()
         if capture["on"]:
-            with KeepTensors():
+            with native.recording() as recorded, KeepTensors():
                 out = forward(ctx)
+            native_calls.extend((c.function, c.args) for c in recorded)
             kept.append(ctx)
         else:
             out = forward(ctx)
@@ -153,8 +139,6 @@ def main() -> None:
 
     backend.linear, backend.gated_mlp = capture_linear, capture_mlp
     engine_decode(eng, rows, model.vocab_size, 4, 0)  # prefills, then decode steps
-    for lib, fn, original in originals:  # the timed runs call the kernels unwrapped
-        setattr(lib, fn, original)
     step = list(calls)
     assert step, "no decode step of the whole batch was seen"
 

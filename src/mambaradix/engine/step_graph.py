@@ -392,7 +392,7 @@ def _out_variant(func, args: tuple, kwargs: dict, out: torch.Tensor) -> Callable
 
 
 def _build(
-    key: tuple[int, int],
+    key: tuple,
     layout: ForwardLayout,
     logits: torch.Tensor,
     calls: list[native.NativeCall],
@@ -405,20 +405,17 @@ def _build(
     program: list[tuple[Callable, tuple]] = []
     spans = set(static)
     made: dict[int, int] = {}  # storages the step allocated: start -> bytes
-    steps: list[tuple[int, int, object]] = []  # (native calls before, order, entry)
-    for order, (before, func, args, kwargs, out) in enumerate(recorder.ops):
+    steps: list[tuple[int, tuple[Callable, tuple]]] = []  # (native calls before, entry)
+    for before, func, args, kwargs, out in recorder.ops:
         entry = _replay_op(func, args, kwargs, out)
-        tensors = _flat_tensors([*args, *kwargs.values(), out])
-        spans.update(_storage_span(t) for t in tensors)
-        outs = _flat_tensors([out])
-        fresh = func in _ALLOCATIONS or not (
-            func._schema.is_mutable or _aliases_input(args, kwargs, outs)
-        )
-        for t in outs if fresh else ():
+        spans.update(_storage_span(t) for t in _flat_tensors([*args, *kwargs.values(), out]))
+        # new memory: an allocation's, or a computing op's that is not in place
+        fresh = func in _ALLOCATIONS or (entry is not None and not func._schema.is_mutable)
+        for t in _flat_tensors([out]) if fresh else ():
             start, end = _storage_span(t)
             made.setdefault(start, end - start)
         if entry is not None:
-            steps.append((before, order, entry))
+            steps.append((before, entry))
     widest: dict[int, int] = {}
     for start, end in spans:
         widest[start] = max(widest.get(start, start), end)
@@ -440,8 +437,8 @@ def _build(
     k = 0
     for n, call in enumerate(calls):
         while k < len(steps) and steps[k][0] <= n:
-            program.append(steps[k][2])
+            program.append(steps[k][1])
             k += 1
         program.append((call.function, call.args))
-    program.extend(s[2] for s in steps[k:])
+    program.extend(entry for _, entry in steps[k:])
     return StepGraph(key, layout, logits, program, kept, sum(made.values()), len(calls), len(steps))
