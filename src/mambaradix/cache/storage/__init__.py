@@ -1,0 +1,1 @@
+"""The storage tier under the RAM pools (see ``cache.storage.tier``)."""
