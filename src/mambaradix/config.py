@@ -81,6 +81,37 @@ class EngineConfig:
     disable_radix_cache: bool = opt(
         False, "Run without prefix caching (same engine, everything freed at finish)."
     )
+    enable_hierarchical_cache: bool = opt(
+        False,
+        "Add a storage tier under the RAM pools: evicted prefixes (KV pages and state "
+        "snapshots) are written to storage and loaded back when a request matches them, by "
+        "content key, so they survive restarts and are shared by every process using the same "
+        "storage (on by default for serve --dp-size > 1).",
+    )
+    hicache_storage_backend: str = opt(
+        "file",
+        "Storage tier backend: 'file' (one directory, --hicache-storage-dir) or 'redis' "
+        "(--hicache-storage-url).",
+        ["file", "redis"],
+    )
+    hicache_storage_dir: str = opt(
+        "",
+        "Directory of the file storage tier; '' takes ~/.cache/mambaradix/hicache. Processes "
+        "serving the same model share what they store there.",
+    )
+    hicache_storage_url: str = opt(
+        "", "Redis URL of the redis storage tier; '' takes redis://127.0.0.1:6379/0."
+    )
+    hicache_write_policy: str = opt(
+        "write_through",
+        "When prefixes reach storage: 'write_through' (every snapshot the tree keeps, as it "
+        "is inserted), 'write_through_selective' (a snapshot once a request resumes from it), "
+        "'write_back' (when the RAM tier evicts it, and at shutdown).",
+        ["write_through", "write_through_selective", "write_back"],
+    )
+    hicache_size: float = opt(
+        0.0, "Bound of the storage tier in GB (least recently used objects go first); 0: none."
+    )
     schedule_policy: str = opt("fcfs", "Order of the waiting queue.", ["fcfs", "lpm"])
     skip_warmup: bool = opt(
         False,
@@ -137,6 +168,21 @@ class EngineConfig:
             raise ValueError("--decode-graph-max-bs must be >= 0")
         if not self.watchdog_timeout > 0:
             raise ValueError("--watchdog-timeout must be > 0")
+        if self.hicache_size < 0:
+            raise ValueError("--hicache-size must be >= 0 GB (0: unbounded)")
+        if not self.enable_hierarchical_cache:
+            for flag, value in (
+                ("--hicache-storage-dir", self.hicache_storage_dir),
+                ("--hicache-storage-url", self.hicache_storage_url),
+                ("--hicache-size", self.hicache_size),
+            ):
+                if value:
+                    raise ValueError(f"{flag} needs --enable-hierarchical-cache")
+        elif self.disable_radix_cache:
+            raise ValueError(
+                "--enable-hierarchical-cache stores the radix cache's prefixes: it cannot be "
+                "combined with --disable-radix-cache"
+            )
         check_device(self.device)
 
 

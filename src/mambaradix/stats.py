@@ -43,3 +43,22 @@ class EngineStats:
     # runner counters (engine.step_graph)
     decode_graph_replays: int = 0  # decode steps replayed from a recorded step
     decode_graph_recordings: int = 0  # decode steps recorded (kept as graphs)
+    # reuse the cache lost: requests whose KV matched deeper than any state they could resume
+    # from (a tombstone or mid-edge), and the tokens between (recomputed)
+    lost_reuse_requests: int = 0
+    lost_reuse_tokens: int = 0
+    # the storage tier (cache.storage): request counters, then the tier's own (Engine.stats)
+    storage_hit_tokens: int = 0  # of cached_tokens, those read back from storage
+    storage_loaded_tokens: int = 0  # tokens inserted into the tree by loads
+    storage_loads: int = 0
+    storage_load_failures: int = 0  # missing or bad objects: recomputed instead
+    storage_bad_objects: int = 0  # corrupt / truncated / foreign objects removed
+    storage_load_seconds: float = 0.0  # summed over loads
+    storage_loads_skipped_slow: int = 0  # estimated slower than recomputing
+    storage_bytes_read: int = 0
+    storage_bytes_written: int = 0
+    storage_objects_written: int = 0
+    storage_write_failures: int = 0
+    storage_writes_skipped: int = 0
+    storage_objects: int = 0  # gauge: objects the backend holds
+    storage_bytes: int = 0  # gauge: bytes the backend holds

@@ -67,6 +67,8 @@ def _check_nodes(tree: RadixTree) -> tuple[list[TreeNode], dict[str, int]]:
                 _fail(f"kv_lock < state_lock: {child!r}")
             if child.state_lock and child.state_slot is None:
                 _fail(f"state-locked node lost its state: {child!r}")
+            if child.stored and child.state_slot is None:
+                _fail(f"node marked stored without a state in RAM: {child!r}")
             if not child.children and child.state_slot is None and child.kv_lock == 0:
                 _fail(f"tombstone leaf (unlocked leaf without a state): {child!r}")
             child_locks += child.kv_lock

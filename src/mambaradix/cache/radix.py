@@ -26,7 +26,7 @@ while a request held it); it is deleted when its last lock is released.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -71,6 +71,9 @@ class RadixTree:
         self._protected_kv = 0
         self._evictable_state = 0
         self._protected_state = 0
+        # Called with a node whose state is about to be freed by eviction (or flush), while
+        # its path is still in the pools: the storage tier demotes it there (write-back).
+        self.on_evict: Callable[[TreeNode], None] | None = None
 
     # ------------------------------------------------------------------ lookups
 
@@ -131,6 +134,33 @@ class RadixTree:
             return torch.empty(0, dtype=torch.long)
         parts.reverse()
         return torch.cat(parts)
+
+    def path_tokens(self, node: TreeNode) -> list[int]:
+        """Tokens [0, node.depth)."""
+        parts = []
+        while node.parent is not None:
+            parts.append(node.key)
+            node = node.parent
+        out: list[int] = []
+        for key in reversed(parts):
+            out.extend(key)
+        return out
+
+    def deepest_node(self, tokens: list[int], max_depth: int) -> TreeNode:
+        """The deepest node (state or tombstone) whose whole edge path matches ``tokens`` and
+        ends at or before ``max_depth``; never splits, touches nothing."""
+        ps = self.page_size
+        node, pos = self.root, 0
+        while True:
+            if pos >= len(tokens):
+                return node
+            child = node.children.get(tokens[pos] if ps == 1 else tuple(tokens[pos : pos + ps]))
+            if child is None:
+                return node
+            klen = len(child.key)
+            if pos + klen > max_depth or tokens[pos : pos + klen] != child.key:
+                return node
+            node, pos = child, pos + klen
 
     # ------------------------------------------------------------------ insert
 
@@ -312,6 +342,8 @@ class RadixTree:
             freed += klen
             self._evictable_kv -= klen
             if node.state_slot is not None:
+                if self.on_evict is not None:
+                    self.on_evict(node)
                 self.policy.remove(node)
                 self.state_pool.free([node.state_slot])
                 self._evictable_state -= 1
@@ -353,9 +385,12 @@ class RadixTree:
             if node is None:
                 break
             if node.children or node.kv_lock:
+                if self.on_evict is not None:
+                    self.on_evict(node)
                 policy.remove(node)
                 self.state_pool.free([node.state_slot])
                 node.state_slot = None
+                node.stored = False  # describes the state it held
                 self._evictable_state -= 1
             else:
                 self._delete_cascade(node)

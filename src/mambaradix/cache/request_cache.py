@@ -23,6 +23,13 @@ from mambaradix.cache.kv_pool import KVPool
 from mambaradix.cache.radix import IntegrityError, MatchResult, RadixTree, TreeNode
 from mambaradix.cache.req_slots import ReqSlots
 from mambaradix.cache.state_pool import StatePool
+from mambaradix.cache.storage.tier import (
+    WRITE_BACK,
+    WRITE_THROUGH,
+    WRITE_THROUGH_SELECTIVE,
+    LoadJob,
+    StorageTier,
+)
 from mambaradix.core import StateOps
 from mambaradix.stats import EngineStats
 
@@ -46,6 +53,28 @@ class ReqCache:
     pending: list[int] = field(default_factory=list)  # no_buffer snapshot slots not yet inserted
 
 
+@dataclass(slots=True, eq=False)
+class LoadTicket:
+    """A stored prefix being read into the pools for a waiting request::
+
+        |<-- node: in the tree, kv-locked -->|<-- job.kv_slots: being read -->| state slot
+        0                               ram_depth                         position
+
+    ``done`` once the scheduler has collected it (``poll_loads``); ``ok``: the prefix is in the
+    tree now (else the request recomputes). Requests waiting for the same stored state share
+    one ticket."""
+
+    tokens: list[int]  # tokens [0, position)
+    node: TreeNode
+    job: LoadJob
+    done: bool = False
+    ok: bool = False
+
+    @property
+    def position(self) -> int:
+        return self.job.prefix.position
+
+
 class RequestCache:
     """What the scheduler calls; owns the tree and the pools' bookkeeping per request.
 
@@ -63,6 +92,7 @@ class RequestCache:
         enabled: bool = True,
         strategy: str = EXTRA_BUFFER,
         stats: EngineStats | None = None,
+        storage: StorageTier | None = None,
     ) -> None:
         if strategy not in (NO_BUFFER, EXTRA_BUFFER):
             raise ValueError(f"unknown mamba scheduler strategy {strategy!r}")
@@ -74,6 +104,10 @@ class RequestCache:
         self.tree = RadixTree(kv_pool, state_pool, page_size=self.page_size) if enabled else None
         self.live: set[ReqCache] = set()
         self.stats = stats if stats is not None else EngineStats()  # counts into the engine's
+        self.storage = storage if self.tree is not None else None
+        self.loading: dict[str, LoadTicket] = {}  # by state key: loads not yet collected
+        if self.storage is not None:
+            self.tree.on_evict = self._demote
 
     @property
     def enabled(self) -> bool:
@@ -128,6 +162,8 @@ class RequestCache:
             return None
         ops = StateOps()
         if match.prefix_len > 0:
+            if self._write_policy == WRITE_THROUGH_SELECTIVE and not node.stored:
+                self._stage(node)  # a prefix used a second time: worth keeping
             ops.add_copy(node.state_slot, rc.state_slot)
         else:
             ops.clear.append(rc.state_slot)
@@ -260,7 +296,7 @@ class RequestCache:
         """Empty the prefix cache (SGLang's ``/flush_cache``): None, and nothing freed, while
         any request is live (it may hold cached prefixes or be about to insert); otherwise the
         number of KV slots freed (0 with the cache disabled)."""
-        if self.live:
+        if self.live or self.loading:
             return None
         if self.tree is None:
             return 0
@@ -285,6 +321,9 @@ class RequestCache:
             states.extend(rc.track_slots + rc.pending)
             if rc.state_slot >= 0:
                 states.append(rc.state_slot)
+        for t in self.loading.values():
+            kv.extend(t.job.kv_slots.tolist())
+            states.append(t.job.state_slot)
         return kv, states
 
     def check_integrity(self, owners: Iterable[ReqCache] | None = None) -> None:
@@ -307,6 +346,7 @@ class RequestCache:
                 if not torch.equal(path, self.req_slots.table[rc.row, : rc.tree_len]):
                     raise IntegrityError(f"row {rc.row}: tree-owned prefix differs from tree path")
             self._check_locks()
+            self._check_stored()
             return
         for name, free, held, size in (
             ("KV", self.kv_pool.free_slot_list(), held_kv, self.kv_pool.size),
@@ -347,6 +387,11 @@ class RequestCache:
             if rc.state_node is not None and rc.state_node.parent is not None:
                 key = id(rc.state_node)
                 state_want[key] = state_want.get(key, 0) + 1
+        for t in self.loading.values():  # a load holds the RAM part of its path
+            node = t.node
+            while node.parent is not None:
+                kv_want[id(node)] = kv_want.get(id(node), 0) + 1
+                node = node.parent
         stack = list(self.tree.root.children.values())
         while stack:
             node = stack.pop()
@@ -356,6 +401,129 @@ class RequestCache:
                 raise IntegrityError(
                     f"lock counts kv {node.kv_lock} / state {node.state_lock}, but {want_kv} / "
                     f"{want_state} live requests hold them: {node!r}"
+                )
+
+    # ------------------------------------------------------------------ the storage tier
+
+    @property
+    def _write_policy(self) -> str | None:
+        return self.storage.write_policy if self.storage is not None else None
+
+    def _stage(self, node: TreeNode) -> None:
+        """Write ``node``'s prefix and state to storage (copied out now, written later)."""
+        tokens = self.tree.path_tokens(node)
+        if self.storage.stage(tokens, self.tree.path_kv(node), node.state_slot):
+            node.stored = True
+
+    def _demote(self, node: TreeNode) -> None:
+        """The tree is about to free ``node``'s state: under write-back write it first (the
+        write-through policies wrote it already, or chose not to)."""
+        if not node.stored and self._write_policy == WRITE_BACK:
+            self._stage(node)
+
+    def start_load(
+        self, tokens: list[int], match: MatchResult, limit: int | None, s_per_token: float = 0.0
+    ) -> LoadTicket | None:
+        """If storage holds a deeper prefix of ``tokens`` than the RAM tree (``match``), at
+        least one snapshot alignment deeper and worth reading, start loading it into fresh
+        slots (taking them may evict RAM entries) and return the ticket the request waits on;
+        a load of the same state already running is shared. None: recompute."""
+        if self.storage is None:
+            return None
+        cap = len(tokens) - 1 if limit is None else min(limit, len(tokens) - 1)
+        tree = self.tree
+        found = self.storage.probe(
+            tokens,
+            cap,
+            match.prefix_len,
+            lambda q: tree.deepest_node(tokens, q).depth,
+            min_gain=self.storage.block,
+        )
+        if found is None:
+            return None
+        for t in self.loading.values():
+            if t.job.prefix.state_key == found.state_key:
+                return t
+        if not self.storage.worth_loading(found, found.position - match.prefix_len, s_per_token):
+            return None
+        node = tree.deepest_node(tokens, found.position)  # at found.ram_depth
+        tree.lock(node)  # the RAM part of the path stays while the rest is read
+        kv = self._alloc_kv(found.position - node.depth)
+        state = self._alloc_state(1) if kv is not None else None
+        if state is None:
+            if kv is not None:
+                self.kv_pool.free(kv)
+            self.tree.unlock(node)
+            return None
+        job = self.storage.load(found, kv, state[0])
+        ticket = LoadTicket(list(tokens[: found.position]), node, job)
+        self.loading[found.state_key] = ticket
+        return ticket
+
+    def poll_loads(self, wait: float = 0.0) -> int:
+        """Collect finished loads (waiting up to ``wait`` seconds for one when none has
+        finished): a good one is inserted into the tree, a failed one's slots are freed.
+        Returns how many were collected."""
+        if not self.loading:
+            return 0
+        if wait > 0 and not any(t.job.future.done() for t in self.loading.values()):
+            from concurrent.futures import FIRST_COMPLETED
+            from concurrent.futures import wait as wait_any
+
+            wait_any([t.job.future for t in self.loading.values()], wait, FIRST_COMPLETED)
+        done = [(k, t) for k, t in self.loading.items() if t.job.future.done()]
+        for key, t in done:
+            del self.loading[key]
+            self._collect(t)
+        return len(done)
+
+    def _collect(self, t: LoadTicket) -> None:
+        job = t.job
+        try:
+            t.ok = bool(job.future.result())
+        except Exception as exc:  # an I/O thread fault: this load recomputes
+            logger.error("storage load failed: %r", exc, exc_info=exc)
+            t.ok = False
+        if t.ok:
+            kv = torch.cat([self.tree.path_kv(t.node), job.kv_slots])
+            res = self.tree.insert(t.tokens, kv, job.state_slot, owned_from=t.node.depth)
+            if res.state_attached:
+                res.node.stored = True  # it came from there
+                self.stats.storage_loaded_tokens += t.position - t.node.depth
+            else:  # a state appeared there meanwhile (computed by a request)
+                self.state_pool.free([job.state_slot])
+        else:
+            self.kv_pool.free(job.kv_slots)
+            self.state_pool.free([job.state_slot])
+        self.tree.unlock(t.node)
+        t.done = True
+
+    def close_storage(self, timeout: float = 60.0) -> None:
+        """At shutdown: under write-back, write every state the tree holds only in RAM, then
+        finish the writes and stop the tier. Call with no engine step running."""
+        if self.storage is None:
+            return
+        self.poll_loads(wait=timeout)
+        if self._write_policy == WRITE_BACK:
+            stack = list(self.tree.root.children.values())
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                if node.state_slot is not None and not node.stored:
+                    self._stage(node)
+        self.storage.close(timeout)
+
+    def _check_stored(self) -> None:
+        """Every node marked stored was handed to the tier under its content key."""
+        if self.storage is None:
+            return
+        stack = list(self.tree.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node.stored and not self.storage.knows(self.tree.path_tokens(node)):
+                raise IntegrityError(
+                    f"node marked stored but unknown to the storage tier: {node!r}"
                 )
 
     # ------------------------------------------------------------------ internals
@@ -374,6 +542,8 @@ class RequestCache:
             rc.node, rc.tree_len = res.node, length
         if res.state_attached:
             self.stats.snapshots_inserted += 1
+            if self._write_policy == WRITE_THROUGH:
+                self._stage(res.node)
         return res.state_attached
 
     def _alloc_state(self, n: int) -> list[int] | None:

@@ -21,6 +21,7 @@ class TreeNode:
     kv_lock: int = 0
     state_lock: int = 0
     depth: int = 0
+    stored: bool = False  # its prefix and state were also written to the storage tier
     kv_link: LRULink = field(default=None)  # type: ignore[assignment]
     st_link: LRULink = field(default=None)  # type: ignore[assignment]
 

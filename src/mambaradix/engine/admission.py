@@ -41,12 +41,15 @@ class Admission:
         self.max_running = max_running
         self.lpm = lpm  # --schedule-policy lpm: longest cached prefix first
         self.fail = fail
+        self.s_per_token = 0.0  # measured forward seconds per computed token (0: unknown)
 
     def admit(self, plan: BatchPlan, budget: int, waiting: list[Req], running: list[Req]) -> int:
         """Admit what fits into ``plan`` (moving requests from ``waiting`` to ``running``);
         returns the prefill budget left."""
         if not waiting:
             return budget
+        if self.cache.storage is not None:
+            self.cache.poll_loads()
         order = waiting
         if self.lpm and self.cache.enabled:
             hits = {id(r): self.cache.match(r.tokens()).prefix_len for r in waiting}
@@ -55,9 +58,13 @@ class Admission:
         for req in list(order):
             if len(running) >= self.max_running or budget <= 0:
                 break
+            if req.loading is not None and not req.loading.done:
+                continue  # its prefix is being read from storage
             tokens = req.tokens()
             limit = _match_limit(req)
             m = self.cache.match(tokens, limit)
+            if self.cache.storage is not None and self._wait_for_storage(req, tokens, m, limit):
+                continue
             if req.generator is None and req.params.seed is not None:
                 try:
                     req.generator = torch.Generator().manual_seed(req.params.seed)
@@ -104,12 +111,34 @@ class Admission:
                 req.cached_tokens = m.prefix_len
                 self.stats.prompt_tokens += len(req.prompt_ids)
                 self.stats.cached_tokens += m.prefix_len
+                if req.loading is not None and req.loading.ok:
+                    req.storage_tokens = max(
+                        0, min(m.prefix_len, req.loading.position) - req.ram_prefix
+                    )
+                    self.stats.storage_hit_tokens += req.storage_tokens
+                if m.kv_len > m.prefix_len:  # KV matched past the last state it could use
+                    self.stats.lost_reuse_requests += 1
+                    self.stats.lost_reuse_tokens += m.kv_len - m.prefix_len
+            req.loading = None
             if req.queue_time is None:
                 req.queue_time = time.monotonic() - req.arrival
             taken = self.builder.add_prefill(plan, req, budget)
             plan.entries[-1].resumed = m.prefix_len > 0
             budget -= taken
         return budget
+
+    def _wait_for_storage(self, req: Req, tokens: list[int], m: object, limit: int | None) -> bool:
+        """Ask the storage tier once per request for a deeper prefix than the RAM tree's;
+        True when the request must wait for it to be loaded."""
+        if req.storage_probed:
+            return False
+        req.storage_probed = True
+        req.ram_prefix = m.prefix_len
+        ticket = self.cache.start_load(tokens, m, limit, self.s_per_token)
+        if ticket is None:
+            return False
+        req.loading = ticket
+        return True
 
 
 def _match_limit(req: Req) -> int | None:

@@ -48,6 +48,8 @@ class RunResult:
     prompt: list[tuple[list[float], list[TopLogprobs | None]]] = field(default_factory=list)
     errors: dict[int, BaseException] | None = None  # sample row -> why sampling it raised
     grammar_ended: set[int] = field(default_factory=set)  # sample rows whose grammar ended
+    seconds: float = 0.0  # the forward and its sampling, on the runner's thread
+    extend_tokens: int = 0  # tokens the forward computed (prefill + decode rows)
 
 
 class Runner(Protocol):

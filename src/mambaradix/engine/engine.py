@@ -45,6 +45,7 @@ from mambaradix.engine.pools import model_weight_bytes, plan_pools
 from mambaradix.engine.request import Req
 from mambaradix.engine.runner import ModelRunner
 from mambaradix.engine.scheduler import Scheduler
+from mambaradix.engine.storage_setup import make_storage_tier
 from mambaradix.engine.structured import StructuredOutput
 from mambaradix.kernels.backend import KernelBackend, backend_class
 from mambaradix.stats import EngineStats
@@ -138,6 +139,7 @@ class Engine:
             enabled=enabled,
             strategy=strategy,
             stats=self._stats,
+            storage=make_storage_tier(cfg, model, self.kv_pool, self.state_pool),
         )
         self.backend = create_kernel_backend(cfg)
         self.kernel_backend = self.backend.name
@@ -301,6 +303,28 @@ class Engine:
             state_copies=self.state_pool.copies,
             state_copy_bytes=self.state_pool.copied_bytes,
             **self._graph_stats(),
+            **self._storage_stats(),
+        )
+
+    def _storage_stats(self) -> dict[str, int | float]:
+        tier = self.cache.storage
+        if tier is None:
+            return {}
+        c = tier.snapshot_counters()
+        usage = tier.backend.usage()
+        return dict(
+            storage_loads=c.loads,
+            storage_load_failures=c.load_failures,
+            storage_bad_objects=c.bad_objects,
+            storage_load_seconds=c.load_seconds,
+            storage_loads_skipped_slow=c.loads_skipped_slow,
+            storage_bytes_read=c.bytes_read,
+            storage_bytes_written=c.bytes_written,
+            storage_objects_written=c.objects_written,
+            storage_write_failures=c.write_failures,
+            storage_writes_skipped=c.writes_skipped,
+            storage_objects=usage.objects,
+            storage_bytes=usage.bytes,
         )
 
     def _graph_stats(self) -> dict[str, int]:
@@ -335,6 +359,8 @@ class Engine:
         self._stop = True
         self._inbox.put(("stop",))
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():  # the tree is ours now: write what storage lacks
+            self.cache.close_storage()
         self.runner.shutdown()
         self.structured.close()
         self._health.stopped = True
@@ -552,6 +578,7 @@ class Engine:
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
+            storage_tokens=req.storage_tokens,
             new_logprobs=lps,
             finish_matched=req.finish_matched if finished else None,
             error=req.error if finished else None,

@@ -30,6 +30,14 @@ class RequestOutput:
     prompt_top_logprobs: list | None = None
     error: str | None = None  # set on the final output of a request that failed
     queue_time: float | None = None  # seconds the request waited before its first admission
+    storage_tokens: int = 0  # of cached_tokens, those read back from the storage tier
+
+
+def cached_details(out: RequestOutput) -> dict[str, int]:
+    """``cached_tokens`` by tier: found in the RAM pools (``device``, SGLang's name for the
+    first tier) or read back from the storage tier."""
+    cached = max(0, out.cached_tokens)
+    return {"device": cached - out.storage_tokens, "storage": out.storage_tokens}
 
 
 class RequestError(RuntimeError):
@@ -136,6 +144,7 @@ def _collect(events: Iterator[RequestOutput]) -> dict:
         "prompt_tokens": last.prompt_tokens,
         "completion_tokens": last.completion_tokens,
         "cached_tokens": max(0, last.cached_tokens),
+        "cached_tokens_details": cached_details(last),
         "finish_reason": last.finish_reason,
     }
     if lps:

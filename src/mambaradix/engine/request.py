@@ -45,6 +45,10 @@ class Req:
     fed_len: int = 0
     futures: list[int] = field(default_factory=list)  # placeholders of tokens still in flight
     cached_tokens: int = -1  # prefix hit at first admission (-1: not admitted yet)
+    storage_tokens: int = 0  # of cached_tokens, those loaded back from the storage tier
+    loading: object = None  # cache.request_cache.LoadTicket this waiting request waits on
+    storage_probed: bool = False  # the storage tier was asked for this request's prefix
+    ram_prefix: int = 0  # prefix the RAM tree offered before a load
     plan: ReqPlan = field(default_factory=ReqPlan)  # snapshot planning (engine.strategies)
     inflight: int = 0  # batches containing this request not yet processed
     finish_reason: FinishReason | None = None

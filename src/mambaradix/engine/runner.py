@@ -80,6 +80,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: RunBatch) -> RunResult:
+        t0 = time.perf_counter()
         fb = batch.forward
         for r in fb.reqs:
             if any(t < 0 for t in r.input_ids):
@@ -125,6 +126,8 @@ class ModelRunner:
                 result.prompt.append((got.tolist(), top_logprobs(rows, [k] * len(targets), norm)))
         self._sampled[batch.batch_id] = result.tokens
         self._sampled.pop(batch.batch_id - _KEEP_BATCHES, None)
+        result.extend_tokens = sum(r.extend_len for r in fb.reqs)
+        result.seconds = time.perf_counter() - t0
         return result
 
     def _sample(

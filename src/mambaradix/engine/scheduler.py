@@ -147,7 +147,9 @@ class Scheduler:
             if plan:
                 self.inflight = (plan, fut)
         elif plan:
-            self.results.process(plan, self.runner.submit(plan.run).result())
+            self._process(plan, self.runner.submit(plan.run).result())
+        if plan is None and self.inflight is None and self.cache.loading:
+            self.cache.poll_loads(wait=0.005)  # only loads pending: wait for one, don't spin
         self._release_finished()
 
     def check_integrity(self) -> None:
@@ -193,7 +195,14 @@ class Scheduler:
             return
         plan, fut = self.inflight
         self.inflight = None
-        self.results.process(plan, fut.result())
+        self._process(plan, fut.result())
+
+    def _process(self, plan: BatchPlan, result: object) -> None:
+        if getattr(result, "extend_tokens", 0) >= 64:  # prefill-sized: what a token costs
+            cost = result.seconds / result.extend_tokens
+            old = self.admission.s_per_token
+            self.admission.s_per_token = cost if old <= 0 else 0.8 * old + 0.2 * cost
+        self.results.process(plan, result)
 
     # ------------------------------------------------------------------ the end of a request
 

@@ -46,7 +46,8 @@ class Job:
     __slots__ = (
         "index", "rid", "input_ids", "params", "prompt_key", "ch", "handle", "timer",
         "text_parts", "token_ids", "logprobs", "tops", "prompt_lps", "prompt_tops",
-        "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "finished",
+        "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "storage_tokens",
+        "finished",
         "error", "pending_ids", "pending_lps", "pending_tops", "echo_text", "echo_pending",
         "splitter", "withheld", "stream_detok", "stream_state", "stream_seen", "tool_stream",
     )  # fmt: skip
@@ -78,6 +79,7 @@ class Job:
         self.prompt_tokens = len(input_ids)
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.storage_tokens = 0  # of cached_tokens, read back from the storage tier
         self.finished = False
         self.error: BaseException | None = None
         # streamed tokens not sent yet (an event whose text the detokenizer held back)
@@ -129,6 +131,7 @@ class Job:
             self.completion_tokens = out.completion_tokens
         self.prompt_tokens = out.prompt_tokens
         self.cached_tokens = max(0, out.cached_tokens)
+        self.storage_tokens = out.storage_tokens
         if out.finished:
             self.finished = True
             self.finish_reason = "length" if self.ch.discard else out.finish_reason

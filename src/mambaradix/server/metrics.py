@@ -44,6 +44,8 @@ _ENGINE_GAUGES = {
     "token_usage": ("token_usage", "KV pool usage: (size - free - evictable) / size."),
     "mamba_usage": ("mamba_usage", "State pool usage: (size - free - evictable) / size."),
     "decode_graph_bytes": ("decode_graph_bytes", "Bytes held by the recorded decode steps."),
+    "storage_objects": ("storage_objects", "Objects held by the storage tier's backend."),
+    "storage_bytes": ("storage_bytes", "Bytes held by the storage tier's backend."),
 }
 _ENGINE_COUNTERS = {
     "retractions": ("num_retracted_requests", "Running requests retracted for lack of KV."),
@@ -56,6 +58,30 @@ _ENGINE_COUNTERS = {
     "finished_requests": ("engine_finished_requests", "Requests finished by the engine."),
     "decode_graph_replays": ("decode_graph_replays", "Decode steps replayed from a recording."),
     "decode_graph_recordings": ("decode_graph_recordings", "Decode steps recorded for replay."),
+    "lost_reuse_requests": (
+        "lost_reuse_requests",
+        "Requests whose KV matched deeper than any state they could resume from.",
+    ),
+    "lost_reuse_tokens": (
+        "lost_reuse_tokens",
+        "Matched tokens recomputed because no state snapshot was kept where the match ended.",
+    ),
+    "storage_hit_tokens": ("storage_hit_tokens", "Cached prompt tokens read from storage."),
+    "storage_loads": ("storage_loads", "Prefixes loaded back from the storage tier."),
+    "storage_load_failures": (
+        "storage_load_failures",
+        "Loads that found a missing or bad object (the request recomputed).",
+    ),
+    "storage_bad_objects": ("storage_bad_objects", "Corrupt or foreign stored objects removed."),
+    "storage_load_seconds": ("storage_load_seconds", "Seconds spent loading, summed over loads."),
+    "storage_bytes_read": ("storage_bytes_read", "Bytes read from the storage tier."),
+    "storage_bytes_written": ("storage_bytes_written", "Bytes written to the storage tier."),
+    "storage_objects_written": ("storage_objects_written", "Objects written to storage."),
+    "storage_write_failures": ("storage_write_failures", "Objects the backend failed to store."),
+    "storage_writes_skipped": (
+        "storage_writes_skipped",
+        "Writes skipped (too many bytes waiting to be written).",
+    ),
 }
 
 

@@ -73,6 +73,10 @@ class _NativeJob:
             "prompt_tokens": job.prompt_tokens,
             "completion_tokens": job.completion_tokens,
             "cached_tokens": job.cached_tokens,
+            "cached_tokens_details": {
+                "device": job.cached_tokens - job.storage_tokens,
+                "storage": job.storage_tokens,
+            },
             "e2e_latency": time.perf_counter() - self.t0,
         }
         if self.opts.return_logprob:

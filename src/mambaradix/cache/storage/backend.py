@@ -66,7 +66,7 @@ class StorageBackend(ABC):
     def clear(self) -> int:
         """Remove every object of this store; returns how many were removed."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: most backends hold nothing to release)
         """Release connections and threads."""
 
 
