@@ -15,9 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-pytest.importorskip("sglang_router")
+from mambaradix.server.replicas import free_port
 
-from mambaradix.server.replicas import free_port  # noqa: E402
+try:
+    import sglang_router
+except ImportError:  # a test dependency: its absence is a broken setup, not a reason to skip
+    sglang_router = None
 
 API_KEY = "scaleout-key"
 MODEL = "tiny-qwen"
@@ -95,14 +98,26 @@ class Stack:
                 self.proc.kill()
 
 
+@pytest.fixture(scope="session", autouse=True)  # session: set up before the module's stack
+def _require_sglang_router() -> None:
+    if sglang_router is None:
+        pytest.fail(
+            "the scale-out tests need sglang-router 0.3.2, a test dependency that is not "
+            "installed: .venv/bin/pip install -e '.[test]' (or: .venv/bin/pip install "
+            "'sglang-router==0.3.2')",
+            pytrace=False,
+        )
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
     port = free_port()
     log = tmp_path_factory.mktemp("scaleout") / "launcher.log"
     cmd = [sys.executable, "-m", "mambaradix.cli", "serve", *REPLICA_FLAGS, "--port", str(port),
            "--dp-size", "2", "--router-policy", "cache_aware",
-           # the launcher, not the gateway's health check, routes around a dead replica
-           "--router-health-check-interval-secs", "60"]  # fmt: skip
+           # the launcher, not the gateway's health check, routes around a dead replica: the
+           # check's period is longer than any wait of the tests
+           "--router-health-check-interval-secs", "600"]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)

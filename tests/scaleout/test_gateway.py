@@ -150,7 +150,7 @@ def test_power_of_two_sees_our_loads(stack):
 
 def test_killed_replica_is_routed_around_and_restarted(stack):
     """The launcher takes a dead replica out of the gateway at once (its worker API), so every
-    request after that succeeds; the gateway's own health check runs only every 60 s in this
+    request after that succeeds; the gateway's own health check runs only every 600 s in this
     stack (conftest), so it cannot be what routed around the replica. The restarted replica is
     put back into the gateway and receives requests again."""
     victim = stack.replicas[0]
@@ -161,8 +161,8 @@ def test_killed_replica_is_routed_around_and_restarted(stack):
         assert completion(stack.url, p).status_code == 200
     subprocess.run(["kill", "-9", str(pid)], check=True)
     t0 = time.monotonic()
-    while victim in [w["url"] for w in stack.workers()]:
-        assert time.monotonic() - t0 < 5, "the launcher did not remove the dead replica"
+    while victim in [w["url"] for w in stack.workers()]:  # how fast is printed, not asserted
+        assert time.monotonic() - t0 < 60, "the launcher did not remove the dead replica"
         time.sleep(0.02)
     removed_after = time.monotonic() - t0
     codes = [completion(stack.url, p + " again").status_code for p in prompts]
@@ -202,7 +202,7 @@ def test_sigterm_stops_every_child(stack):
     assert len(kids) == 3  # two replicas and the gateway
     stack.proc.send_signal(signal.SIGTERM)
     assert stack.proc.wait(60) == 0
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while any(alive(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(k) for k in kids)

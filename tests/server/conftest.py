@@ -54,7 +54,7 @@ def http(server: ServerThread) -> Iterator[httpx.Client]:
 def wait_idle(engine):
     """Call to block until the engine is idle (fails after ``timeout`` seconds)."""
 
-    def wait(timeout: float = 30.0) -> None:
+    def wait(timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while not engine.is_idle():
             assert time.monotonic() < deadline, "engine did not become idle"

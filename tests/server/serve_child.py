@@ -1,9 +1,13 @@
 """``mambaradix serve`` in a child process, optionally with an injected engine fault: a
 forward whose batch holds a prompt starting with FAULT_PROMPT raises (a fault of the engine
-itself, not of one request). Run as ``python serve_child.py [--fault] <serve flags>``."""
+itself, not of one request). Run as ``python serve_child.py [--fault] [--listen-fd FD] <serve
+flags>``: with ``--listen-fd`` the server takes the socket the test bound (port 0, inherited
+as FD) instead of binding ``--port`` itself, so no other process can take the port between
+the test choosing it and the server binding it."""
 
 from __future__ import annotations
 
+import socket
 import sys
 
 FAULT_PROMPT = [13, 17, 13, 17, 13]
@@ -23,6 +27,16 @@ def main() -> int:
             return real(self, batch)
 
         runner.ModelRunner.run = run
+    if args and args[0] == "--listen-fd":
+        fd, args = int(args[1]), args[2:]
+        from mambaradix.server import lifecycle
+
+        def inherited(host: str, port: int) -> socket.socket:
+            sock = socket.socket(fileno=fd)
+            assert sock.getsockname()[1] == port, (sock.getsockname(), port)
+            return sock
+
+        lifecycle.bind_socket = inherited  # cli's serve looks it up when it runs
     from mambaradix.cli import main as cli_main
 
     return cli_main(["serve", *args])
