@@ -12,6 +12,7 @@ A request's regions in one forward::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -213,12 +214,16 @@ class FinishReason(str, Enum):
 class StateOps:
     """Deferred state operations, executed by the runner before any layer reads a state.
 
-    Copies run before clears; a slot never appears as both a copy destination and a clear.
+    ``writes`` (prefixes loaded from the storage tier into their KV and state slots) run
+    first, then copies, then clears; a slot never appears as both a copy destination and a
+    clear. Pool writes of loads wait for the runner because a forward in flight may still read
+    a slot a load was given (KV freed by an insert's de-duplication is reused at once).
     """
 
     copy_src: list[int] = field(default_factory=list)
     copy_dst: list[int] = field(default_factory=list)
     clear: list[int] = field(default_factory=list)
+    writes: list[Callable[[], None]] = field(default_factory=list)
 
     def add_copy(self, src: int, dst: int) -> None:
         self.copy_src.append(src)
@@ -228,9 +233,10 @@ class StateOps:
         self.copy_src.extend(other.copy_src)
         self.copy_dst.extend(other.copy_dst)
         self.clear.extend(other.clear)
+        self.writes.extend(other.writes)
 
     def __bool__(self) -> bool:
-        return bool(self.copy_src or self.clear)
+        return bool(self.copy_src or self.clear or self.writes)
 
 
 @dataclass(slots=True)

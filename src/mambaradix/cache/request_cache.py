@@ -106,6 +106,9 @@ class RequestCache:
         self.stats = stats if stats is not None else EngineStats()  # counts into the engine's
         self.storage = storage if self.tree is not None else None
         self.loading: dict[str, LoadTicket] = {}  # by state key: loads not yet collected
+        # pool writes of collected loads, for the runner to run before the next forward reads
+        # (the tree already holds their nodes; nothing may read those slots before)
+        self.pending_writes: list = []
         if self.storage is not None:
             self.tree.on_evict = self._demote
 
@@ -300,6 +303,7 @@ class RequestCache:
             return None
         if self.tree is None:
             return 0
+        self.pending_writes = []  # their nodes go with the tree (no forward is in flight)
         return self.tree.flush()
 
     # ------------------------------------------------------------------ accounting
@@ -479,12 +483,14 @@ class RequestCache:
 
     def _collect(self, t: LoadTicket) -> None:
         job = t.job
+        write = None
         try:
-            t.ok = bool(job.future.result())
+            write = job.future.result()
         except Exception as exc:  # an I/O thread fault: this load recomputes
             logger.error("storage load failed: %r", exc, exc_info=exc)
-            t.ok = False
+        t.ok = write is not None
         if t.ok:
+            self.pending_writes.append(write)
             kv = torch.cat([self.tree.path_kv(t.node), job.kv_slots])
             res = self.tree.insert(t.tokens, kv, job.state_slot, owned_from=t.node.depth)
             if res.state_attached:
@@ -498,12 +504,20 @@ class RequestCache:
         self.tree.unlock(t.node)
         t.done = True
 
+    def take_writes(self) -> list:
+        """The loads' pool writes not yet handed to a forward (see ``pending_writes``)."""
+        writes, self.pending_writes = self.pending_writes, []
+        return writes
+
     def close_storage(self, timeout: float = 60.0) -> None:
         """At shutdown: under write-back, write every state the tree holds only in RAM, then
         finish the writes and stop the tier. Call with no engine step running."""
         if self.storage is None:
             return
-        self.poll_loads(wait=timeout)
+        while self.loading:
+            self.poll_loads(wait=timeout)
+        for write in self.take_writes():  # no forward runs now: the pools are ours
+            write()
         if self._write_policy == WRITE_BACK:
             stack = list(self.tree.root.children.values())
             while stack:

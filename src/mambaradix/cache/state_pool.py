@@ -79,6 +79,8 @@ class StatePool:
             t.index_fill_(0, idx, 0)
 
     def apply(self, ops: StateOps) -> None:
-        """Run a batch's deferred operations: copies first, then clears."""
+        """Run a batch's deferred operations: loads' pool writes, copies, then clears."""
+        for write in ops.writes:
+            write()
         self.copy(ops.copy_src, ops.copy_dst)
         self.clear(ops.clear)

@@ -183,6 +183,8 @@ class Scheduler:
             if self.running and not self.inflight:  # nothing fits: make room, try next step
                 self.running_set.retract_newest(self.running, self.waiting)
             return None
+        if self.cache.pending_writes:  # loads collected: their data lands before anything reads
+            plan.state_ops.writes[:0] = self.cache.take_writes()
         for e in plan.entries:
             e.req.inflight += 1
             if e.sample_row is not None:

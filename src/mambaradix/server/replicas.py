@@ -84,6 +84,14 @@ class ScaleOutConfig:
         "replicas that hang.",
     )
 
+    dp_private_cache: bool = opt(
+        False,
+        "With --dp-size > 1, keep each replica's cache to itself. By default every replica "
+        "gets the same storage tier (--enable-hierarchical-cache, one --hicache-storage-dir "
+        "or Redis), so a prefix one replica computed is a hit on the others and a restarted "
+        "replica starts warm.",
+    )
+
     def validate(self) -> None:
         if self.dp_size < 1:
             raise ValueError("--dp-size must be >= 1")
@@ -383,5 +391,19 @@ class ReplicaSet:
                 p.wait()
 
 
+def shared_storage(ecfg: EngineConfig, so: ScaleOutConfig) -> EngineConfig:
+    """The replicas' engine config: the storage tier on (one location for all) unless the
+    radix cache is off or ``--dp-private-cache`` is given."""
+    if so.dp_private_cache or ecfg.disable_radix_cache or ecfg.enable_hierarchical_cache:
+        return ecfg
+    from mambaradix.engine.storage_setup import storage_location
+
+    ecfg = dataclasses.replace(ecfg, enable_hierarchical_cache=True)
+    if ecfg.hicache_storage_backend == "file":
+        ecfg.hicache_storage_dir = storage_location(ecfg)
+    logger.info("replicas share the storage tier at %s", storage_location(ecfg))
+    return ecfg
+
+
 def serve_replicas(ecfg: EngineConfig, scfg: ServerConfig, so: ScaleOutConfig) -> int:
-    return ReplicaSet(ecfg, scfg, so).run()
+    return ReplicaSet(shared_storage(ecfg, so), scfg, so).run()

@@ -345,12 +345,16 @@ class StorageTier:
     # ------------------------------------------------------------------ loads
 
     def load(self, prefix: StoredPrefix, kv_slots: torch.Tensor, state_slot: int) -> LoadJob:
-        """Start reading ``prefix`` into ``kv_slots`` (tokens [ram_depth, position)) and
-        ``state_slot`` on an I/O thread. The job's future gives True when the pools hold it."""
-        fut = self._io.submit(self._load, prefix, kv_slots, state_slot)
+        """Start reading ``prefix`` on an I/O thread. Its future gives None (missing or bad
+        objects: recompute) or a function that copies what was read into ``kv_slots`` (tokens
+        [ram_depth, position)) and ``state_slot``: the caller runs it where no forward in
+        flight can read those slots (the runner, before the next forward's state ops)."""
+        fut = self._io.submit(self._read, prefix, kv_slots, state_slot)
         return LoadJob(prefix, kv_slots, state_slot, fut)
 
-    def _load(self, prefix: StoredPrefix, kv_slots: torch.Tensor, state_slot: int) -> bool:
+    def _read(
+        self, prefix: StoredPrefix, kv_slots: torch.Tensor, state_slot: int
+    ) -> Callable[[], None] | None:
         t0 = time.perf_counter()
         b = self.block
         q, d = prefix.position, prefix.ram_depth
@@ -360,7 +364,8 @@ class StorageTier:
         got = sum(len(x) for x in datas if x is not None)
         if any(x is None for x in datas):
             self._count_load(False, got, t0)
-            return False
+            return None
+        kv_parts: list[tuple[dict[str, torch.Tensor], str, int, torch.Tensor]] = []
         try:
             for (i, key), data in zip(prefix.block_keys, datas):
                 ts = decode(
@@ -368,17 +373,16 @@ class StorageTier:
                     expected=self._kv_specs(b),
                 )  # fmt: skip
                 lo = max(d, i * b)  # tokens of this block the RAM tree does not hold
-                self._put_kv(ts, "", lo - i * b, kv_slots[lo - d : (i + 1) * b - d])
+                kv_parts.append((ts, "", lo - i * b, kv_slots[lo - d : (i + 1) * b - d]))
             key, data = prefix.state_key, datas[-1]
-            ts = decode(
+            state = decode(
                 data, key=key, fingerprint=self.fingerprint, kind="state",
                 expected=self._state_specs + self._kv_specs(tail_len, "tail_"),
             )  # fmt: skip
             start = q - tail_len
             lo = max(d, start)
             if self._kv_layers and lo < q:
-                self._put_kv(ts, "tail_", lo - start, kv_slots[lo - d : q - d])
-            self._put_state(ts, state_slot)
+                kv_parts.append((state, "tail_", lo - start, kv_slots[lo - d : q - d]))
         except BadObject as e:
             logger.warning("storage object %s is unusable (%s): removed, recomputing", key, e)
             self.backend.delete([key])
@@ -386,12 +390,18 @@ class StorageTier:
                 self._known.pop(key, None)
                 self.counters.bad_objects += 1
             self._count_load(False, got, t0)
-            return False
+            return None
         with self._lock:
             for k in keys:
                 self._remember(k)
         self._count_load(True, got, t0)
-        return True
+
+        def write() -> None:
+            for ts, prefix_name, first, slots in kv_parts:
+                self._put_kv(ts, prefix_name, first, slots)
+            self._put_state(state, state_slot)
+
+        return write
 
     def _put_kv(
         self, ts: dict[str, torch.Tensor], prefix: str, first: int, slots: torch.Tensor
