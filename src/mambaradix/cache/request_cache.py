@@ -421,9 +421,13 @@ class RequestCache:
 
     def _demote(self, node: TreeNode) -> None:
         """The tree is about to free ``node``'s state: under write-back write it first (the
-        write-through policies wrote it already, or chose not to)."""
-        if not node.stored and self._write_policy == WRITE_BACK:
-            self._stage(node)
+        write-through policies wrote it already, or chose not to); a write that failed is
+        tried again."""
+        if not node.stored:
+            if self._write_policy == WRITE_BACK:
+                self._stage(node)
+        elif self.storage.write_failed(self.tree.path_tokens(node)):
+            self._stage(node)  # its earlier write failed (a full disk, Redis down): retry
 
     def start_load(
         self, tokens: list[int], match: MatchResult, limit: int | None, s_per_token: float = 0.0

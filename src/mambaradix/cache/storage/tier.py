@@ -202,6 +202,8 @@ class StorageTier:
         state_key = self.chain.state_key(digests[nb], tokens[nb * b :])
         if state_key in self._known:
             return True
+        with self._lock:
+            self._failed.pop(state_key, None)
         keys = [self.chain.kv_key(digests[i + 1]) for i in range(nb)] if self._kv_layers else []
         unknown = [i for i, k in enumerate(keys) if k not in self._known]
         there = self.backend.exists([keys[i] for i in unknown] + [state_key])
@@ -441,6 +443,10 @@ class StorageTier:
         written, or failed: a node marks itself stored when it hands its data over)."""
         key = self.chain.state_key_at(tokens, len(tokens))
         return key in self._known or key in self._failed
+
+    def write_failed(self, tokens: list[int]) -> bool:
+        """Whether the last write of the state at ``len(tokens)`` failed."""
+        return self.chain.state_key_at(tokens, len(tokens)) in self._failed
 
     def snapshot_counters(self) -> TierCounters:
         with self._lock:
