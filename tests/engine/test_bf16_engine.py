@@ -11,8 +11,8 @@ round differently. The tolerances below are that rounding, measured and stated:
   difference up to that size is bf16 rounding, not the cache.
 - ``MEAN_ATOL`` over a configuration's agreeing tokens: 0.0075. The logits leave a bf16 LM
   head; near |logit| 1-2 one bf16 step is 2^-7 = 0.0078, and most tokens come out the same
-  both ways: measured means 0.0021-0.0029 (tiny) and, on the real shape, 0.0013 on session 8's
-  AMD EPYC and 0.0038-0.0053 on the Intel Xeon of sessions 11-14, where the sides take
+  both ways: measured means 0.0021-0.0029 (tiny) and, on the real shape, 0.0013 on an AMD
+  EPYC and 0.0038-0.0053 on an Intel Xeon without AMX (family 6 model 207), where the sides take
   different fp32-accumulating matmuls for their different row counts (64-row prefill chunks
   with the cache on, whole prompts off): 0.0038 with torch's bf16 matmul for both, 0.0044 with
   fp32 ones from 128 rows, 0.0053 with the tile kernel from 12 rows (``kernels.cpu``). A zeroed

@@ -744,17 +744,14 @@ def mamba2_decode(
 
 # Two C kernels (``csrc/linear.c``) for decode batches, with the same sums bit for bit:
 # - rows: each weight row streamed once and dotted with every x row held in cache (the bf16 dot
-#   product instruction). Best for one row, and up to LINEAR_NATIVE_MAX_ROWS rows while they take
-#   at most LINEAR_NATIVE_X_BYTES. On the Intel Xeon of sessions 11-13 (AVX-512 BF16, no AMX;
-#   in-process, alternated, weights out of cache): 8 rows 1.2-1.7x torch's GFLOP/s, 16 rows
-#   1.06-1.5x; on session 8's AMD EPYC torch won from 8 rows of 3,584 (0.7x).
+#   product instruction), so a step of a few rows reads the weights once, at memory speed. Up to
+#   LINEAR_NATIVE_MAX_ROWS rows while they take at most LINEAR_NATIVE_X_BYTES (held in cache):
+#   beyond, the products rather than the weight read are the cost, and torch's matmul is as fast.
 # - tiles: from LINEAR_TILES_MIN_ROWS rows up to bf16_matmul.MIN_ROWS, where the products are the
 #   cost: fp32 FMAs on weights widened in registers, on CPUs where fp32 arithmetic beats the bf16
 #   one (``bf16_matmul.choice() == "fp32"``: the same property its many-row path is chosen for).
-#   On session 14's Xeon (in-process, alternated, 377 MB of 1,024 x 4,608 weights out of cache):
-#   12 rows 96-108 GFLOP/s against the rows kernel's 93-95 and torch's 72-82, 32 rows 151 against
-#   torch's 106, 64 rows 141-165 against 120-127.
-# Beyond, torch's matmul or an fp32 one (``kernels.bf16_matmul``).
+# Beyond, torch's matmul or an fp32 one (``kernels.bf16_matmul``). The measurements behind these
+# bounds, by CPU model, are in docs/benchmarks.md.
 LINEAR_NATIVE_MAX_ROWS = 16
 LINEAR_NATIVE_X_BYTES = 160 << 10
 LINEAR_TILES_MIN_ROWS = 12

@@ -39,10 +39,9 @@ PUBLISHED: dict[str, Published] = {}
 
 # ----------------------------------------------------------------------------- Qwen3.5 dense
 
-# Qwen/Qwen3.5-0.8B: the dimensions bench/bench_real.py's preset carried since session 5 (GDN
-# 16 x 128 key and value heads, attention 8 x 256 with 2 KV heads, 3:1 GDN:attention, tied);
-# the 3:1 layout and head dims agree with transformers' qwen3_5 docs. Layer count and
-# intermediate size not confirmed by a source this session.
+# Qwen/Qwen3.5-0.8B: bench/bench_real.py's preset (GDN 16 x 128 key and value heads, attention
+# 8 x 256 with 2 KV heads, 3:1 GDN:attention, tied); the 3:1 layout and head dims agree with
+# transformers' qwen3_5 docs. Layer count and intermediate size not confirmed by a source.
 PUBLISHED["qwen3_5_0_8b"] = Published(
     "Qwen3_5TextConfig",
     "Qwen3_5ForCausalLM",
@@ -62,7 +61,7 @@ PUBLISHED["qwen3_5_0_8b"] = Published(
         max_position_embeddings=262144,
         **_GDN,
     ),
-    "Qwen/Qwen3.5-0.8B (bench_real preset; not confirmed this session)",
+    "Qwen/Qwen3.5-0.8B (bench_real preset; layer count and intermediate size not confirmed)",
 )
 # Qwen/Qwen3.5-2B: hidden 2048, 24 layers, GDN 16 x 128 value heads, attention 8 x 256 / 2 KV.
 # Not confirmed by a source (model family docs only); widths as the 0.8B's family pattern.
@@ -277,7 +276,7 @@ _GRANITE_40 = _at(40, (5, 15, 25, 35), "attention", "mamba")  # 9 Mamba2 : 1 att
 _GRANITE_MAMBA = dict(mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4,
                       mamba_expand=2, mamba_chunk_size=256)  # fmt: skip
 # ibm-granite/granite-4.0-h-350m: bench_real's preset (hidden 768, 32 layers, attention at 10,
-# 13, 17, 27, Granite multipliers); not re-confirmed this session.
+# 13, 17, 27, Granite multipliers); not confirmed by a quoted config.json.
 PUBLISHED["granite_4_0_h_350m"] = Published(
     "GraniteMoeHybridConfig",
     "GraniteMoeHybridForCausalLM",
