@@ -34,6 +34,7 @@ CHECKS = {
     "negative_lock": r"negative lock count",
     "kv_lock_below_state_lock": r"kv_lock < state_lock",
     "state_lock_without_state": r"state-locked node lost its state",
+    "stored_without_state": r"node marked stored without a state in RAM",
     "tombstone_leaf": r"tombstone leaf",
     "children_locks": r"kv_lock \d+ < sum of children's kv_lock \d+",
     "kv_lru_links": r"^KV LRU list has a broken link",

@@ -184,6 +184,12 @@ CASES: list[Case] = [
     ),
     Case("tombstone_leaf", _tombstone_leaf, "tombstone_leaf", r"tombstone leaf" + _E),
     Case(
+        "stored_tombstone",
+        lambda e: setattr(e.at(1, 2, 3, 4, 5), "stored", True),  # B: a tombstone
+        "stored_without_state",
+        r"node marked stored without a state in RAM",
+    ),
+    Case(
         "parent_lock_lost",
         _parent_lock_lost,
         "children_locks",

@@ -31,6 +31,7 @@ class RequestResult:
     prompt_len: int = 0
     output_len: int = 0
     cached_tokens: int = 0
+    storage_tokens: int = 0  # of cached_tokens, read back from the storage tier
     start: float = 0.0  # seconds since the benchmark started
     ttft: float = 0.0
     itls: list[float] = field(default_factory=list)
@@ -81,6 +82,7 @@ class EngineBackend:
                 timing.tokens(len(out.new_token_ids))
                 res.output_ids.extend(out.new_token_ids)
                 res.cached_tokens = max(0, out.cached_tokens)
+                res.storage_tokens = out.storage_tokens
                 if out.finished:
                     res.success = out.finish_reason != "abort"
                     if not res.success:

@@ -121,6 +121,7 @@ class RemoteBackend:
         timing.tokens(done - res.output_len)
         res.output_len = max(res.output_len, done)
         res.cached_tokens = int(meta.get("cached_tokens") or 0)
+        res.storage_tokens = int((meta.get("cached_tokens_details") or {}).get("storage") or 0)
         if chunk.get("output_ids") is not None:  # cumulative, like the text
             res.output_ids = list(chunk["output_ids"])
         text[:] = [chunk.get("text") or ""]

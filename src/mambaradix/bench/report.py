@@ -47,6 +47,9 @@ def summarize(results: list[RequestResult], duration: float, alignment: int) -> 
         "output_throughput": output_tokens / duration,
         "total_throughput": (input_tokens + output_tokens) / duration,
         "cache_hit_rate": cached / input_tokens if input_tokens else 0.0,
+        "storage_hit_rate": sum(r.storage_tokens for r in ok) / input_tokens
+        if input_tokens
+        else 0.0,
         "ideal_hit_rate": ideal / input_tokens if input_tokens else 0.0,
         "hit_alignment": alignment,
     }
@@ -69,6 +72,7 @@ _ROWS = [
     ("Output token throughput (tok/s):", "output_throughput", "{:.2f}"),
     ("Total token throughput (tok/s):", "total_throughput", "{:.2f}"),
     ("Cache hit rate:", "cache_hit_rate", "{:.4f}"),
+    ("  of it from storage:", "storage_hit_rate", "{:.4f}"),
     ("Ideal hit rate:", "ideal_hit_rate", "{:.4f}"),
 ]
 _LATENCIES = [
