@@ -89,6 +89,11 @@ _ENGINE_ROWS = [  # only for in-process runs
     ("Computed / ideal:", "computed_over_ideal", "{:.4f}"),
     ("State copies:", "state_copies", "{:d}"),
     ("Retractions:", "retractions", "{:d}"),
+    ("Lost reuse (KV matched past a state):", "lost_reuse_tokens", "{:d}"),
+    ("Storage loads:", "storage_loads", "{:d}"),
+    ("Storage load latency, mean (ms):", "storage_load_ms", "{:.2f}"),
+    ("Storage bytes read:", "storage_bytes_read", "{:d}"),
+    ("Storage bytes written:", "storage_bytes_written", "{:d}"),
 ]
 
 

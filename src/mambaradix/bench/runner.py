@@ -199,6 +199,13 @@ async def _play(
         summary["computed_over_ideal"] = computed / ideal if ideal else 0.0
         summary["state_copies"] = after.state_copies - before.state_copies
         summary["retractions"] = after.retractions - before.retractions
+        summary["lost_reuse_tokens"] = after.lost_reuse_tokens - before.lost_reuse_tokens
+        if engine.cache.storage is not None:
+            for key in ("storage_loads", "storage_bytes_read", "storage_bytes_written"):
+                summary[key] = getattr(after, key) - getattr(before, key)
+            loads = summary["storage_loads"]
+            seconds = after.storage_load_seconds - before.storage_load_seconds
+            summary["storage_load_ms"] = 1e3 * seconds / loads if loads else 0.0
     return summary
 
 

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 import mambaradix
 from mambaradix.server.jobs import Choices, Job, abort_unfinished, first_error, watch_disconnect
@@ -176,6 +176,21 @@ def native_router(srv: Any) -> APIRouter:
                 status_code=400,
             )
         return PlainTextResponse(f"Cache flushed: {freed} cached tokens freed.\n")
+
+    async def clear_storage() -> JSONResponse:
+        """Empty the storage tier (``/flush_cache`` empties only the RAM tier)."""
+        tier = engine.cache.storage
+        if tier is None:
+            return JSONResponse(
+                "Hierarchical cache storage is not enabled (--enable-hierarchical-cache).",
+                status_code=400,
+            )
+        removed = await asyncio.to_thread(tier.clear_storage)
+        logger.info("storage tier cleared: %d objects removed", removed)
+        return JSONResponse("Hierarchical cache storage backend cleared.")
+
+    router.add_api_route("/hicache/storage-backend/clear", clear_storage, methods=["POST"])
+    router.add_api_route("/clear_hicache_storage_backend", clear_storage, methods=["GET", "POST"])
 
     @router.post("/tokenize")
     @router.post("/v1/tokenize")
