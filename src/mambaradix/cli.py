@@ -69,11 +69,15 @@ def _logging(level: str) -> None:
     )
 
 
-def _engine_config(ns: argparse.Namespace) -> EngineConfig:
+def _engine_config(ns: argparse.Namespace, so: ScaleOutConfig | None = None) -> EngineConfig:
     ecfg = config_from_args(EngineConfig, ns)
     if not ecfg.model_path:
         logger.info("no --model-path: using the built-in %s", DEFAULT_MODEL)
         ecfg = dataclasses.replace(ecfg, model_path=DEFAULT_MODEL)
+    if so is not None and so.dp_size > 1:  # replicas share a storage tier by default
+        from mambaradix.server.replicas import shared_storage
+
+        ecfg = shared_storage(ecfg, so)
     ecfg.validate()
     return ecfg
 
@@ -91,7 +95,7 @@ def _serve(ns: argparse.Namespace) -> int:
     if so.dp_size > 1:  # N replicas behind the SGLang Model Gateway (server/replicas.py)
         from mambaradix.server.replicas import serve_replicas
 
-        return serve_replicas(_engine_config(ns), scfg, so)
+        return serve_replicas(_engine_config(ns, so), scfg, so)
     ecfg = _engine_config(ns)
     sock = bind_socket(scfg.host, scfg.port)  # a port in use fails now, not after loading
     with Engine(ecfg) as engine:

@@ -73,18 +73,15 @@ def wait_written(url: str, timeout: float = 60.0) -> float:
 
 
 def test_a_prefix_computed_on_one_replica_is_a_storage_hit_on_the_other(tmp_path):
-    # The launcher's default location (~/.cache/mambaradix/hicache), under a HOME of the test:
-    # `serve --dp-size 2 --hicache-storage-dir DIR` is refused by EngineConfig.validate() ("needs
-    # --enable-hierarchical-cache", test_storage_dir_flag_with_dp_size below) and passing
-    # --enable-hierarchical-cache would not show that the tier is on by default. Tiny
-    # checkpoints and built kernels stay where they are.
+    # --hicache-storage-dir without --enable-hierarchical-cache: the tier is on by default for
+    # --dp-size > 1. Tiny checkpoints and built kernels stay where they are.
     home = tmp_path / "home"
     home.mkdir()
-    store = home / ".cache" / "mambaradix" / "hicache"
+    store = tmp_path / "store"
     port = free_port()
     cmd = [sys.executable, "-m", "mambaradix.cli", "serve", *REPLICA_FLAGS, "--port", str(port),
            "--dp-size", "2", "--router-policy", "round_robin",
-           "--hicache-write-policy", "write_through",
+           "--hicache-write-policy", "write_through", "--hicache-storage-dir", str(store),
            "--router-health-check-interval-secs", "600"]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1", HOME=str(home),
                MAMBARADIX_CACHE=str(cache_root()),
@@ -205,12 +202,6 @@ def test_a_tier_the_user_configured_is_kept(tmp_path):
     assert shared_storage(ecfg, ScaleOutConfig(2)) == ecfg
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: cli._serve validates the engine config (EngineConfig.validate: "
-    "'--hicache-storage-dir needs --enable-hierarchical-cache') before "
-    "replicas.shared_storage turns the tier on for --dp-size > 1",
-)
 def test_storage_dir_flag_with_dp_size(tmp_path, monkeypatch, capsys):
     """``serve --dp-size 2 --hicache-storage-dir DIR`` names where the replicas' default tier
     goes; nothing is started (``serve_replicas`` is replaced)."""
