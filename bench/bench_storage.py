@@ -218,7 +218,8 @@ def mode_shared(folder: Path, args: argparse.Namespace) -> None:
     from mambaradix.models.loader import load_model, load_tokenizer
 
     model, tok = load_model(str(folder), dtype="bfloat16"), load_tokenizer(str(folder))
-    prompts = beyond_workload(model.vocab_size, 4, 4)
+    # 5 groups over 2 replicas: round robin sends each group to both
+    prompts = beyond_workload(model.vocab_size, 5, 4)
     for name, n in (("one replica", 1), ("two replicas, shared tier", 2), ("two, private", 2)):
         with tempfile.TemporaryDirectory() as dir_:
             storage = dir_ if name.endswith("tier") else None
