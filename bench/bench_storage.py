@@ -244,15 +244,19 @@ def mode_overhead(folder: Path, args: argparse.Namespace) -> None:
 
     model, tok = load_model(str(folder), dtype="bfloat16"), load_tokenizer(str(folder))
     times: dict[str, list[float]] = {"off": [], "on": []}
-    with tempfile.TemporaryDirectory() as dir_:
-        for r in range(args.rounds):
-            order = ("on", "off") if r % 2 else ("off", "on")
-            for side in order:
+    for r in range(args.rounds):
+        order = ("on", "off") if r % 2 else ("off", "on")
+        for side in order:
+            # a fresh directory each time: nothing stored by an earlier round may be found
+            with tempfile.TemporaryDirectory() as dir_:
                 storage = dir_ if side == "on" else None
                 flags = dict(hicache_write_policy="write_through") if storage else {}
                 with shared_engine(model, tok, args.threads, storage, **flags) as eng:
                     t, _, _ = timed_generate(eng, w1(model.vocab_size, 10 + r))
-                times[side].append(t)
+                    written = eng.stats().storage_bytes_written if storage else 0
+            times[side].append(t)
+            if storage:
+                line("overhead", f"round {r} tier on", seconds=t, mb_written=written / 1e6)
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
     line("overhead", "W1, everything in RAM", tier_on_s=on, tier_off_s=off, ratio=on / off,
          rounds=args.rounds)  # fmt: skip
