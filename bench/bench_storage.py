@@ -2,7 +2,8 @@
 ``bench_real``'s presets; default Qwen3.5-0.8B-shaped), one mode at a time or all:
 
 - ``restart``: W1 (4 groups x 8 requests, 512-token system prompt + 64-token question, 16 new
-  tokens, all at once) in one process, which then exits; a new process on the same storage
+  tokens, all at once) in one process, which then shuts down (the default write_back policy
+  writes what RAM holds); a new process on the same storage
   directory runs W1 with new questions. Beside it, the same second W1 in the first process
   without a restart (RAM warm). Prints both wall times, their ratio and the prompt tokens each
   computed (the ideal after the restart: the questions only, 2,048).
@@ -14,8 +15,9 @@
   the tier, without it, and with unlimited RAM.
 - ``shared``: two engines in one process (two replicas) sharing one storage directory,
   requests alternated between them (round robin), against one engine alone: hit rates.
-- ``overhead``: a shared-prefix workload that fits in RAM, tier on (write-through) against
-  tier off, engines alternated in one process over ``--rounds`` rounds: wall times.
+- ``overhead``: W1, which fits in RAM, tier on (``--policy``, default the engine's default,
+  write_back) against tier off, engines alternated in one process over ``--rounds`` rounds:
+  wall times, the tier-on side including the writes still running at its end.
 
     python bench/bench_storage.py                         # every mode
     python bench/bench_storage.py --modes load restart --preset qwen3_5_0_8b
@@ -92,7 +94,7 @@ sys.path.insert(0, sys.argv[4])
 import bench_storage as b
 from pathlib import Path
 folder, storage, threads, role = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[5]
-with b.engine(folder, threads, storage, hicache_write_policy="write_through") as eng:
+with b.engine(folder, threads, storage) as eng:  # the default policy; exit = shutdown
     vocab = eng.model.vocab_size
     out = {}
     if role in ("first", "warm"):
@@ -250,7 +252,7 @@ def mode_overhead(folder: Path, args: argparse.Namespace) -> None:
             # a fresh directory each time: nothing stored by an earlier round may be found
             with tempfile.TemporaryDirectory() as dir_:
                 storage = dir_ if side == "on" else None
-                flags = dict(hicache_write_policy="write_through") if storage else {}
+                flags = dict(hicache_write_policy=args.policy) if storage else {}
                 with shared_engine(model, tok, args.threads, storage, **flags) as eng:
                     t, _, _ = timed_generate(eng, w1(model.vocab_size, 10 + r))
                     if storage:  # the writes still running count too (steady state)
@@ -262,7 +264,7 @@ def mode_overhead(folder: Path, args: argparse.Namespace) -> None:
             if storage:
                 line("overhead", f"round {r} tier on", seconds=t, mb_written=written / 1e6)
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
-    line("overhead", "W1, everything in RAM", tier_on_s=on, tier_off_s=off, ratio=on / off,
+    line("overhead", f"W1 in RAM, {args.policy}", tier_on_s=on, tier_off_s=off, ratio=on / off,
          rounds=args.rounds)  # fmt: skip
 
 
@@ -278,6 +280,7 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=16, help="beyond: distinct system prompts")
     ap.add_argument("--per-group", type=int, default=3, help="beyond: requests per prompt")
     ap.add_argument("--rounds", type=int, default=4, help="overhead: alternated rounds")
+    ap.add_argument("--policy", default="write_back", help="overhead: --hicache-write-policy")
     args = ap.parse_args()
     folder = bench_real.checkpoint(args.preset)
     import subprocess as sp

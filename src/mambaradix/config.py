@@ -103,11 +103,13 @@ class EngineConfig:
         "", "Redis URL of the redis storage tier; '' takes redis://127.0.0.1:6379/0."
     )
     hicache_write_policy: str = opt(
-        "write_through",
-        "When prefixes reach storage: 'write_through' (every snapshot the tree keeps, as it "
-        "is inserted), 'write_through_selective' (a snapshot once a request resumes from it), "
-        "'write_back' (when the RAM tier evicts it, and at shutdown).",
-        ["write_through", "write_through_selective", "write_back"],
+        "write_back",
+        "When prefixes reach storage: 'write_back' (when the RAM tier evicts them, and at "
+        "shutdown: nothing is written while everything fits in RAM), 'write_through' (every "
+        "snapshot the tree keeps, as it is inserted: survives a crash, costs the copies and "
+        "the disk writes of every snapshot), 'write_through_selective' (a snapshot once a "
+        "request resumes from it: the prefixes used twice).",
+        ["write_back", "write_through", "write_through_selective"],
     )
     hicache_size: float = opt(
         0.0, "Bound of the storage tier in GB (least recently used objects go first); 0: none."
