@@ -260,6 +260,11 @@ def mode_overhead(folder: Path, args: argparse.Namespace) -> None:
                         eng.cache.storage.drain(300)
                         t += time.perf_counter() - t0
                     written = eng.stats().storage_bytes_written if storage else 0
+                    if storage:
+                        c = eng.cache.storage.snapshot_counters()
+                        line("overhead", f"round {r} probes", probes=c.probes,
+                             probe_ms=1e3 * c.probe_seconds,
+                             of_wall=c.probe_seconds / t)  # fmt: skip
             times[side].append(t)
             if storage:
                 line("overhead", f"round {r} tier on", seconds=t, mb_written=written / 1e6)

@@ -58,6 +58,8 @@ class TierCounters:
     bytes_read: int = 0
     load_seconds: float = 0.0
     loads_skipped_slow: int = 0  # a load estimated slower than recomputing
+    probes: int = 0
+    probe_seconds: float = 0.0  # on the scheduler's thread: hashing + the batched exists
 
 
 @dataclass(slots=True)
@@ -287,6 +289,23 @@ class StorageTier:
     # ------------------------------------------------------------------ lookups
 
     def probe(
+        self,
+        tokens: list[int],
+        limit: int,
+        state_depth: int,
+        ram_depth: Callable[[int], int],
+        min_gain: int,
+    ) -> StoredPrefix | None:
+        """``_probe``, timed (its cost is the tier's whole cost while nothing is written)."""
+        t0 = time.perf_counter()
+        try:
+            return self._probe(tokens, limit, state_depth, ram_depth, min_gain)
+        finally:
+            with self._lock:
+                self.counters.probes += 1
+                self.counters.probe_seconds += time.perf_counter() - t0
+
+    def _probe(
         self,
         tokens: list[int],
         limit: int,
