@@ -4,9 +4,8 @@
 The OpenMP runtime (libgomp in the CPU torch builds) keeps one pool of worker threads per
 thread that has started a parallel region. While the pools together hold more threads than
 there are CPUs, libgomp throttles: a worker barely spins between regions and sleeps on a futex,
-so every op pays a wake-up. On the 2-core machine a 32x256x256 matmul takes about 35 us on the
-only pool and 130-170 us once a second pool exists; a decode step of the benchmark model went
-from about 42 ms to 75 ms.
+so every op pays a wake-up: small ops cost several times more once a second pool exists, and a
+whole decode step nearly twice as much (figures in docs/benchmarks.md).
 
 Loading a model runs torch on the caller's thread and leaves a pool there; the runner computes
 on its own worker thread, which starts a second one. ``release_thread_pool()`` frees the calling
@@ -17,10 +16,9 @@ slower).
 The engine thread (scheduler) runs small torch ops of its own, such as gathering the slot rows
 of a decode step from the request table. One of them above torch's grain size was enough to
 start a pool there: libgomp then counted more threads than CPUs and cut the runner's spinning
-to almost nothing, so its worker slept and was woken by futex at every parallel region (~300
-times per decode step). The 128-wide decode step of the benchmark went from ~31 to ~47 ms.
-``serial_torch_thread()`` makes torch run the calling thread's ops on that thread alone; the
-engine thread calls it first thing.
+to almost nothing, so its worker slept and was woken by futex at every parallel region (hundreds
+of times per decode step). ``serial_torch_thread()`` makes torch run the calling thread's ops on
+that thread alone; the engine thread calls it first thing.
 
 **malloc.** A forward allocates and frees many temporaries of a few to tens of MB. glibc returns
 such memory to the OS (large blocks are mmap'ed, the heap top is trimmed) and the next forward

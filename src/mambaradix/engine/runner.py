@@ -181,9 +181,9 @@ class ModelRunner:
         On CPU the allocator's heap grows to a forward's working size here (~40k page faults
         on the benchmark model), the prefill matmul path is chosen (kernels.bf16_matmul needs
         128 rows), and the decode path's kernels, plans and primitives are built. The budget
-        keeps a real-size model on a slow machine from spending minutes on it (a 4,096-token
-        forward of a 350M model took ~100 s on 2 AVX2 cores): the page faults a cut batch
-        leaves to the first full one cost far less than the forward itself. Call it before
+        keeps a real-size model on a slow CPU (no bf16 matmuls in hardware) from spending
+        minutes on it: the page faults a cut batch leaves to the first full one cost far less
+        than the forward itself. Call it before
         scheduling starts: it takes slots from the pools directly."""
         per_request = max(1, per_request)
         num_tokens = min(num_tokens, self.kv_pool.available())
