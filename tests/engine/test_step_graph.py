@@ -19,8 +19,39 @@ import torch
 from mambaradix.engine import step_graph
 from mambaradix.engine.engine import Engine
 from mambaradix.layout import ForwardContext
+from mambaradix.models.published import cut_fields, get_published
+from mambaradix.models.tiny import make_tiny_checkpoint
 
 POOLS = dict(max_total_tokens=4096, max_mamba_cache_size=48)
+# Dense Nemotron-H (Mamba2 / attention / MLP blocks, no MoE: replayable), at tiny widths with
+# the first layers of each published pattern (every kind kept): Nemotron-H-8B's "M-M-M-M*-",
+# Nano-9B-v2's "M-M-M-MM-M-M-M*-" (two Mamba2 blocks in a row) with its Mamba2 head dim of 80
+DENSE_NEMOTRON_H = {
+    "nemotron_h_8b": dict(layers=9),
+    "nemotron_nano_9b_v2": dict(layers=16, mamba_head_dim=80),
+}
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    """``arch -> model path``: ``tiny:<arch>``, or a dense Nemotron-H checkpoint built once."""
+    built: dict[str, str] = {}
+
+    def path(arch: str) -> str:
+        if arch not in DENSE_NEMOTRON_H:
+            return f"tiny:{arch}"
+        if arch not in built:
+            extra = dict(DENSE_NEMOTRON_H[arch])
+            fields = cut_fields(get_published(arch), layers=extra.pop("layers"))
+            kinds = fields["layers_block_type"]
+            assert set(kinds) == {"mamba", "attention", "mlp"}, kinds
+            folder = str(tmp_path_factory.mktemp(arch))
+            built[arch] = make_tiny_checkpoint(
+                "nemotron_h", folder, layers_block_type=kinds, **extra
+            )
+        return built[arch]
+
+    return path
 
 
 def _pool_tensors(eng: Engine) -> list[torch.Tensor]:
@@ -79,13 +110,17 @@ def _generate(eng: Engine, prompts, new_tokens: list[int], **params):
         ("lfm2", "bfloat16"),
         ("qwen3_5", "float32"),
         ("qwen3_5", "bfloat16"),
+        ("nemotron_h_8b", "float32"),
+        ("nemotron_h_8b", "bfloat16"),
+        ("nemotron_nano_9b_v2", "bfloat16"),
     ],
 )
-def test_every_replay_equals_the_python_forward(arch, dtype):
+def test_every_replay_equals_the_python_forward(model_path, arch, dtype):
     """Requests of different lengths finishing at different times (batch 3, 2, 1), one crossing
     the 256-column table capacity: every replayed step's logits and pools equal the Python
     forward's bit for bit, and graphs were recorded for each batch size and capacity."""
-    with Engine(model_path=f"tiny:{arch}", dtype=dtype, debug_integrity=True, **POOLS) as eng:
+    path = model_path(arch)
+    with Engine(model_path=path, dtype=dtype, debug_integrity=True, **POOLS) as eng:
         vocab = eng.model.vocab_size
         with checked_replays(eng) as checks:
             _generate(eng, _prompts(vocab, [240, 30, 7]), [30, 12, 5])
