@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from mambaradix.core import STRATEGIES
 from mambaradix.kernels.backend import backend_names
 
 T = TypeVar("T")
@@ -75,7 +76,7 @@ class EngineConfig:
         ["float32", "bfloat16", "float16"],
     )
     mamba_scheduler_strategy: str = opt(
-        "auto", "How snapshots move into the tree.", ["auto", "no_buffer", "extra_buffer"]
+        "auto", "How snapshots move into the tree.", ["auto", *STRATEGIES]
     )
     mamba_track_interval: int = opt(256, "Snapshot every N decode tokens.")
     disable_radix_cache: bool = opt(

@@ -210,6 +210,19 @@ class FinishReason(str, Enum):
 # --------------------------------------------------------------------------- scheduler -> runner
 
 
+# --------------------------------------------------------------------------- snapshot strategies
+
+NO_BUFFER = "no_buffer"  # one working slot; a snapshot is a deferred copy at a forward boundary
+EXTRA_BUFFER = "extra_buffer"  # + two tracking slots written inside the forward, donated
+STRATEGIES = (NO_BUFFER, EXTRA_BUFFER)
+
+
+def state_slots_per_request(strategy: str, cache_enabled: bool = True) -> int:
+    """State slots a running request holds: its working slot, and under ``extra_buffer`` (with
+    the cache on) the two tracking slots the forward writes snapshots into."""
+    return 3 if cache_enabled and strategy == EXTRA_BUFFER else 1
+
+
 @dataclass(slots=True)
 class StateOps:
     """Deferred state operations, executed by the runner before any layer reads a state.

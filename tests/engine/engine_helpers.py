@@ -43,9 +43,10 @@ def make_scheduler(model=None, **flags):
     """A scheduler driven step by step in the test's thread (no engine loop)."""
     from mambaradix.cache.kv_pool import KVPool
     from mambaradix.cache.req_slots import ReqSlots
-    from mambaradix.cache.request_cache import EXTRA_BUFFER, RequestCache
+    from mambaradix.cache.request_cache import RequestCache
     from mambaradix.cache.state_pool import StatePool
     from mambaradix.config import EngineConfig
+    from mambaradix.core import EXTRA_BUFFER
     from mambaradix.engine.runner import ModelRunner
     from mambaradix.engine.scheduler import Scheduler
 

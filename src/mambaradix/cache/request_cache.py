@@ -30,13 +30,10 @@ from mambaradix.cache.storage.tier import (
     LoadJob,
     StorageTier,
 )
-from mambaradix.core import StateOps
+from mambaradix.core import EXTRA_BUFFER, STRATEGIES, StateOps, state_slots_per_request
 from mambaradix.stats import EngineStats
 
 logger = logging.getLogger(__name__)
-
-NO_BUFFER = "no_buffer"
-EXTRA_BUFFER = "extra_buffer"
 
 
 @dataclass(slots=True, eq=False)
@@ -94,7 +91,7 @@ class RequestCache:
         stats: EngineStats | None = None,
         storage: StorageTier | None = None,
     ) -> None:
-        if strategy not in (NO_BUFFER, EXTRA_BUFFER):
+        if strategy not in STRATEGIES:
             raise ValueError(f"unknown mamba scheduler strategy {strategy!r}")
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -118,7 +115,7 @@ class RequestCache:
 
     @property
     def state_slots_per_req(self) -> int:
-        return 3 if (self.enabled and self.strategy == EXTRA_BUFFER) else 1
+        return state_slots_per_request(self.strategy, self.enabled)
 
     # ------------------------------------------------------------------ lookup and admission
 

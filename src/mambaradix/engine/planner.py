@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mambaradix.cache.request_cache import NO_BUFFER
+from mambaradix.core import NO_BUFFER
 from mambaradix.kernels.capabilities import BackendCapabilities
 
 

@@ -22,11 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from mambaradix.config import EngineConfig
-from mambaradix.core import StateSpec
+from mambaradix.core import EXTRA_BUFFER, NO_BUFFER, StateSpec, state_slots_per_request
 
 logger = logging.getLogger(__name__)
 
-EXTRA_BUFFER, NO_BUFFER = "extra_buffer", "no_buffer"
 GiB = 1 << 30
 RUNNING_SHARE = 0.75  # of the state slots; the rest stays for the tree's snapshots
 AUTO_MIN_RUNNING = 32  # auto keeps extra_buffer only if it still runs this many requests
@@ -172,7 +171,7 @@ def plan_pools(
         reason = "--mamba-scheduler-strategy"
     else:
         want = cfg.max_running_requests or AUTO_MIN_RUNNING
-        if _running_cap(slots, 3) >= min(want, MAX_RUNNING):
+        if _running_cap(slots, state_slots_per_request(EXTRA_BUFFER)) >= min(want, MAX_RUNNING):
             strategy = EXTRA_BUFFER
             reason = f"auto: {slots} slots run >= {min(want, MAX_RUNNING)} requests at 3 each"
         else:
@@ -181,7 +180,7 @@ def plan_pools(
                 f"auto: {slots} slots of {slot_bytes / (1 << 20):.1f} MB run fewer than "
                 f"{min(want, MAX_RUNNING)} requests at 3 slots each; 1 slot each instead"
             )
-    per_req = 3 if (enabled and strategy == EXTRA_BUFFER) else 1
+    per_req = state_slots_per_request(strategy, enabled)
     max_running = cfg.max_running_requests or _running_cap(slots, per_req)
     if max_running * per_req > slots:
         raise ValueError(

@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mambaradix.cache.request_cache import NO_BUFFER, RequestCache
+from mambaradix.cache.request_cache import RequestCache
+from mambaradix.core import EXTRA_BUFFER, NO_BUFFER
 from mambaradix.engine.planner import Segment, plan_segment, snapshot_alignment
 from mambaradix.kernels.capabilities import BackendCapabilities
 from mambaradix.stats import EngineStats
@@ -200,7 +201,7 @@ class ExtraBuffer(SnapshotStrategy):
     keep the state at the last page boundary in a tracking slot, so a finish between pages
     still leaves a state close behind."""
 
-    name = "extra_buffer"
+    name = EXTRA_BUFFER
     track_slots = 2
 
     @property
