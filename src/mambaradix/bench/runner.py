@@ -23,6 +23,13 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from mambaradix.bench.client import EngineBackend, run_workload
+from mambaradix.bench.plot import (
+    command_caption,
+    request_series,
+    require_matplotlib,
+    results_from_series,
+    write_plot,
+)
 from mambaradix.bench.remote import (
     BACKENDS,
     PROMPT_FORMATS,
@@ -129,6 +136,13 @@ class BenchConfig:
         0, "Snapshot alignment for the ideal hit rate; 0 = max(64, --page-size)."
     )
     output_json: str = opt("", "Write config, figures (and ratios) to this JSON file.")
+    plot: str = opt(
+        "",
+        "Write a PNG figure of the run (both sides with --compare-cache / --compare-base-url) to "
+        "this file: TTFT distributions, prompt tokens computed and the hit rate over the run, and "
+        "hits from RAM vs storage when the storage tier is on. Needs matplotlib: "
+        "pip install 'mambaradix[plot]'.",
+    )
     disable_tqdm: bool = opt(False, "No progress bar.")
 
 
@@ -190,6 +204,7 @@ async def _play(
     finally:
         bar.close()
     summary = summarize(results, duration, alignment)
+    summary["requests"] = request_series(results)  # for --plot; run_benchmark moves it out
     if engine is not None:  # in-process: what the engine really computed during the run
         after = engine.stats()
         computed = after.computed_prefill_tokens - before.computed_prefill_tokens
@@ -327,8 +342,12 @@ def run_benchmark(
     cfg: BenchConfig, ecfg: EngineConfig | None = None, out: TextIO | None = None
 ) -> dict[str, Any]:
     """Run, write the fixed-format figures to ``out`` (default stdout) and return
-    ``{"config", "results", "cache_off"?, "ratios"?}`` (``results``: the main run)."""
+    ``{"config", "results", "cache_off"?, "ratios"?, "repeats"?, "requests"}`` (``results``:
+    the main run; ``requests``: each side's per-request series, label -> lists); with
+    ``--plot`` also draw them (``bench.plot``)."""
     ecfg = ecfg or EngineConfig()
+    if cfg.plot:
+        require_matplotlib()  # fail before the run, not after it
     report: dict[str, Any] = {"config": {"bench": dataclasses.asdict(cfg)}}
     off = None
     if cfg.base_url:
@@ -346,6 +365,14 @@ def run_benchmark(
             results = _engine_run(cfg, ecfg, "bench")
     report["results"] = results
     title = f"{cfg.dataset_name} @ {cfg.base_url or ecfg.model_path}"
+    if cfg.base_url:  # a server's cache setting is not known here unless it is compared
+        on_label = "cache on" if off is not None else "this run"
+    else:
+        on_label = "cache off" if ecfg.disable_radix_cache else "cache on"
+    series = {on_label: results.pop("requests")}
+    if off is not None:
+        series["cache off"] = off.pop("requests")
+    report["requests"] = series  # per request, in start order: the figure's data
     text = [format_summary(results, title)]
     if off is not None:
         report["cache_off"] = off
@@ -360,4 +387,11 @@ def run_benchmark(
         with open(cfg.output_json, "w") as f:
             json.dump(report, f, indent=2, default=str)
         logger.info("wrote %s", cfg.output_json)
+    if cfg.plot:
+        runs = {label: results_from_series(s) for label, s in series.items()}
+        storage = ecfg.enable_hierarchical_cache if not cfg.base_url else None
+        caption = command_caption([cfg] if cfg.base_url else [ecfg, cfg])
+        write_plot(cfg.plot, runs, storage, title, caption)
+        out.write(f"plot written to {cfg.plot}\n")
+        out.flush()
     return report
