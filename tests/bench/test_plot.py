@@ -126,3 +126,18 @@ def test_cli_bench_compare_cache_plot(tmp_path, capsys) -> None:
         assert s["prompt_len"] == [138] * 4
     assert sum(series["cache on"]["cached"]) == report["results"]["cached_tokens"] > 0
     assert sum(series["cache off"]["cached"]) == 0
+
+
+def test_caption_names_the_changed_flags() -> None:
+    from mambaradix.bench.runner import BenchConfig
+    from mambaradix.config import EngineConfig
+
+    ecfg = EngineConfig(model_path="tiny:qwen3_next", enable_hierarchical_cache=True)
+    caption = plot.command_caption([ecfg, BenchConfig(repeats=1, compare_cache=True, plot="x")])
+    assert caption.endswith(
+        "mambaradix bench --model-path tiny:qwen3_next --enable-hierarchical-cache "
+        "--compare-cache --repeats 1"
+    )  # defaults and --plot itself left out
+    assert ", commit " in caption and caption[:4].isdigit()
+    fig = plot.make_figure({"cache on": _results(2, 0)}, caption=caption * 3)
+    assert all(len(ln) <= 16 * 14 for ln in fig._supxlabel.get_text().splitlines())

@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import subprocess
+import textwrap
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -132,8 +133,10 @@ def make_figure(
             ax.legend(fontsize="small")
     if title:
         fig.suptitle(title)
-    if caption:  # constrained layout keeps room for it below the panels
-        fig.supxlabel(caption, fontsize="small", color="dimgray")
+    if caption:  # constrained layout keeps room for it below the panels, wrapped to fit
+        width = int(fig.get_figwidth() * 14)  # characters of small text per line
+        text = textwrap.fill(caption, width, break_on_hyphens=False, break_long_words=False)
+        fig.supxlabel(text, fontsize="small", color="dimgray")
     return fig
 
 
