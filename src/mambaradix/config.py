@@ -249,6 +249,11 @@ class ServerConfig:
         "mambaradix",
         "Prefix of the /metrics names ('sglang' lets SGLang's dashboards work unchanged).",
     )
+    enable_debug_endpoints: bool = opt(
+        False,
+        "Serve the debug routes (GET /debug/tree: the radix tree as Mermaid or DOT text), "
+        "behind --api-key like the others; off: they answer 404.",
+    )
 
     def validate(self) -> None:
         import re

@@ -24,6 +24,7 @@ from mambaradix.cache.kv_pool import KVPool
 from mambaradix.cache.req_slots import ReqSlots
 from mambaradix.cache.request_cache import RequestCache
 from mambaradix.cache.state_pool import StatePool
+from mambaradix.cache.tree_view import check_args, render_tree
 from mambaradix.config import EngineConfig
 from mambaradix.core import SEED_LIMIT, FinishReason, SamplingParams
 from mambaradix.engine.cpu_runtime import (
@@ -345,6 +346,15 @@ class Engine:
         """Raise if any slot, request or lock is unaccounted for (run on the engine thread,
         between steps)."""
         self.call(self.scheduler.check_integrity)
+
+    def cache_tree(self, fmt: str = "mermaid", max_nodes: int = 200) -> str:
+        """The radix tree as Mermaid or DOT text (``cache.tree_view.render_tree``), read on the
+        engine thread between steps. Raises ``ValueError`` with the cache disabled."""
+        tree = self.cache.tree
+        if tree is None:
+            raise ValueError("the radix cache is disabled (--disable-radix-cache): no tree to draw")
+        check_args(fmt, max_nodes)
+        return self.call(lambda: render_tree(tree, fmt, max_nodes, self.tokenizer))
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread between steps and return its result."""

@@ -4,7 +4,8 @@
 free port (tests, the in-process benchmark over HTTP). Routes: ``/v1/completions`` (text or
 token-id prompts, batches), ``/v1/chat/completions`` (the checkpoint's chat template), both with
 SSE streaming; ``/v1/models``, ``/health``, ``/health_generate`` (``server.health``), ``/metrics``;
-SGLang's native routes (``/generate``, ``/get_server_info``, ...) come from ``native.py``.
+SGLang's native routes (``/generate``, ``/get_server_info``, ...) come from ``native.py``, and
+with ``--enable-debug-endpoints`` the debug ones (``/debug/tree``) from ``debug.py``.
 
 Contract at the seam: every client error is a 4xx with an OpenAI error body naming the field
 (``validation.py``) and the server keeps serving; an unexpected error is a complete 500 response
@@ -31,6 +32,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mambaradix.config import ServerConfig
+from mambaradix.server.debug import debug_router
 from mambaradix.server.guard import ServerErrorGuard, read_body
 from mambaradix.server.health import add_health_routes
 from mambaradix.server.jobs import Choices, Job, abort_unfinished, first_error, watch_disconnect
@@ -273,6 +275,8 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
         return await _serve(srv, jobs, req, request, chat=True)
 
     app.include_router(native_router(srv))  # SGLang's /generate, /get_server_info, ...
+    if srv.cfg.enable_debug_endpoints:
+        app.include_router(debug_router(srv))  # /debug/tree
     return app
 
 
