@@ -4,10 +4,11 @@ text, for people who would rather look than read (``Engine.cache_tree``, ``GET /
 One box per node, breadth-first from the root with siblings in token order, so the same tree
 always gives the same text and a cut keeps the shallow structure::
 
-    root ── "Hello"  +3 tok, depth 3     state 5     rounded, green     (a resume point)
-            └─ " wor" +2 tok, depth 5    tombstone   dashed, grey       (KV only, a split)
-    ... 12 nodes cut: 340 tokens, 5 states             one summary box, dotted edges from the
-                                                       shown nodes whose children were cut
+    root ── "The radix" +9 tok, depth 9, tombstone      dashed grey box (KV only: a split)
+              ├── " tree" +5 tok, depth 14, state 3     rounded green box (a resume point)
+              └── " cache" +6 tok, depth 15, state 4    (a thick red border when locked)
+    2 nodes cut, 12 tok, 1 state not shown               one summary box, dotted edges from
+                                                         the shown nodes with children cut
 Each box says its tokens (``len(key)``), its depth, its KV pages (``len(key) // page_size``),
 its state slot (and ``stored``: also in the storage tier) or that it is a tombstone, and its
 locks when it has any (a thick red border). A reader of the tree only: it touches no LRU, takes
@@ -149,7 +150,8 @@ def _kind(node: TreeNode) -> str:
 def _lines(tree: RadixTree, node: TreeNode, preview: Callable[[list[int]], str]) -> list[str]:
     lines = [
         preview(node.key),
-        f"+{len(node.key)} tok, depth {node.depth}, {len(node.key) // tree.page_size} pages",
+        f"+{len(node.key)} tok, depth {node.depth}, "
+        + _plural(len(node.key) // tree.page_size, "page"),
     ]
     if node.state_slot is None:
         lines.append("tombstone")
@@ -164,11 +166,19 @@ def _root_lines(tree: RadixTree, shown: list[TreeNode], cut: CutSummary) -> list
     nodes = len(shown) - 1 + cut.nodes
     tokens = sum(len(n.key) for n in shown) + cut.tokens
     states = sum(n.state_slot is not None for n in shown) + cut.states
-    return ["root", f"{nodes} nodes, {tokens} tok, {states} states, page {tree.page_size}"]
+    counts = f"{_plural(nodes, 'node')}, {tokens} tok, {_plural(states, 'state')}"
+    return ["root", f"{counts}, page {tree.page_size}"]
 
 
 def _cut_lines(cut: CutSummary) -> list[str]:
-    return [f"{cut.nodes} nodes cut", f"{cut.tokens} tok, {cut.states} states not shown"]
+    return [
+        f"{_plural(cut.nodes, 'node')} cut",
+        f"{cut.tokens} tok, {_plural(cut.states, 'state')} not shown",
+    ]
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _previewer(tokenizer: object | None) -> Callable[[list[int]], str]:
@@ -231,9 +241,9 @@ def _mermaid(
     cut_lines: list[str],
     cut_from: list[str],
 ) -> str:
+    """One line per node, per parent's edges (``a --> b & c``) and per class used: short
+    enough to paste into a README, where GitHub draws it."""
     out = ["flowchart TD"]
-    if cut_lines:
-        out.append(f"  %% {' / '.join(cut_lines)}")
     for nid, kind, lines in boxes:
         label = "<br/>".join(mermaid_escape(x) for x in (root_lines if kind == "root" else lines))
         if kind == "root":
@@ -242,13 +252,19 @@ def _mermaid(
             out.append(f'  {nid}("{label}"):::{kind}')
         else:
             out.append(f'  {nid}["{label}"]:::{kind}')
+    children: dict[str, list[str]] = {}
     for a, b in edges:
-        out.append(f"  {a} --> {b}")
-    if cut_lines:
+        children.setdefault(a, []).append(b)
+    out.extend(f"  {a} --> {' & '.join(bs)}" for a, bs in children.items())
+    if cut_lines:  # the summary box says what was cut (DOT has it as a comment too)
         label = "<br/>".join(mermaid_escape(x) for x in cut_lines)
         out.append(f'  cut[/"{label}"/]:::cut')
-        out.extend(f"  {a} -.-> cut" for a in cut_from)
-    out.extend(f"  classDef {name} {style}" for name, style in _MERMAID_CLASSES.items())
+        if cut_from:
+            out.append(f"  {' & '.join(cut_from)} -.-> cut")
+    used = {kind for _, kind, _ in boxes} | ({"cut"} if cut_lines else set())
+    out.extend(
+        f"  classDef {name} {style}" for name, style in _MERMAID_CLASSES.items() if name in used
+    )
     return "\n".join(out) + "\n"
 
 
