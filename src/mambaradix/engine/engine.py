@@ -370,7 +370,10 @@ class Engine:
         self._inbox.put(("stop",))
         self._thread.join(timeout=30)
         if not self._thread.is_alive():  # the tree is ours now: write what storage lacks
-            self.cache.close_storage()
+            try:
+                self.cache.close_storage()
+            except Exception:  # after an engine fault the tree may be what failed
+                logger.exception("storage tier: the writes at shutdown failed")
         self.runner.shutdown()
         self.structured.close()
         self._health.stopped = True

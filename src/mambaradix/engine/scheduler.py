@@ -122,7 +122,10 @@ class Scheduler:
         self.waiting.append(req)
 
     def is_idle(self) -> bool:
-        return not (self.waiting or self.running or self.finishing or self.inflight)
+        # a load from storage still holds slots and a tree lock until collected
+        return not (
+            self.waiting or self.running or self.finishing or self.inflight or self.cache.loading
+        )
 
     def abort(self, req: Req) -> None:
         if req.status is ReqStatus.FINISHED:
