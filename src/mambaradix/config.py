@@ -181,6 +181,10 @@ class EngineConfig:
             ):
                 if value:
                     raise ValueError(f"{flag} needs --enable-hierarchical-cache")
+        elif self.hicache_storage_backend == "file" and self.hicache_storage_url:
+            raise ValueError("--hicache-storage-url is for --hicache-storage-backend redis")
+        elif self.hicache_storage_backend == "redis" and self.hicache_storage_dir:
+            raise ValueError("--hicache-storage-dir is for --hicache-storage-backend file")
         elif self.disable_radix_cache:
             raise ValueError(
                 "--enable-hierarchical-cache stores the radix cache's prefixes: it cannot be "

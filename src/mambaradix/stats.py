@@ -60,5 +60,7 @@ class EngineStats:
     storage_objects_written: int = 0
     storage_write_failures: int = 0
     storage_writes_skipped: int = 0
+    storage_probes: int = 0  # lookups in storage (one batched exists each)
+    storage_probe_seconds: float = 0.0
     storage_objects: int = 0  # gauge: objects the backend holds
     storage_bytes: int = 0  # gauge: bytes the backend holds

@@ -59,3 +59,16 @@ def test_errors_name_the_flags():
     with pytest.raises(ValueError, match="--max-running-requests 30 needs 90"):
         plan(max_mamba_cache_size=64, max_running_requests=30,
              mamba_scheduler_strategy="extra_buffer")  # fmt: skip
+
+
+def test_storage_flags_of_the_other_backend_are_refused():
+    """A storage flag the chosen backend would ignore is an error, not a silent no-op."""
+    with pytest.raises(ValueError, match="--hicache-storage-url is for"):
+        EngineConfig(enable_hierarchical_cache=True, hicache_storage_url="redis://x").validate()
+    with pytest.raises(ValueError, match="--hicache-storage-dir is for"):
+        EngineConfig(
+            enable_hierarchical_cache=True, hicache_storage_backend="redis", hicache_storage_dir="d"
+        ).validate()
+    with pytest.raises(ValueError, match="needs --enable-hierarchical-cache"):
+        EngineConfig(hicache_size=1.0).validate()
+    EngineConfig(enable_hierarchical_cache=True, hicache_storage_dir="d").validate()  # control

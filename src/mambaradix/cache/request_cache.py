@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_any
 from dataclasses import dataclass, field
 
 import torch
@@ -472,9 +474,6 @@ class RequestCache:
         if not self.loading:
             return 0
         if wait > 0 and not any(t.job.future.done() for t in self.loading.values()):
-            from concurrent.futures import FIRST_COMPLETED
-            from concurrent.futures import wait as wait_any
-
             wait_any([t.job.future for t in self.loading.values()], wait, FIRST_COMPLETED)
         done = [(k, t) for k, t in self.loading.items() if t.job.future.done()]
         for key, t in done:

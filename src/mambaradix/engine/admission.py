@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from mambaradix.cache.radix import MatchResult
 from mambaradix.cache.request_cache import RequestCache
 from mambaradix.engine.forwards import BatchPlan, ForwardBuilder
 from mambaradix.engine.planner import admission_targets
@@ -127,7 +128,9 @@ class Admission:
             budget -= taken
         return budget
 
-    def _wait_for_storage(self, req: Req, tokens: list[int], m: object, limit: int | None) -> bool:
+    def _wait_for_storage(
+        self, req: Req, tokens: list[int], m: MatchResult, limit: int | None
+    ) -> bool:
         """Ask the storage tier once per request for a deeper prefix than the RAM tree's;
         True when the request must wait for it to be loaded."""
         if req.storage_probed:

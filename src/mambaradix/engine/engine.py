@@ -308,25 +308,14 @@ class Engine:
         )
 
     def _storage_stats(self) -> dict[str, int | float]:
+        """The tier's counters as ``storage_<counter>`` fields, and what its backend holds."""
         tier = self.cache.storage
         if tier is None:
             return {}
         c = tier.snapshot_counters()
         usage = tier.backend.usage()
-        return dict(
-            storage_loads=c.loads,
-            storage_load_failures=c.load_failures,
-            storage_bad_objects=c.bad_objects,
-            storage_load_seconds=c.load_seconds,
-            storage_loads_skipped_slow=c.loads_skipped_slow,
-            storage_bytes_read=c.bytes_read,
-            storage_bytes_written=c.bytes_written,
-            storage_objects_written=c.objects_written,
-            storage_write_failures=c.write_failures,
-            storage_writes_skipped=c.writes_skipped,
-            storage_objects=usage.objects,
-            storage_bytes=usage.bytes,
-        )
+        out = {f"storage_{name}": getattr(c, name) for name in c.__slots__}
+        return dict(out, storage_objects=usage.objects, storage_bytes=usage.bytes)
 
     def _graph_stats(self) -> dict[str, int]:
         graphs = self.runner.graphs

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 
+from mambaradix.server.native import keyed_router
 from mambaradix.server.protocol import APIError
 
 MAX_NODES_LIMIT = 10_000  # the most nodes one picture may ask for
@@ -23,12 +24,7 @@ def debug_router(srv: Any) -> APIRouter:
     """The debug routes over the app's shared state ``srv`` (``app._Server``)."""
     engine = srv.engine
 
-    async def require_key(request: Request) -> None:
-        key = srv.cfg.api_key
-        if key and request.headers.get("authorization") != f"Bearer {key}":
-            raise APIError("invalid or missing API key", 401, code="invalid_api_key")
-
-    router = APIRouter(dependencies=[Depends(require_key)])
+    router = keyed_router(srv)
 
     @router.get("/debug/tree")
     async def tree(format: str = "mermaid", max_nodes: str = "200") -> PlainTextResponse:

@@ -98,16 +98,23 @@ class _NativeJob:
         }
 
 
-def native_router(srv: Any) -> APIRouter:
-    """The SGLang-native routes over the app's shared state ``srv`` (``app._Server``)."""
-    engine = srv.engine
+def keyed_router(srv: Any) -> APIRouter:
+    """A router whose every route needs ``Authorization: Bearer <--api-key>`` (when one is set);
+    the native and debug routes share it."""
 
     async def require_key(request: Request) -> None:
         key = srv.cfg.api_key
         if key and request.headers.get("authorization") != f"Bearer {key}":
             raise APIError("invalid or missing API key", 401, code="invalid_api_key")
 
-    router = APIRouter(dependencies=[Depends(require_key)])
+    return APIRouter(dependencies=[Depends(require_key)])
+
+
+def native_router(srv: Any) -> APIRouter:
+    """The SGLang-native routes over the app's shared state ``srv`` (``app._Server``)."""
+    engine = srv.engine
+
+    router = keyed_router(srv)
 
     @router.post("/generate", response_model=None)
     async def generate(request: Request) -> Any:

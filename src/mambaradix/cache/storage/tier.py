@@ -23,8 +23,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -296,61 +297,47 @@ class StorageTier:
         ram_depth: Callable[[int], int],
         min_gain: int,
     ) -> StoredPrefix | None:
-        """``_probe``, timed (its cost is the tier's whole cost while nothing is written)."""
-        t0 = time.perf_counter()
-        try:
-            return self._probe(tokens, limit, state_depth, ram_depth, min_gain)
-        finally:
-            with self._lock:
-                self.counters.probes += 1
-                self.counters.probe_seconds += time.perf_counter() - t0
-
-    def _probe(
-        self,
-        tokens: list[int],
-        limit: int,
-        state_depth: int,
-        ram_depth: Callable[[int], int],
-        min_gain: int,
-    ) -> StoredPrefix | None:
         """The deepest stored state at a position q with ``state_depth + min_gain <= q <=
         limit`` (q a whole number of pages) whose KV blocks past ``ram_depth(q)`` (the tokens
         whose KV the RAM tree can lend, >= ``state_depth``) are stored too, found with one
         batched existence check. Candidates: every block boundary, ``limit`` itself (an exact
         repeat), and the unaligned positions this process has stored."""
-        if self._closed or limit - state_depth < max(1, min_gain):
+        with self._timed_probe():
+            if self._closed or limit - state_depth < max(1, min_gain):
+                return None
+            b = self.block
+            nb = limit // b
+            digests = self.chain.digests(tokens, nb)
+            positions = {i * b for i in range(1, nb + 1)}
+            positions.add(limit - limit % self.page_size)
+            for i in range(nb + 1):
+                for tail in self._tails.get(digests[i], ()):
+                    positions.add(i * b + tail)
+            lo = state_depth + max(1, min_gain)
+            cands = sorted((q for q in positions if lo <= q <= limit), reverse=True)
+            if not cands:
+                return None
+            state_keys = [
+                self.chain.state_key(digests[q // b], tokens[q // b * b : q]) for q in cands
+            ]
+            first = state_depth // b
+            last = cands[0] // b  # blocks [first, last) may be needed
+            block_keys = [self.chain.kv_key(digests[i + 1]) for i in range(first, last)]
+            if not self._kv_layers:
+                block_keys = []
+            there = self.backend.exists(state_keys + block_keys)
+            have_block = there[len(state_keys) :]
+            for q, key, present in zip(cands, state_keys, there):
+                if not present:
+                    continue
+                d = ram_depth(q)
+                need = list(range(d // b, q // b)) if block_keys else []
+                if not all(have_block[i - first] for i in need):
+                    continue
+                tail = q - q // b * b
+                nbytes = (len(need) * b + tail) * self._kv_token_bytes + self._state_bytes
+                return StoredPrefix(q, d, [(i, block_keys[i - first]) for i in need], key, nbytes)
             return None
-        b = self.block
-        nb = limit // b
-        digests = self.chain.digests(tokens, nb)
-        positions = {i * b for i in range(1, nb + 1)}
-        positions.add(limit - limit % self.page_size)
-        for i in range(nb + 1):
-            for tail in self._tails.get(digests[i], ()):
-                positions.add(i * b + tail)
-        lo = state_depth + max(1, min_gain)
-        cands = sorted((q for q in positions if lo <= q <= limit), reverse=True)
-        if not cands:
-            return None
-        state_keys = [self.chain.state_key(digests[q // b], tokens[q // b * b : q]) for q in cands]
-        first = state_depth // b
-        last = cands[0] // b  # blocks [first, last) may be needed
-        block_keys = [self.chain.kv_key(digests[i + 1]) for i in range(first, last)]
-        if not self._kv_layers:
-            block_keys = []
-        there = self.backend.exists(state_keys + block_keys)
-        have_block = there[len(state_keys) :]
-        for q, key, present in zip(cands, state_keys, there):
-            if not present:
-                continue
-            d = ram_depth(q)
-            need = list(range(d // b, q // b)) if block_keys else []
-            if not all(have_block[i - first] for i in need):
-                continue
-            tail = q - q // b * b
-            nbytes = (len(need) * b + tail) * self._kv_token_bytes + self._state_bytes
-            return StoredPrefix(q, d, [(i, block_keys[i - first]) for i in need], key, nbytes)
-        return None
 
     def worth_loading(self, prefix: StoredPrefix, gain: int, s_per_token: float) -> bool:
         """Load only when reading is estimated faster than recomputing the ``gain`` tokens
@@ -466,6 +453,18 @@ class StorageTier:
     def write_failed(self, tokens: list[int]) -> bool:
         """Whether the last write of the state at ``len(tokens)`` failed."""
         return self.chain.state_key_at(tokens, len(tokens)) in self._failed
+
+    @contextmanager
+    def _timed_probe(self) -> Iterator[None]:
+        """Count and time a probe: the tier's whole cost on the scheduler's thread while
+        nothing is written."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.counters.probes += 1
+                self.counters.probe_seconds += time.perf_counter() - t0
 
     def snapshot_counters(self) -> TierCounters:
         with self._lock:
