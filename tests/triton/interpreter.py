@@ -11,7 +11,17 @@ that is correct on a GPU fail or differ here, and each is patched or named:
   reads its single element;
 - a loop over Python ``range`` yields Python ints, where the compiler gives ``tl.int32``
   scalars (fla-core calls ``i_t.to(tl.int64)``): the kernels' modules get a ``range`` that yields
-  interpreter scalars.
+  interpreter scalars;
+- bfloat16 values are numpy ``uint16`` bit patterns, and ``tl.dot``, the elementwise arithmetic
+  (``+ - * /``, comparisons, ``exp``...) and ``fma`` ran on those raw bits (a bf16 ``tl.dot`` gave
+  values ~1e9: fla-core's chunked kernels with bf16 inputs were garbage); ``fp32 -> bf16`` casts
+  truncated where the GPU rounds to nearest even. bf16 operands are now widened to fp32 (exact),
+  computed, and rounded back to bf16 to nearest even (one rounding of the fp32 result: a native
+  bf16 add rounds the exact sum once, so the two can differ in the last bit, rarely).
+
+Not emulated: TF32. On an Ampere-or-later GPU ``tl.dot`` on fp32 operands runs in TF32 by
+default (fla-core asks for it in places), so fp32 results there carry ~1e-3 relative error that
+the interpreter's exact fp32 matmuls do not show.
 
 ``install()`` must run before the kernels' modules are imported (``TRITON_INTERPRET`` is read when
 ``@triton.jit`` decorates them).
@@ -79,7 +89,70 @@ def install() -> None:
                 module_globals["range"] = before
 
     interpreter.GridExecutor.__call__ = __call__
+    _patch_bfloat16(interpreter.InterpreterBuilder, interpreter.TensorHandle, tl, np)
     _INSTALLED = True
+
+
+def _patch_bfloat16(builder, handle, tl, np) -> None:
+    """bf16 arithmetic on values, not on the ``uint16`` bit patterns that hold them."""
+
+    def widen(data):
+        return (np.asarray(data, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+    def narrow(data):  # fp32 -> bf16 bits, round to nearest even (NaN stays NaN)
+        bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return np.where(np.isnan(data), np.uint16(0x7FC0), rounded)
+
+    def is_bf16(*handles) -> bool:
+        return any(h.dtype.scalar == tl.bfloat16 for h in handles)
+
+    def result(out, dtype):
+        if out.dtype == np.float32:
+            return handle(narrow(out), tl.bfloat16)
+        return handle(out, dtype)  # comparisons: booleans, as the fp32 path returns them
+
+    cast_impl = builder.cast_impl
+
+    def _cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return handle(narrow(src.data), tl.bfloat16)
+        return cast_impl(self, src, dst_type)
+
+    create_dot = builder.create_dot
+
+    def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if is_bf16(a, b):
+            a = handle(widen(a.data), tl.float32)
+            b = handle(widen(b.data), tl.float32)
+        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    binary_op = builder.binary_op
+
+    def _binary_op(self, lhs, rhs, op):
+        if not is_bf16(lhs, rhs):
+            return binary_op(self, lhs, rhs, op)
+        return result(op(widen(lhs.data), widen(rhs.data)), lhs.dtype.scalar)
+
+    unary_op = builder.unary_op
+
+    def _unary_op(self, arg, op):
+        if not is_bf16(arg):
+            return unary_op(self, arg, op)
+        return result(op(widen(arg.data)), arg.dtype.scalar)
+
+    create_fma = builder.create_fma
+
+    def _create_fma(self, x, y, z):
+        if not is_bf16(x, y, z):
+            return create_fma(self, x, y, z)
+        return result(widen(x.data) * widen(y.data) + widen(z.data), z.dtype.scalar)
+
+    builder.cast_impl = _cast_impl
+    builder.create_dot = _create_dot
+    builder.binary_op = _binary_op
+    builder.unary_op = _unary_op
+    builder.create_fma = _create_fma
 
 
 _MISSING = object()
