@@ -1,0 +1,227 @@
+"""Gated DeltaNet on fla-core's Triton kernels: the ``cuda`` backend's delta-rule prefill and
+decode step (the conv and the gates are the backend's; see ``kernels/gated_delta.py`` for the
+reference these match).
+
+Conventions, as the reference: ``q``, ``k`` are L2-normalised inside (``x / sqrt(sum x^2 + 1e-6)``)
+and ``q`` is scaled by ``Dk**-0.5``; ``g`` is the log decay (the state is multiplied by
+``exp(g)``) and ``beta`` the write strength after its sigmoid; value head ``h`` reads key head
+``h // (Hv // Hk)``; a pool row is one request's ``[Hv, Dk, Dv]`` state (fla's ``[N, HV, K, V]``
+layout), fp32 or bf16.
+
+Prefill runs the stages of fla-core's chunked forward
+(``fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_fwd``, fla-core==0.6.0) one by one, so
+that the chunk-boundary states its state-passing kernel writes can be read::
+
+    segment p    |<---- chunk c ---->|<--- chunk c+1 --->|<- c+2 (part) ->|
+    h[c]  = the state it starts from (its slot's)
+    h[c+1] = after 64 new tokens,  h[c+2] = after 128,     final state -> ht[p]
+
+A snapshot is addressed by one integer, its *source*: ``i < NT`` is ``h[i]`` (chunks numbered
+across all segments in order, fla's varlen numbering; ``NT`` chunks in all), ``NT + p`` is the
+final state of segment ``p`` (so a snapshot at a segment's end, of any length, needs no special
+case). ``snapshot_index`` computes it on the host; ``GdnChunks`` carries the chunk numbering to
+the device once per forward (fla would otherwise derive it from ``cu_seqlens`` with a host read).
+
+Decode is one step of fla-core's KDA recurrent kernel (a per-key-channel decay: the GDN decay
+repeated over the ``Dk`` channels is exactly the GDN step), which reads and writes pool rows by
+slot index in place; fla-core 0.6.0's GDN recurrent kernel has no slot indices.
+
+Precision: the kernels keep states in fp32 registers; the final states come out fp32 and land in
+the pool's dtype. ``h`` is written in the activations' dtype by fla; when a forward has snapshots
+and the pool is fp32 while the activations are bf16, ``h`` is written in fp32 instead (and a bf16
+copy feeds the output kernel, as fla would have read it), so a snapshot is as exact as a final
+state. On an Ampere-or-later GPU fla's ``tl.dot`` on fp32 operands runs in TF32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+from fla.modules.norm.l2norm import l2norm_fwd
+from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64
+from fla.ops.common.chunk_o import chunk_fwd_o
+from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices, prepare_chunk_offsets
+from fla.ops.utils.constant import RCP_LN2
+from torch import Tensor
+
+CHUNK_SIZE = 64  # fla's chunk: snapshots inside a prefill fall on multiples of it
+
+
+def _num_chunks(n: int) -> int:
+    return -(-n // CHUNK_SIZE)
+
+
+def snapshot_index(seg_lens: Sequence[int], seg: int, n: int) -> int:
+    """The source (module docstring) of the state after ``n`` new tokens of segment ``seg``:
+    ``n`` a multiple of ``CHUNK_SIZE`` below the segment's length (a chunk-boundary state), or the
+    segment's length (its final state)."""
+    length = seg_lens[seg]
+    if n == length:
+        return sum(_num_chunks(x) for x in seg_lens) + seg
+    if not 0 <= n < length or n % CHUNK_SIZE:
+        raise ValueError(
+            f"snapshot after {n} of {length} tokens: only multiples of {CHUNK_SIZE} below the "
+            "segment's length, or its length, can be taken (BackendCapabilities.snapshot_stride)"
+        )
+    return sum(_num_chunks(x) for x in seg_lens[:seg]) + n // CHUNK_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class GdnChunks:
+    """fla's varlen chunk numbering of one prefill forward, built on the host from the segments'
+    lengths (``build``, once per forward; the layers share it)."""
+
+    indices: Tensor  # [NT, 2]: (segment, chunk within it) of each chunk (fla's chunk_indices)
+    offsets: Tensor  # [N + 1]: each segment's first chunk (fla's chunk_offsets)
+
+    @classmethod
+    def build(cls, seg_lens: Sequence[int], device: torch.device | str) -> GdnChunks:
+        counts = [_num_chunks(n) for n in seg_lens]
+        pairs = [(p, c) for p, count in enumerate(counts) for c in range(count)]
+        offsets = [0]
+        for count in counts:
+            offsets.append(offsets[-1] + count)
+        return cls(
+            indices=torch.tensor(pairs, dtype=torch.int32, device=device).view(-1, 2),
+            offsets=torch.tensor(offsets, dtype=torch.int32, device=device),
+        )
+
+
+def gdn_prefill(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    ssm_pool: Tensor,
+    cu_seqlens: Tensor,
+    state_slots: Tensor,
+    snap_chunks: Tensor,
+    snap_slots: Tensor,
+    chunks: GdnChunks | None = None,
+) -> Tensor:
+    """The delta rule over the packed prefill segments.
+
+    q, k ``[Tp, Hk, Dk]`` (not normalised); v ``[Tp, Hv, Dv]``; g, beta ``[Tp, Hv]``; ssm_pool
+    ``[S, Hv, Dk, Dv]``; segment ``p`` is rows ``cu_seqlens[p]:cu_seqlens[p + 1]`` (int32 or int64
+    on the device), starts from ``ssm_pool[state_slots[p]]`` and leaves its final state there;
+    snapshot ``j`` writes the state its source ``snap_chunks[j]`` (``snapshot_index``) names into
+    ``ssm_pool[snap_slots[j]]``. ``chunks`` (``GdnChunks.build`` over the segments' lengths)
+    spares a host read of ``cu_seqlens``. Returns o ``[Tp, Hv, Dv]`` in v's dtype.
+    """
+    if chunks is None:  # fla derives them with a host read of cu_seqlens
+        chunks = GdnChunks(
+            prepare_chunk_indices(cu_seqlens, CHUNK_SIZE),
+            prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE),
+        )
+    num_chunks = chunks.indices.shape[0]
+    plan = {"cu_seqlens": cu_seqlens, "chunk_indices": chunks.indices, "chunk_size": CHUNK_SIZE}
+    q, _ = l2norm_fwd(q.unsqueeze(0).contiguous())
+    k, _ = l2norm_fwd(k.unsqueeze(0).contiguous())
+    v, g, beta = (x.unsqueeze(0).contiguous() for x in (v, g, beta))
+    g = chunk_local_cumsum(g, scale=RCP_LN2, **plan)  # log2 of the decay within each chunk, fp32
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, **plan)
+
+    snapshots = snap_slots.shape[0] > 0
+    state_dtype = torch.promote_types(k.dtype, ssm_pool.dtype) if snapshots else k.dtype
+    h0 = ssm_pool.index_select(0, state_slots)
+    h, v_new, final = _pass_states(k, w, u, g, h0, cu_seqlens, chunks, state_dtype, num_chunks)
+    o = chunk_fwd_o(q=q, k=k, v=v_new, h=h.to(k.dtype), g=g, scale=k.shape[-1] ** -0.5, **plan)
+
+    if snapshots:
+        flat = h[0]
+        src = snap_chunks.to(torch.long)
+        inside = (src < num_chunks).view(-1, 1, 1, 1)
+        from_h = flat.index_select(0, src.clamp(max=max(num_chunks - 1, 0)))
+        from_final = final.index_select(0, (src - num_chunks).clamp(min=0))
+        states = torch.where(inside, from_h.to(final.dtype), from_final)
+        ssm_pool.index_copy_(0, snap_slots, states.to(ssm_pool.dtype))
+    ssm_pool.index_copy_(0, state_slots, final.to(ssm_pool.dtype))
+    return o[0]
+
+
+def _pass_states(
+    k: Tensor,
+    w: Tensor,
+    u: Tensor,
+    g: Tensor,
+    h0: Tensor,
+    cu_seqlens: Tensor,
+    chunks: GdnChunks,
+    state_dtype: torch.dtype,
+    num_chunks: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """fla's state-passing kernel (``chunk_gated_delta_rule_fwd_h``'s launch, with ``h`` in
+    ``state_dtype``): chunk-start states ``h [1, NT, Hv, Dk, Dv]``, the values it corrects
+    ``v_new``, and the final states fp32 ``[N, Hv, Dk, Dv]``."""
+    _, T, H, K = k.shape
+    HV, V = u.shape[2], u.shape[3]
+    N = h0.shape[0]
+    h = k.new_empty(1, num_chunks, HV, K, V, dtype=state_dtype)
+    final = k.new_empty(N, HV, K, V, dtype=torch.float32)
+    v_new = torch.empty_like(u)
+
+    def grid(meta):
+        return (triton.cdiv(V, meta["BV"]) * N * HV,)
+
+    chunk_gated_delta_rule_fwd_kernel_h_blockdim64[grid](
+        k=k,
+        v=u,
+        w=w,
+        v_new=v_new,
+        g=g,
+        gk=None,
+        h=h,
+        h0=h0,
+        ht=final,
+        cu_seqlens=cu_seqlens,
+        chunk_offsets=chunks.offsets,
+        T=T,
+        H=H,
+        HV=HV,
+        K=K,
+        V=V,
+        BT=CHUNK_SIZE,
+        STATE_V_FIRST=False,
+    )
+    return h, v_new, final
+
+
+def gdn_decode(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    ssm_pool: Tensor,
+    state_slots: Tensor,
+) -> Tensor:
+    """One delta-rule step for B requests, in place on their pool rows.
+
+    q, k ``[B, Hk, Dk]`` (not normalised); v ``[B, Hv, Dv]``; g, beta ``[B, Hv]``; ssm_pool
+    ``[S, Hv, Dk, Dv]`` whose rows are contiguous; ``state_slots`` ``[B]`` distinct slots (none
+    negative). Returns o ``[B, Hv, Dv]`` in v's dtype.
+    """
+    B, HV, _ = v.shape
+    K = ssm_pool.shape[2]
+    if ssm_pool.stride()[1:] != ssm_pool[0].contiguous().stride():
+        raise ValueError("gdn_decode: the kernel indexes pool rows as contiguous [Hv, Dk, Dv]")
+    gk = g.to(torch.float32).view(B, 1, HV, 1).expand(B, 1, HV, K).contiguous()
+    o, _ = fused_recurrent_kda_fwd(
+        q=q.unsqueeze(1).contiguous(),
+        k=k.unsqueeze(1).contiguous(),
+        v=v.unsqueeze(1).contiguous(),
+        g=gk,
+        beta=beta.unsqueeze(1).contiguous(),
+        scale=K**-0.5,
+        initial_state=ssm_pool,
+        inplace_final_state=True,
+        ssm_state_indices=state_slots,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return o[:, 0]
