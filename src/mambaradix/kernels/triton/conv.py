@@ -1,0 +1,264 @@
+"""The short causal depthwise conv as Triton kernels, over conv states pooled by slot.
+
+The semantics are the reference's (``kernels/conv.py``, ``TorchBackend.conv1d_prefill`` /
+``conv1d_decode``): token-major activations ``[T, C]``, weight ``[C, K]``, a state ``[C, K-1]``
+holding the last ``K-1`` inputs, oldest first, in ``conv_pool[slot]``. As in the reference, a
+carried-in state and the weight are rounded to the activations' dtype before use and states are
+stored in the pool's dtype; the sum, bias and activation run in fp32, rounded once to the
+output's dtype (the reference rounds after the conv and again after the activation in bf16).
+
+Prefill is two launches, stream-ordered, so no program overwrites a state another still reads::
+
+    _conv_prefill_kernel   grid (token blocks of the packed rows, channel blocks): each row
+                           finds its segment (binary search of cu_seqlens), its K taps read the
+                           rows before it, or the segment's carried-in state before its start
+    _conv_states_kernel    grid (segments, channel blocks): every snapshot's state, then the
+                           final one into the segment's own slot, from the inputs and the
+                           carried-in state (read before the barrier that precedes the store)
+
+Decode is one launch, grid (requests, channel blocks), the state updated in place. No function
+reads device data from Python: grids come from tensor shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_T = 32  # packed rows per prefill program
+BLOCK_C = 128  # channels per program (256 bytes of bf16 per row)
+
+
+@triton.jit
+def _silu(v):
+    return v / (1.0 + tl.exp(-v))
+
+
+@triton.jit
+def _conv_prefill_kernel(
+    x_ptr, w_ptr, bias_ptr, pool_ptr, out_ptr, cu_ptr, slots_ptr,
+    num_tokens, num_segs, channels,
+    sx_t, sx_c, sw_c, sw_k, sp_s, sp_c, sp_k, so_t, so_c,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_mask, c_mask = t < num_tokens, c < channels
+    mask = t_mask[:, None] & c_mask[None, :]
+    # each row's segment: the last p with cu_seqlens[p] <= t (empty segments are skipped)
+    lo = tl.zeros([BLOCK_T], dtype=tl.int32)
+    hi = tl.zeros([BLOCK_T], dtype=tl.int32) + (num_segs - 1)
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        go = tl.load(cu_ptr + mid) <= t
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    seg_start = tl.load(cu_ptr + lo)
+    slot = tl.load(slots_ptr + lo, mask=t_mask, other=0).to(tl.int64)
+    x_ty = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for k in tl.static_range(K):
+        src = t - (K - 1) + k  # the input row tap k reads
+        in_seg = src >= seg_start
+        xv = tl.load(
+            x_ptr + src.to(tl.int64)[:, None] * sx_t + c[None, :] * sx_c,
+            mask=mask & in_seg[:, None], other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        col = (K - 1) + src - seg_start  # before the segment: a column of its carried-in state
+        sv = tl.load(
+            pool_ptr + slot[:, None] * sp_s + c[None, :] * sp_c + col[:, None] * sp_k,
+            mask=mask & (src < seg_start)[:, None], other=0.0,
+        )  # fmt: skip
+        sv = sv.to(tl.float32).to(x_ty).to(tl.float32)
+        w = tl.load(w_ptr + c * sw_c + k * sw_k, mask=c_mask, other=0.0)
+        w = w.to(tl.float32).to(x_ty).to(tl.float32)
+        acc += tl.where(in_seg[:, None], xv, sv) * w[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = _silu(acc)
+    out_ptrs = out_ptr + t.to(tl.int64)[:, None] * so_t + c[None, :] * so_c
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _state_after(
+    x_ptr, pool_ptr, start, n, slot, c, c_mask, sx_t, sx_c, sp_s, sp_c, sp_k, active,
+    K: tl.constexpr, KP: tl.constexpr,
+):  # fmt: skip
+    """The conv state ``[BLOCK_C, KP]`` after the first ``n`` rows of the segment starting at
+    packed row ``start`` whose carried-in state is ``pool[slot]`` (fp32; columns >= K-1 are 0)."""
+    i = tl.arange(0, KP)
+    pos = n - (K - 1) + i  # the segment's input in state column i (< 0: a carried-in one)
+    col_mask = c_mask[:, None] & (i < K - 1)[None, :] & active
+    xv = tl.load(
+        x_ptr + (start + pos).to(tl.int64)[None, :] * sx_t + c[:, None] * sx_c,
+        mask=col_mask & (pos >= 0)[None, :], other=0.0,
+    ).to(tl.float32)  # fmt: skip
+    sv = tl.load(
+        pool_ptr + slot * sp_s + c[:, None] * sp_c + (n + i)[None, :] * sp_k,
+        mask=col_mask & (pos < 0)[None, :], other=0.0,
+    )  # fmt: skip
+    sv = sv.to(tl.float32).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return tl.where((pos >= 0)[None, :], xv, sv)
+
+
+@triton.jit
+def _conv_states_kernel(
+    x_ptr, pool_ptr, cu_ptr, slots_ptr, snap_seqs_ptr, snap_offsets_ptr, snap_slots_ptr,
+    num_snaps, channels, sx_t, sx_c, sp_s, sp_c, sp_k,
+    K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    seg = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = c < channels
+    start = tl.load(cu_ptr + seg)
+    length = tl.load(cu_ptr + seg + 1) - start
+    slot = tl.load(slots_ptr + seg).to(tl.int64)
+    i = tl.arange(0, KP)
+    store_mask = c_mask[:, None] & (i < K - 1)[None, :]
+    for j in range(num_snaps):
+        mine = tl.load(snap_seqs_ptr + j) == seg
+        n = tl.load(snap_offsets_ptr + j)
+        dst = tl.load(snap_slots_ptr + j).to(tl.int64)
+        state = _state_after(
+            x_ptr, pool_ptr, start, n, slot, c, c_mask, sx_t, sx_c, sp_s, sp_c, sp_k, mine, K, KP
+        )
+        ptrs = pool_ptr + dst * sp_s + c[:, None] * sp_c + i[None, :] * sp_k
+        tl.store(ptrs, state.to(pool_ptr.dtype.element_ty), mask=store_mask & mine)
+    final = _state_after(
+        x_ptr, pool_ptr, start, length, slot, c, c_mask, sx_t, sx_c, sp_s, sp_c, sp_k,
+        length >= 0, K, KP,
+    )  # fmt: skip
+    tl.debug_barrier()  # every thread has read the carried-in state before any overwrites it
+    ptrs = pool_ptr + slot * sp_s + c[:, None] * sp_c + i[None, :] * sp_k
+    tl.store(ptrs, final.to(pool_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _conv_decode_kernel(
+    x_ptr, w_ptr, bias_ptr, pool_ptr, out_ptr, slots_ptr, channels,
+    sx_b, sx_c, sw_c, sw_k, sp_s, sp_c, sp_k, so_b, so_c,
+    K: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = c < channels
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    x_ty = x_ptr.dtype.element_ty
+    k = tl.arange(0, KW)
+    state_ptrs = pool_ptr + slot * sp_s + c[:, None] * sp_c
+    xv = tl.load(x_ptr + b * sx_b + c * sx_c, mask=c_mask, other=0.0).to(tl.float32)
+    # the window [state | x]: column k < K-1 from the state, column K-1 the new input
+    sv = tl.load(state_ptrs + k[None, :] * sp_k, mask=c_mask[:, None] & (k < K - 1)[None, :])
+    window = tl.where((k == K - 1)[None, :], xv[:, None], sv.to(tl.float32).to(x_ty).to(tl.float32))
+    w = tl.load(
+        w_ptr + c[:, None] * sw_c + k[None, :] * sw_k,
+        mask=c_mask[:, None] & (k < K)[None, :], other=0.0,
+    )  # fmt: skip
+    acc = tl.sum(window * w.to(tl.float32).to(x_ty).to(tl.float32), axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+    if SILU:
+        acc = _silu(acc)
+    tl.store(out_ptr + b * so_b + c * so_c, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
+    # new state column i = window column i + 1 (the state shifted, the input last)
+    shifted = tl.load(
+        state_ptrs + (k + 1)[None, :] * sp_k, mask=c_mask[:, None] & (k < K - 2)[None, :]
+    )
+    new = tl.where(
+        (k == K - 2)[None, :], xv[:, None], shifted.to(tl.float32).to(x_ty).to(tl.float32)
+    )
+    tl.debug_barrier()  # every thread has read the old state before any overwrites it
+    tl.store(
+        state_ptrs + k[None, :] * sp_k, new.to(pool_ptr.dtype.element_ty),
+        mask=c_mask[:, None] & (k < K - 1)[None, :],
+    )  # fmt: skip
+
+
+def _activation_is_silu(activation: str | None) -> bool:
+    if activation is None or activation == "identity":
+        return False
+    if activation in ("silu", "swish"):
+        return True
+    raise ValueError(f"unsupported conv activation {activation!r} (use 'silu' or None)")
+
+
+def _check_width(weight: torch.Tensor, conv_pool: torch.Tensor) -> int:
+    C, K = weight.shape
+    if K < 2 or conv_pool.shape[1:] != (C, K - 1):
+        raise ValueError(
+            f"conv weight {tuple(weight.shape)} needs K >= 2 and a pool of [S, {C}, {K - 1}], "
+            f"got {tuple(conv_pool.shape)}"
+        )
+    return K
+
+
+def conv1d_prefill(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_pool: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_slots: torch.Tensor,
+    snap_seqs: torch.Tensor,
+    snap_offsets: torch.Tensor,
+    snap_slots: torch.Tensor,
+    activation: str | None,
+) -> torch.Tensor:
+    """The causal conv over packed segments: ``x [Tp, C]`` (any strides), segment ``p`` rows
+    ``cu_seqlens[p] : cu_seqlens[p+1]`` from the state in ``conv_pool[state_slots[p]]``
+    (``[S, C, K-1]``), its final state written back there; snapshot ``j`` (the state after
+    ``snap_offsets[j]`` rows of segment ``snap_seqs[j]``, 1 <= offset <= its length) into
+    ``conv_pool[snap_slots[j]]``. Index tensors are int32 or int64 on x's device (snapshot ones
+    may be empty). Returns ``[Tp, C]`` in x's dtype."""
+    K = _check_width(weight, conv_pool)
+    silu = _activation_is_silu(activation)
+    num_tokens, channels = x.shape
+    num_segs = cu_seqlens.shape[0] - 1
+    out = torch.empty((num_tokens, channels), dtype=x.dtype, device=x.device)
+    if num_tokens == 0 or num_segs == 0:
+        return out
+    c_blocks = triton.cdiv(channels, BLOCK_C)
+    pool_strides = conv_pool.stride()
+    _conv_prefill_kernel[(triton.cdiv(num_tokens, BLOCK_T), c_blocks)](
+        x, weight, bias if bias is not None else x, conv_pool, out, cu_seqlens, state_slots,
+        num_tokens, num_segs, channels, *x.stride(), *weight.stride(), *pool_strides,
+        *out.stride(), K=K, HAS_BIAS=bias is not None, SILU=silu,
+        SEARCH_STEPS=max(1, (num_segs - 1).bit_length()), BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
+    )  # fmt: skip
+    _conv_states_kernel[(num_segs, c_blocks)](
+        x, conv_pool, cu_seqlens, state_slots, snap_seqs, snap_offsets, snap_slots,
+        snap_seqs.shape[0], channels, *x.stride(), *pool_strides,
+        K=K, KP=triton.next_power_of_2(K - 1), BLOCK_C=BLOCK_C,
+    )  # fmt: skip
+    return out
+
+
+def conv1d_decode(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    activation: str | None,
+) -> torch.Tensor:
+    """One step per request: ``x [B, C]`` (any strides), request ``i``'s state
+    ``conv_pool[state_slots[i]]`` updated in place (slots distinct). Returns ``[B, C]`` in x's
+    dtype. Decode snapshots are the caller's copy of the updated slots afterwards."""
+    K = _check_width(weight, conv_pool)
+    silu = _activation_is_silu(activation)
+    batch, channels = x.shape
+    out = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
+    if batch == 0:
+        return out
+    _conv_decode_kernel[(batch, triton.cdiv(channels, BLOCK_C))](
+        x, weight, bias if bias is not None else x, conv_pool, out, state_slots, channels,
+        *x.stride(), *weight.stride(), *conv_pool.stride(), *out.stride(),
+        K=K, KW=triton.next_power_of_2(K), HAS_BIAS=bias is not None, SILU=silu,
+        BLOCK_C=BLOCK_C,
+    )  # fmt: skip
+    return out
