@@ -178,7 +178,9 @@ LENS = [1, 17, 70, 32]  # one key, off the block, several splits' worth, a whole
 
 
 @pytest.mark.parametrize(
-    "tiles,splits", [(None, None), (SMALL, 1), (SMALL, 3)], ids=["default", "small", "splits"]
+    "tiles,splits",
+    [(None, None), (None, 1), (SMALL, 1), (SMALL, 3)],
+    ids=["default", "unsplit", "small", "splits"],
 )
 def test_decode_fp32(tiles, splits):
     q, k, v, table, seq_lens = _decode_case(LENS)
@@ -286,17 +288,23 @@ def test_decode_replays_in_cuda_graph():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_real_shapes(dtype):
-    """Qwen3.5's attention (head 256, 16 query heads over 2 KV heads) at the default tiles:
-    a prefill with a long cached prefix and decodes over 2,000 keys at small batch."""
+@pytest.mark.parametrize("d,group", [(256, 8), (128, 4)], ids=["qwen3.5", "granite"])
+def test_real_shapes(dtype, d, group):
+    """Real head sizes and groups (Qwen3.5: 256, 16 query heads over 2 KV heads; Granite: 128)
+    at the default tiles: a prefill with a long cached prefix, decodes over 2,000 keys at small
+    batch (split) and the same decodes in one program each (unsplit)."""
     segs = [(130, 0), (70, 900)]
     (q, k, v, cu, prefix_lens, table), slots, max_len = _prefill_case(
-        segs, hkv=2, group=8, d=256, dv=256, dtype=dtype, size=1200
+        segs, hkv=2, group=group, d=d, dv=d, dtype=dtype, size=1200
     )
     got = triton_attention.paged_attention_prefill(q, k, v, cu, prefix_lens, table, SCALE, max_len)
     assert _close(got, _prefill_reference(q, k, v, cu, prefix_lens, slots))
     q, k, v, table, seq_lens = _decode_case(
-        [2000, 1, 777], hkv=2, group=8, d=256, dv=256, dtype=dtype, width=2048
+        [2000, 1, 777], hkv=2, group=group, d=d, dv=d, dtype=dtype, width=2048
     )
-    got = triton_attention.paged_attention_decode(q, k, v, table, seq_lens, SCALE)
-    assert _close(got, _decode_reference(q, k, v, table, seq_lens))
+    want = _decode_reference(q, k, v, table, seq_lens)
+    for splits in (None, 1):
+        got = triton_attention.paged_attention_decode(
+            q, k, v, table, seq_lens, SCALE, splits=splits
+        )
+        assert _close(got, want)

@@ -39,7 +39,7 @@ Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
 MIN_SPLIT_KEYS = 128  # a split reads at least this many keys (its fixed cost is the partial row)
 MAX_SPLITS = 128
-MERGE_CHUNK = 8  # splits the merge kernel reads per step
+MERGE_CHUNK = 32  # splits the merge kernel reads per step
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,23 +54,29 @@ class AttentionTiles:
     num_stages: int = 2
 
 
-def prefill_tiles(head_dim: int, v_head_dim: int) -> AttentionTiles:
-    """Tiles for prefill on a Hopper-class GPU: wide query blocks; halved for 256-wide heads,
-    whose fp32 accumulator and Q tile would otherwise exhaust registers."""
-    width = max(head_dim, v_head_dim)
-    if width <= 64:
-        return AttentionTiles(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    if width <= 128:
-        return AttentionTiles(block_m=128, block_n=64, num_warps=8, num_stages=3)
-    return AttentionTiles(block_m=64, block_n=64, num_warps=8, num_stages=2)
+def prefill_tiles(head_dim: int, v_head_dim: int, elem_bytes: int = 2) -> AttentionTiles:
+    """Tiles for prefill, from a sweep on an H200 (bf16, 4 x 2,048 causal tokens): 128 rows x
+    64 keys; 256-wide heads need 8 warps for their fp32 accumulator and Q tile (4 warps ran at
+    half the speed) and fit two pipeline stages in shared memory. fp32 pools (``elem_bytes``
+    4) halve the key block, and the row block of 256-wide heads, to fit shared memory."""
+    wide = max(head_dim, v_head_dim) > 128
+    if elem_bytes > 2:
+        return AttentionTiles(block_m=64 if wide else 128, block_n=32, num_warps=8 if wide else 4)
+    if wide:
+        return AttentionTiles(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    return AttentionTiles(block_m=128, block_n=64, num_warps=4, num_stages=3)
 
 
-def decode_tiles(group: int, head_dim: int, v_head_dim: int) -> AttentionTiles:
-    """Tiles for decode: one block holds a KV head's whole query group (padded to 16 rows)."""
+def decode_tiles(
+    group: int, head_dim: int, v_head_dim: int, split: bool, elem_bytes: int = 2
+) -> AttentionTiles:
+    """Tiles for decode: one block holds a KV head's whole query group (padded to the 16 rows of
+    a tensor-core dot). A program that reads a whole sequence (``split`` False) takes 128 keys
+    a step; split programs, with a few hundred keys each, 64 (an H200 sweep, bf16). fp32 pools
+    halve the key block."""
     block_m = max(16, triton.next_power_of_2(group))
-    if max(head_dim, v_head_dim) <= 128:
-        return AttentionTiles(block_m=block_m, block_n=64, num_warps=4, num_stages=3)
-    return AttentionTiles(block_m=block_m, block_n=64, num_warps=4, num_stages=2)
+    block_n = (64 if split else 128) * 2 // max(elem_bytes, 2)
+    return AttentionTiles(block_m=block_m, block_n=block_n, num_stages=2)
 
 
 @functools.cache
@@ -119,7 +125,7 @@ def paged_attention_prefill(
     out = q.new_empty(tokens, hq, dv)
     if tokens == 0 or segments == 0 or max_len == 0:
         return out
-    tiles = tiles or prefill_tiles(d, dv)
+    tiles = tiles or prefill_tiles(d, dv, k_pool.element_size())
     m_blocks = triton.cdiv(max_len * group, tiles.block_m)
     if splits is None:
         splits = num_splits(m_blocks * hkv * segments, kv_table.shape[1], tiles.block_n, q.device)
@@ -155,10 +161,10 @@ def paged_attention_decode(
     out = q.new_empty(batch, hq, dv)
     if batch == 0:
         return out
-    tiles = tiles or decode_tiles(group, d, dv)
-    m_blocks = triton.cdiv(group, tiles.block_m)
     if splits is None:
-        splits = num_splits(m_blocks * hkv * batch, kv_table.shape[1], tiles.block_n, q.device)
+        splits = num_splits(hkv * batch, kv_table.shape[1], MIN_SPLIT_KEYS, q.device)
+    tiles = tiles or decode_tiles(group, d, dv, splits > 1, k_pool.element_size())
+    m_blocks = triton.cdiv(group, tiles.block_m)
     _attend(
         q, k_pool, v_pool, out, seq_lens, seq_lens, kv_table, scale, batch, m_blocks, splits,
         tiles, decode=True,
