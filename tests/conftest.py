@@ -1,5 +1,8 @@
 """Settings every test directory shares.
 
+The ``cuda`` backend's Triton kernels run on CPU tensors under the interpreter where no GPU is
+(``tests/triton/interpreter.py``, installed before any kernel module is imported).
+
 Hypothesis runs derandomised by default (profile ``ci``): the examples are a function of the
 test alone, so a failure seen in CI reproduces with the same command on any machine.
 ``HYPOTHESIS_PROFILE=explore`` draws fresh random examples on each run (and keeps failures in
@@ -7,9 +10,19 @@ the local example database) to hunt for new ones."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 from hypothesis import settings
+
+if importlib.util.find_spec("triton") is not None:
+    # the cuda backend's Triton kernels run interpreted where no GPU is (tests/triton/)
+    sys.path.insert(0, str(Path(__file__).parent / "triton"))
+    import interpreter
+
+    interpreter.install()
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)

@@ -145,6 +145,20 @@ class EngineConfig:
         "the Python a replay saves is the same at any batch, a smaller share of larger steps, "
         "and each recorded step holds its batch's activations and logits.",
     )
+    disable_cuda_graph: bool = opt(
+        False,
+        "On a CUDA device, run every decode step eagerly instead of replaying its CUDA graph.",
+    )
+    cuda_graph_max_bs: int = opt(
+        256,
+        "On a CUDA device, the largest decode batch captured as a CUDA graph (larger batches "
+        "run eagerly); the captured sizes are 1, 2, 4, 8, then every 8 (SGLang's buckets).",
+    )
+    cuda_graph_bs: tuple[int, ...] = opt(
+        (),
+        "On a CUDA device, the decode batch sizes captured as CUDA graphs (a step pads to the "
+        "next one), replacing the buckets --cuda-graph-max-bs gives.",
+    )
     num_threads: int = opt(0, "torch intra-op threads; 0 keeps torch's default.")
     kernel_backend: str = opt(
         "auto",
@@ -169,6 +183,14 @@ class EngineConfig:
             raise ValueError("--mamba-full-memory-ratio must be > 0")
         if self.decode_graph_max_bs < 0:
             raise ValueError("--decode-graph-max-bs must be >= 0")
+        if self.cuda_graph_max_bs < 0 or any(b < 1 for b in self.cuda_graph_bs):
+            raise ValueError("--cuda-graph-max-bs must be >= 0 and --cuda-graph-bs sizes >= 1")
+        on_cuda = self.device.split(":", 1)[0] == "cuda"
+        if not on_cuda and (self.cuda_graph_bs or self.cuda_graph_max_bs != 256):
+            raise ValueError(
+                "--cuda-graph-bs and --cuda-graph-max-bs are for --device cuda; a CPU device "
+                "replays its decode steps up to --decode-graph-max-bs"
+            )
         if not self.watchdog_timeout > 0:
             raise ValueError("--watchdog-timeout must be > 0")
         if self.hicache_size < 0:
@@ -277,6 +299,7 @@ def _flag(name: str) -> str:
 
 
 def _base_type(tp: Any) -> Any:
+    """The type a flag parses (a ``tuple[int, ...]`` field stays a tuple: a list flag)."""
     if isinstance(tp, str):
         tp = {"int": int, "float": float, "str": str, "bool": bool}.get(
             tp.split("|")[0].strip(), str
@@ -299,6 +322,12 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
                 _flag(f.name), dest=f.name, action="store_true", default=f.default, help=help_text
             )
             continue
+        if typing.get_origin(tp) is tuple:  # a list of values: --flag 1 2 4
+            parser.add_argument(
+                _flag(f.name), dest=f.name, type=typing.get_args(tp)[0], nargs="+",
+                default=f.default, help=f"{help_text} (default: {f.default or 'none'})",
+            )  # fmt: skip
+            continue
         kwargs: dict[str, Any] = {
             "dest": f.name,
             "type": tp,
@@ -312,4 +341,6 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
 
 def config_from_args(cls: type[T], ns: argparse.Namespace) -> T:
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    return cls(**{k: v for k, v in vars(ns).items() if k in names})
+    return cls(
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in vars(ns).items() if k in names}
+    )

@@ -23,6 +23,8 @@ layers: ``test_kernels_gdn.py``, ``test_mamba2_kernels.py``, ``test_attention.py
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -46,6 +48,15 @@ REQUESTS = [
     (40, 70, [(64, 22), (70, 23)]),  # shares its 40 cached KV slots with the next one
     (40, 130, [(1, 18), (100, 19)]),
 ]
+# the same with snapshots only where a backend of snapshot stride 64 writes them (a chunk
+# boundary or the segment's end): the planner never asks it for others
+REQUESTS_STRIDE_64 = [
+    (9, 1, [(1, 20)]),
+    (40, 1, []),
+    (0, 5, [(5, 21)]),
+    (40, 70, [(64, 22), (70, 23)]),
+    (40, 130, [(64, 18), (128, 19)]),
+]
 KV_LEN = 400
 
 
@@ -55,13 +66,30 @@ class Case:
     atol: float  # fp32: atol = rtol; bf16: the fp32 slack added to the rounding budget
 
 
+@dataclass(frozen=True)
+class Shapes:
+    """Head shapes: Gated DeltaNet (key heads, value heads, Dk, Dv), Mamba2 (heads, P, N),
+    attention (query heads, KV heads, D)."""
+
+    gdn: tuple[int, int, int, int]
+    mamba2: tuple[int, int, int]
+    attention: tuple[int, int, int]
+
+
+# real head shapes: Qwen3.5's GDN heads of 128, Granite-4.0-H's Mamba2 heads of 64 x state 128,
+# 128-dim attention with GQA 4
+REAL = Shapes(gdn=(2, 4, 128, 128), mamba2=(8, 64, 128), attention=(8, 2, 128))
+# small ones for kernels run by the Triton interpreter (cost grows with every block's size)
+SMALL = Shapes(gdn=(2, 4, 32, 32), mamba2=(4, 16, 32), attention=(4, 2, 32))
+
+
 CASES = {"fp32": Case(torch.float32, 2e-4), "bf16": Case(torch.bfloat16, 2e-4)}
 BF16_ROUNDING_FACTOR = 2.0  # x the largest change bf16 rounding of the inputs makes to a tensor
 # the backends under contract: every registered one but the reference itself
 BACKENDS = [name for name in backend_names() if name != "torch"]
 
 
-def _layout(requests=REQUESTS) -> ForwardLayout:
+def _layout(requests=REQUESTS, device: str | torch.device = "cpu") -> ForwardLayout:
     shared = torch.arange(40)
     reqs, next_kv = [], 40
     for slot, (prefix, n, snaps) in enumerate(requests):
@@ -69,7 +97,7 @@ def _layout(requests=REQUESTS) -> ForwardLayout:
         next_kv += prefix + n
         kv = torch.cat([shared, own[prefix:]]) if prefix == 40 else own
         reqs.append(ForwardReq(prefix, [1] * n, kv, slot, list(snaps)))
-    return ForwardLayout.build(reqs)
+    return ForwardLayout.build(reqs, device)
 
 
 def _truncated(layout: ForwardLayout, p: int, n: int) -> ForwardLayout:
@@ -83,6 +111,20 @@ def _truncated(layout: ForwardLayout, p: int, n: int) -> ForwardLayout:
     return ForwardLayout.build([cut])
 
 
+def _moved(obj, device: torch.device):
+    """``obj`` with every tensor in it (lists, tuples, dicts, dataclasses) on ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_moved(v, device) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _moved(v, device) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: _moved(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
+        return dataclasses.replace(obj, **fields)
+    return obj
+
+
 def _rand(g: torch.Generator, *shape: int, dtype=torch.float32, scale: float = 1.0):
     return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
@@ -90,14 +132,14 @@ def _rand(g: torch.Generator, *shape: int, dtype=torch.float32, scale: float = 1
 class _Ops:
     """Random inputs of every op at real head shapes, and how to run each op on a backend."""
 
-    def __init__(self, case: Case) -> None:
+    def __init__(self, case: Case, shapes: Shapes = REAL, requests=REQUESTS) -> None:
         g = torch.Generator().manual_seed(0)
         dt = case.dtype
-        self.case = case
-        self.layout = _layout()
+        self.case, self.shapes, self.requests = case, shapes, requests
+        self.layout = _layout(requests)
         Tp, Td = self.layout.prefill.num_tokens, self.layout.decode.rows.count
-        # Gated DeltaNet: 2 key heads, 4 value heads of 128 (Qwen3.5's head dims)
-        self.hk, self.hv, self.dk, self.dv, K = 2, 4, 128, 128, 4
+        self.hk, self.hv, self.dk, self.dv = shapes.gdn
+        K = 4
         C = 2 * self.hk * self.dk + self.hv * self.dv
         self.gdn = dict(
             conv_pool=_rand(g, SLOTS, C, K - 1, dtype=dt),
@@ -109,14 +151,14 @@ class _Ops:
         self.ab_pre = [_rand(g, Tp, self.hv, dtype=dt) for _ in "ab"]
         self.ab_dec = [_rand(g, Td, self.hv, dtype=dt) for _ in "ab"]
         self.A_log, self.dt_bias = _rand(g, self.hv, dtype=dt), _rand(g, self.hv, dtype=dt)
-        # Mamba2: 8 heads of 64, state 128, 1 group (Granite-4.0-H's head shapes)
-        H, P, N = 8, 64, 128
+        H, P, N = shapes.mamba2  # 1 group
         self.m2 = dict(ssm_pool=_rand(g, SLOTS, H, P, N, scale=0.1))
         self.m2_in = [
             (_rand(g, n, H, P, dtype=dt), _rand(g, n, H), _rand(g, n, 1, N, dtype=dt),
              _rand(g, n, 1, N, dtype=dt)) for n in (Tp, Td)
         ]  # fmt: skip
         self.m2_A, self.m2_D = -torch.rand(H, generator=g) - 0.1, _rand(g, H, dtype=dt)
+        self.m2_dt_bias = torch.zeros(H)
         # the fused Mamba2 decode step: xBC and raw dt as views of one projection row
         self.m2_shape = (H, P, 1, N)
         cm = H * P + 2 * N
@@ -127,12 +169,13 @@ class _Ops:
         )
         self.m2_proj = _rand(g, Td, 16 + cm + H, dtype=dt)
         self.m2_params = (_rand(g, H, dtype=dt, scale=0.5), _rand(g, H, dtype=dt))  # A_log, dt_bias
-        # attention: 8 query heads, 2 KV heads of 128 (GQA 4)
+        hq, hkv, d = shapes.attention
         self.kv = dict(
-            k_pool=_rand(g, KV_LEN, 2, 128, dtype=dt), v_pool=_rand(g, KV_LEN, 2, 128, dtype=dt)
+            k_pool=_rand(g, KV_LEN, hkv, d, dtype=dt), v_pool=_rand(g, KV_LEN, hkv, d, dtype=dt)
         )
         T = self.layout.num_tokens
-        self.q, self.k, self.v = (_rand(g, T, h, 128, dtype=dt) for h in (8, 2, 2))
+        self.q, self.k, self.v = (_rand(g, T, h, d, dtype=dt) for h in (hq, hkv, hkv))
+        self.scale = d**-0.5
         # the mixers' output norms handed to their decode ops (gate rows, weight)
         g = torch.Generator().manual_seed(2)
         self.gdn_norm = GatedNorm(
@@ -187,14 +230,14 @@ class _Ops:
     def mamba2_prefill(self, be, layout=None):
         pools = {"ssm_pool": self.m2["ssm_pool"].clone()}
         x, dt, B, C = (self._pre(t, layout) for t in self.m2_in[0])
-        y = be.mamba2_prefill(x, process_dt(dt, torch.zeros(8)), self.m2_A, B, C, self.m2_D,
+        y = be.mamba2_prefill(x, process_dt(dt, self.m2_dt_bias), self.m2_A, B, C, self.m2_D,
                               pools["ssm_pool"], layout or self.layout)  # fmt: skip
         return [y], pools
 
     def mamba2_decode(self, be):
         pools = {"ssm_pool": self.m2["ssm_pool"].clone()}
         x, dt, B, C = self.m2_in[1]
-        y = be.mamba2_decode(x, process_dt(dt, torch.zeros(8)), self.m2_A, B, C, self.m2_D,
+        y = be.mamba2_decode(x, process_dt(dt, self.m2_dt_bias), self.m2_A, B, C, self.m2_D,
                              pools["ssm_pool"], self.layout)  # fmt: skip
         return [y], pools
 
@@ -221,8 +264,8 @@ class _Ops:
         lay = self.layout
         be.store_kv(self.k, self.v, pools["k_pool"], pools["v_pool"], lay)
         pre, dec = lay.prefill.rows, lay.decode.rows
-        yp = be.paged_attention_prefill(pre.take(self.q), *pools.values(), lay, 128**-0.5)
-        yd = be.paged_attention_decode(dec.take(self.q), *pools.values(), lay, 128**-0.5)
+        yp = be.paged_attention_prefill(pre.take(self.q), *pools.values(), lay, self.scale)
+        yd = be.paged_attention_decode(dec.take(self.q), *pools.values(), lay, self.scale)
         return [yp, yd], pools
 
     def per_token(self, be):
@@ -241,6 +284,9 @@ class _Ops:
             _rand(g, 8, 64, 256, dtype=dt, scale=0.1),
             _rand(g, 8, 256, 32, dtype=dt, scale=0.1),
         )
+        x, gate, w, heads, cos, sin, ids, weights, gate_up, down = _moved(
+            [x, gate, w, heads, cos, sin, ids, weights, gate_up, down], self.device
+        )
         outs = [
             be.rms_norm(x, w, 1e-6, False),
             be.rms_norm(x, w, 1e-6, True),
@@ -251,6 +297,20 @@ class _Ops:
             experts_forward(x, weights, ids, gate_up, down, torch.nn.functional.silu, be),
         ]
         return outs, {}
+
+    device = torch.device("cpu")
+
+    def on(self, device: str | torch.device) -> _Ops:
+        """These inputs on ``device`` (the layout rebuilt there); themselves on the CPU."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self
+        other = copy.copy(self)
+        for name, value in vars(self).items():
+            setattr(other, name, _moved(value, device))
+        other.layout = _layout(self.requests, device)
+        other.device = device
+        return other
 
     def _pre(self, t: torch.Tensor, layout: ForwardLayout | None) -> torch.Tensor:
         """Prefill inputs of ``layout`` (a truncated one reads the first rows of its segment)."""
@@ -278,12 +338,15 @@ def _max_abs(t: torch.Tensor) -> float:
     return float(t.double().abs().max()) if t.numel() else 0.0
 
 
-def bf16_tolerances(case: Case) -> dict[tuple[str, str], float]:
+def bf16_tolerances(
+    case: Case, shapes: Shapes = REAL, requests=REQUESTS
+) -> dict[tuple[str, str], float]:
     """Per (op, tensor): the absolute tolerance of the bf16 case, ``BF16_ROUNDING_FACTOR`` x the
     largest change rounding the inputs to bf16 makes to that tensor in the reference, plus
     ``case.atol`` x its largest value."""
     ref = TorchBackend()
-    rounded, exact = _Ops(case), _Ops(Case(torch.float32, case.atol))  # the same draws
+    exact_case = Case(torch.float32, case.atol)
+    rounded, exact = _Ops(case, shapes, requests), _Ops(exact_case, shapes, requests)
     tol = {}
     for name in STATE_OPS:
         got, want = _tensors(rounded, name, ref), _tensors(exact, name, ref)
@@ -293,13 +356,18 @@ def bf16_tolerances(case: Case) -> dict[tuple[str, str], float]:
     return tol
 
 
-def contract_failures(backend, case: Case) -> list[str]:
-    """Every way ``backend`` departs from the contract on this case (empty: it passes)."""
-    ops, ref = _Ops(case), TorchBackend()
-    tol = bf16_tolerances(case) if case.dtype == torch.bfloat16 else None
+def contract_failures(
+    backend, case: Case, shapes: Shapes = REAL, requests=REQUESTS, device: str = "cpu"
+) -> list[str]:
+    """Every way ``backend`` departs from the contract on this case (empty: it passes): the
+    backend runs the inputs on ``device``, the reference on the CPU."""
+    ops, ref = _Ops(case, shapes, requests), TorchBackend()
+    on_device = ops.on(device)
+    tol = bf16_tolerances(case, shapes, requests) if case.dtype == torch.bfloat16 else None
     failures = []
 
     def close(a: torch.Tensor, b: torch.Tensor, name: str, key: str) -> bool:
+        a = a.cpu()
         if a.shape != b.shape:
             return False
         if tol is None:
@@ -307,14 +375,14 @@ def contract_failures(backend, case: Case) -> list[str]:
         return _max_abs(a.double() - b.double()) <= tol[name, key]
 
     for name in STATE_OPS:
-        got, want = _tensors(ops, name, backend), _tensors(ops, name, ref)
+        got, want = _tensors(on_device, name, backend), _tensors(ops, name, ref)
         for key in want:
             if not close(got[key], want[key], name, key):
                 failures.append(f"{name}: {key} differs from the reference")
     # snapshots: the state after n tokens, from the same op over the segment cut to n tokens
     seg = ops.layout.prefill
     for name, key in PREFILL_OPS.items():
-        _, pools = getattr(ops, name)(backend)
+        _, pools = getattr(on_device, name)(backend)
         for p, n, slot in zip(seg.snapshot_seqs, seg.snapshot_offsets, seg.snapshot_slots.tolist()):
             cut = _truncated(ops.layout, p, n)
             _, alone = getattr(ops, name)(ref, cut)
@@ -331,17 +399,47 @@ def contract_failures(backend, case: Case) -> list[str]:
         ("mamba2_mixer_decode", "ssm_pool"),
         ("mamba2_mixer_decode_norm", "ssm_pool"),
     ):
-        _, pools = getattr(ops, name)(backend)
+        _, pools = getattr(on_device, name)(backend)
         for src, dst in zip(dec.snapshot_src.tolist(), dec.snapshot_slots.tolist()):
             if not torch.equal(pools[key][dst], pools[key][src]):
                 failures.append(f"{name}: a decode's snapshot is not its state after its token")
     return failures
 
 
+def _runs(name: str) -> tuple[str, str]:
+    """Where backend ``name``'s kernels run in this test: its device, and ``interpreted``
+    when its Triton kernels run on the CPU under the interpreter (tests/triton)."""
+    if name != "cuda":
+        return "cpu", ""
+    return ("cuda", "") if torch.cuda.is_available() else ("cpu", "interpreted")
+
+
+def _requests(backend) -> list:
+    stride = backend.capabilities.snapshot_stride
+    assert stride in (1, 64), stride  # the cases below cover these
+    return REQUESTS if stride == 1 else REQUESTS_STRIDE_64
+
+
+def _contract(name: str, case: str, shapes: Shapes) -> list[str]:
+    backend = create_backend(name)
+    device, _ = _runs(name)
+    return contract_failures(backend, CASES[case], shapes, _requests(backend), device)
+
+
 @pytest.mark.parametrize("case", list(CASES), ids=str)
 @pytest.mark.parametrize("name", BACKENDS)
 def test_backend_passes_the_contract(name: str, case: str) -> None:
-    assert contract_failures(create_backend(name), CASES[case]) == []
+    """At real head shapes; a backend whose kernels are interpreted here runs small ones
+    (``test_backend_passes_the_contract_at_real_shapes`` is its slow test)."""
+    interpreted = _runs(name)[1]
+    assert _contract(name, case, SMALL if interpreted else REAL) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES), ids=str)
+@pytest.mark.parametrize("name", [n for n in BACKENDS if _runs(n)[1]])
+def test_backend_passes_the_contract_at_real_shapes(name: str, case: str) -> None:
+    assert _contract(name, case, REAL) == []
 
 
 def test_bf16_tolerances_are_a_few_ulps() -> None:

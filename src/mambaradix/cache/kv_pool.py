@@ -16,10 +16,17 @@ class KVPool:
     """Contract: ``alloc(n)`` (n a multiple of page_size) returns n slot indices made of whole
     pages, or None when fewer are free (nothing is taken then). ``free(slots)`` returns the pages
     of the given slots; callers free whole pages, each exactly once. ``k[layer]`` and
-    ``v[layer]`` are ``[size, num_kv_heads, head_dim]`` tensors, indexed by slot."""
+    ``v[layer]`` are ``[size, num_kv_heads, head_dim]`` tensors, indexed by slot; with
+    ``scratch`` pages more, past ``size`` (``scratch_slot`` the first slot), never handed out:
+    a captured decode step's padding rows write there (``engine.cuda_graphs``)."""
 
     def __init__(
-        self, spec: KVSpec, size: int, page_size: int = 1, device: str | torch.device = "cpu"
+        self,
+        spec: KVSpec,
+        size: int,
+        page_size: int = 1,
+        device: str | torch.device = "cpu",
+        scratch: int = 0,
     ) -> None:
         if page_size < 1 or size % page_size:
             raise ValueError(
@@ -29,7 +36,8 @@ class KVPool:
         self.size = size
         self.page_size = page_size
         self.device = torch.device(device)
-        shape = (size, spec.num_kv_heads, spec.head_dim)
+        self.scratch_slot = size
+        shape = (size + scratch * page_size, spec.num_kv_heads, spec.head_dim)
         self.k = [lazy_zeros(shape, spec.dtype, self.device) for _ in range(spec.num_layers)]
         self.v = [lazy_zeros(shape, spec.dtype, self.device) for _ in range(spec.num_layers)]
         # Stack of free page ids; popping from the end hands out low pages first.

@@ -15,21 +15,28 @@ from mambaradix.core import StateOps, StateSpec
 class StatePool:
     """Contract: ``alloc(n)`` returns n distinct free slots or None (nothing taken) when fewer
     than n are free; ``free`` returns slots; ``copy(src, dst)`` and ``clear(slots)`` are batched
-    over all layers. ``copies``/``copied_bytes`` count every executed slot copy."""
+    over all layers. ``copies``/``copied_bytes`` count every executed slot copy.
 
-    def __init__(self, spec: StateSpec, size: int, device: str | torch.device = "cpu") -> None:
+    ``scratch`` extra slots past ``size`` (``scratch_slot`` the first) are never handed out: a
+    captured decode step's padding rows write their states there (``engine.cuda_graphs``)."""
+
+    def __init__(
+        self, spec: StateSpec, size: int, device: str | torch.device = "cpu", scratch: int = 0
+    ) -> None:
         if size < 1:
             raise ValueError(f"state pool needs at least 1 slot, got {size}")
         self.spec = spec
         self.size = size
+        self.scratch_slot = size
         self.device = torch.device(device)
+        rows = size + scratch
         self.conv = [
-            lazy_zeros((size, *s.conv_shape), s.conv_dtype, self.device) for s in spec.layers
+            lazy_zeros((rows, *s.conv_shape), s.conv_dtype, self.device) for s in spec.layers
         ]
         self.temporal = [
             None
             if s.temporal_shape is None
-            else lazy_zeros((size, *s.temporal_shape), s.temporal_dtype, self.device)
+            else lazy_zeros((rows, *s.temporal_shape), s.temporal_dtype, self.device)
             for s in spec.layers
         ]
         self._free: list[int] = list(range(size - 1, -1, -1))

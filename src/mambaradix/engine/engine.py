@@ -32,6 +32,7 @@ from mambaradix.engine.cpu_runtime import (
     release_thread_pool,
     serial_torch_thread,
 )
+from mambaradix.engine.cuda_graphs import default_batch_sizes
 from mambaradix.engine.detokenizer import DetokState, IncrementalDetokenizer, find_stop, holdback
 from mambaradix.engine.health import EngineHealth, HealthReport
 from mambaradix.engine.logits_process import RequestLogits
@@ -48,7 +49,7 @@ from mambaradix.engine.runner import ModelRunner
 from mambaradix.engine.scheduler import Scheduler
 from mambaradix.engine.storage_setup import make_storage_tier
 from mambaradix.engine.structured import StructuredOutput
-from mambaradix.kernels.backend import KernelBackend, backend_class
+from mambaradix.kernels.backend import KernelBackend, choose_backend
 from mambaradix.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -58,17 +59,10 @@ _FAIL_LOCK = threading.Lock()  # failing queued work may run on a caller's threa
 
 
 def create_kernel_backend(cfg: EngineConfig) -> KernelBackend:
-    """The engine's kernel backend for ``cfg.kernel_backend`` (``auto``: the native ``cpu``
-    backend on a CPU device when its kernels build here, else the ``torch`` reference)."""
-    name = cfg.kernel_backend
-    if name == "auto":
-        name = "cpu" if cfg.device == "cpu" and backend_class("cpu").available() else "torch"
-    cls = backend_class(name)
-    if not cls.available():
-        raise ValueError(
-            f"--kernel-backend {name}: its kernels are not available here (the log says why: "
-            "for cpu, no C compiler or a failed build); use --kernel-backend torch or auto"
-        )
+    """The engine's kernel backend for ``cfg.kernel_backend`` on ``cfg.device``
+    (``kernels.backend.choose_backend``)."""
+    cls = choose_backend(cfg.kernel_backend, cfg.device)
+    name = cls.name
     backend = cls(cfg.device)
     native_ops = backend.native_ops()
     if native_ops:
@@ -82,6 +76,13 @@ def create_kernel_backend(cfg: EngineConfig) -> KernelBackend:
     else:
         logger.info("kernel backend %s", name)
     return backend
+
+
+def cuda_graph_sizes(cfg: EngineConfig) -> list[int]:
+    """The decode batch sizes captured as CUDA graphs ([] off a CUDA device or disabled)."""
+    if torch.device(cfg.device).type != "cuda" or cfg.disable_cuda_graph:
+        return []
+    return sorted(set(cfg.cuda_graph_bs)) or default_batch_sizes(cfg.cuda_graph_max_bs)
 
 
 class Engine:
@@ -128,8 +129,10 @@ class Engine:
         kv_tokens, state_slots = plan.kv_tokens, plan.state_slots
         strategy, max_running = plan.strategy, plan.max_running
         enabled = not cfg.disable_radix_cache
-        self.kv_pool = KVPool(model.kv_spec, kv_tokens, cfg.page_size, cfg.device)
-        self.state_pool = StatePool(model.state_spec, state_slots, cfg.device)
+        cuda_graph_bs = cuda_graph_sizes(cfg)
+        scratch = 1 if cuda_graph_bs else 0  # the padding rows' slots of captured steps
+        self.kv_pool = KVPool(model.kv_spec, kv_tokens, cfg.page_size, cfg.device, scratch)
+        self.state_pool = StatePool(model.state_spec, state_slots, cfg.device, scratch)
         self.context_length = min(self.context_length, kv_tokens)
         req_slots = ReqSlots(max_running, self.context_length + cfg.page_size)
         self._stats = EngineStats()  # the scheduler and the cache count into it
@@ -152,6 +155,7 @@ class Engine:
         self.runner = ModelRunner(
             model, self.kv_pool, self.state_pool, cfg.device, self.backend, self.structured,
             decode_graph_max_bs=0 if cfg.disable_decode_graph else cfg.decode_graph_max_bs,
+            cuda_graph_bs=cuda_graph_bs,
         )  # fmt: skip
         if cfg.device == "cpu":  # before the warm-up, whose heap growth is then kept
             keep_freed_memory()

@@ -16,6 +16,7 @@ from mambaradix.cache.kv_pool import KVPool
 from mambaradix.cache.state_pool import StatePool
 from mambaradix.core import ForwardBatch, ForwardReq, SamplingParams, StateOps
 from mambaradix.engine.batch import FUTURE_STRIDE, RunBatch, RunResult
+from mambaradix.engine.cuda_graphs import CudaGraphs
 from mambaradix.engine.sampler import sample, top_logprobs
 from mambaradix.engine.step_graph import DecodeGraphs
 from mambaradix.engine.structured import BatchMasks, StructuredOutput
@@ -48,6 +49,7 @@ class ModelRunner:
         backend: KernelBackend | None = None,
         structured: StructuredOutput | None = None,
         decode_graph_max_bs: int = 0,
+        cuda_graph_bs: list[int] | None = None,
     ) -> None:
         self.model = model
         self.structured = structured  # grammar masks of structured-output rows
@@ -62,12 +64,18 @@ class ModelRunner:
         self._carry: dict = {}  # ForwardLayout.carry: kept from one forward to the next
         self._executor: ThreadPoolExecutor | None = None
         self._num_threads = torch.get_num_threads()
-        # decode steps of up to this many requests are recorded once and replayed (0: never)
-        self.graphs = (
-            DecodeGraphs(model, self.backend, kv_pool, state_pool, decode_graph_max_bs)
-            if decode_graph_max_bs > 0 and getattr(model, "replayable_decode", False)
-            else None
-        )
+        # decode steps captured once and replayed: CUDA graphs of these batch sizes where
+        # given (engine.cuda_graphs), else on CPU steps of up to decode_graph_max_bs requests
+        # recorded (engine.step_graph; 0: never)
+        self.graphs: DecodeGraphs | CudaGraphs | None = None
+        if cuda_graph_bs:
+            self.graphs = CudaGraphs(
+                model, self.backend, kv_pool, state_pool, cuda_graph_bs, device
+            )
+        elif decode_graph_max_bs > 0 and getattr(model, "replayable_decode", False):
+            self.graphs = DecodeGraphs(
+                model, self.backend, kv_pool, state_pool, decode_graph_max_bs
+            )
 
     def _resolve(self, ids: list[int]) -> list[int]:
         out = []
@@ -109,7 +117,7 @@ class ModelRunner:
                     for j in sample_rows
                 ]
             if sample_rows:
-                index = torch.tensor(sample_rows, dtype=torch.long)
+                index = torch.tensor(sample_rows, dtype=torch.long, device=logits.device)
                 result.tokens, result.logprobs, result.top, result.errors = self._sample(
                     logits, index, batch, masks
                 )
@@ -121,7 +129,8 @@ class ModelRunner:
                 start = first_row[j] + offset
                 rows = logits[start : start + len(targets)].float()
                 _, norm = argmax_logsumexp(rows)  # as the sampler's logprobs (no [n, V] copy)
-                picked = rows.gather(1, torch.tensor(targets, dtype=torch.long)[:, None])
+                targets_t = torch.tensor(targets, dtype=torch.long, device=rows.device)
+                picked = rows.gather(1, targets_t[:, None])
                 got = logprobs_of(picked, norm)[:, 0]
                 result.prompt.append((got.tolist(), top_logprobs(rows, [k] * len(targets), norm)))
         self._sampled[batch.batch_id] = result.tokens

@@ -31,6 +31,12 @@ def sample(
     # of the chosen and top tokens follow (no [B, V] log_softmax); a row's values never
     # depend on the other rows
     greedy, norm = argmax_logsumexp(logits)
+    if constrain is None and not states and all(_greedy(p) for p in params):
+        # every row greedy: the tokens and their logprobs in one read of the device
+        chosen = logprobs_of(logits.gather(1, greedy[:, None]), norm)[:, 0]
+        ids, lps = torch.stack([greedy.double(), chosen.double()]).tolist()
+        tops = top_logprobs(logits, [p.top_logprobs for p in params], norm)
+        return [int(t) for t in ids], lps, tops
     raw = logits if constrain is None and not states else logits.clone()  # both may write
     if constrain is not None:
         constrain(logits)
@@ -38,7 +44,7 @@ def sample(
     tokens = greedy.tolist()
     for i, p in enumerate(params):
         state = states[i] if states else None
-        is_greedy = p.temperature == 0.0 or p.top_k == 1
+        is_greedy = _greedy(p)
         if state is None:
             if not is_greedy:
                 tokens[i] = _sample_row(logits[i], p, generators[i])
@@ -46,7 +52,8 @@ def sample(
         row = state(logits[i])
         tokens[i] = int(row.argmax().item()) if is_greedy else _sample_row(row, p, generators[i])
         state.accept(tokens[i])
-    chosen = logprobs_of(raw.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None]), norm)
+    picked = torch.tensor(tokens, dtype=torch.long, device=raw.device)[:, None]
+    chosen = logprobs_of(raw.gather(1, picked), norm)
     return tokens, chosen[:, 0].tolist(), top_logprobs(raw, [p.top_logprobs for p in params], norm)
 
 
@@ -65,7 +72,13 @@ def top_logprobs(
     return [(ids[i][:n], values[i][:n]) if n > 0 else None for i, n in enumerate(ks)]
 
 
+def _greedy(p: SamplingParams) -> bool:
+    return p.temperature == 0.0 or p.top_k == 1
+
+
 def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    if gen is not None and gen.device != row.device:
+        row = row.to(gen.device)  # a request's seeded generator draws on the CPU on any device
     row = row / p.temperature
     if p.top_k > 0 and p.top_k < row.numel():
         kth = torch.topk(row, p.top_k).values[-1]

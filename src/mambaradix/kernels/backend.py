@@ -44,6 +44,11 @@ class KernelBackend(ABC):
         """Whether this backend's kernels can run here (e.g. they built)."""
         return True
 
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        """Why ``available()`` is false (the log may say more)."""
+        return "see the log"
+
     def native_ops(self) -> list[str]:
         """The ops this backend runs in its own code rather than the torch reference's."""
         return []
@@ -209,7 +214,7 @@ def register_backend(name: str) -> Callable[[B], B]:
 
 
 def _import_backends() -> None:
-    from mambaradix.kernels import cpu_backend, torch_backend  # noqa: F401  (they register)
+    from mambaradix.kernels import cpu_backend, cuda_backend, torch_backend  # noqa: F401
 
 
 def backend_names() -> list[str]:
@@ -227,6 +232,25 @@ def backend_class(name: str) -> type[KernelBackend]:
 def create_backend(name: str, device: str | torch.device = "cpu") -> KernelBackend:
     """A new backend object of the registered class ``name`` for ``device``."""
     return backend_class(name)(device)
+
+
+def choose_backend(name: str, device: str | torch.device) -> type[KernelBackend]:
+    """The backend class for ``--kernel-backend name`` on ``device``: ``auto`` picks ``cuda`` on
+    a CUDA device and ``cpu`` on a CPU one where their kernels can run, else the reference.
+    Raises ValueError naming why when the named backend cannot run here."""
+    kind = torch.device(device).type
+    if name == "auto":
+        preferred = {"cuda": "cuda", "cpu": "cpu"}.get(kind)
+        if preferred is not None and backend_class(preferred).available():
+            return backend_class(preferred)
+        return backend_class(REFERENCE_BACKEND)
+    cls = backend_class(name)
+    if not cls.available():
+        raise ValueError(
+            f"--kernel-backend {name}: its kernels cannot run here ({cls.unavailable_reason()}); "
+            "use --kernel-backend torch or auto"
+        )
+    return cls
 
 
 def reference_backend() -> KernelBackend:

@@ -27,6 +27,10 @@ class CpuBackend(TorchBackend):
         """Whether the native kernels built here (else every op runs the reference)."""
         return native.available()
 
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        return "no C compiler or a failed build of the native kernels: the log says which"
+
     def native_ops(self) -> list[str]:
         return [
             "gdn_prefill", "gdn_decode", "paged_attention_decode", "conv1d_prefill",

@@ -1,0 +1,368 @@
+"""GPU benchmark of the ``cuda`` backend (run by ``bench/gpu_check.sh`` on a GPU machine).
+
+Per preset (random weights of the published configuration in bf16, drawn on the GPU and saved
+once): the engine's start, prefill tok/s of one 2k- and one 8k-token prompt (cache off), decode
+tok/s at batch 1 / 16 / 64 / 256 with CUDA graphs on and off, and the W1 workload scaled up
+(``--w1-groups`` groups x 16 requests of a 2k-token system prompt + a 64-token question, 16 new
+tokens, all sent at once, cache on); each against ``transformers`` on the same GPU (its load,
+prefill, cached decode at batch 1 and 16, and W1 ``generate`` in batches of 16 over the first
+``--hf-w1-groups`` groups, its time scaled to all of them and labelled so) and against the
+limits measured in the same run: HBM read bandwidth (bytes of a decode step's weights / read
+rate) and the bf16 matmul rate (2 x linear parameters per token). Also the host-device syncs
+of a decode step (``torch.cuda.set_sync_debug_mode``). Writes one JSON object per line to
+``--out`` and a table to stdout.
+
+    python bench/bench_gpu.py --out /tmp/gpu.jsonl --presets qwen3_5_0_8b granite_4_0_h_350m
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_real import (  # noqa: E402
+    large_tokenizer,
+    published_tokenizer_config,
+    weight_figures,
+)
+
+TOKENIZER_CLASS = {
+    "qwen3_5_0_8b": "Qwen2Tokenizer",
+    "qwen3_5_9b": "Qwen2Tokenizer",
+    "granite_4_0_h_350m": "GPT2Tokenizer",
+    "lfm2_350m": "TokenizersBackend",
+}
+RECORDS: list[dict] = []
+
+
+def record(out: Path, preset: str, what: str, **fields) -> None:
+    rec = {"preset": preset, "what": what, **fields}
+    RECORDS.append(rec)
+    with open(out, "a") as fh:
+        fh.write(json.dumps(rec) + "\n")
+    body = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in fields.items())  # fmt: skip
+    print(f"{preset:<20} {what:<14} {body}", flush=True)
+
+
+def sync() -> None:
+    torch.cuda.synchronize()
+
+
+def timed(fn) -> float:
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- limits
+
+
+def hbm_read_bandwidth() -> float:
+    """Bytes/s of a sum over 4 GiB of bf16 (a read-only stream), best of 10."""
+    x = torch.ones(1 << 31, dtype=torch.bfloat16, device="cuda")
+    x.sum()
+    best = min(timed(x.sum) for _ in range(10))
+    del x
+    return (1 << 31) * 2 / best
+
+
+def bf16_matmul_rate() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    best = min(timed(lambda: a @ b) for _ in range(10))
+    return 2 * 8192**3 / best
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint(preset: str, root: Path) -> Path:
+    from mambaradix.models.published import build_published
+
+    folder = root / preset
+    if (folder / "config.json").is_file():
+        return folder
+    tmp = folder.with_name(folder.name + ".tmp")
+    build_published(preset, tmp, device="cuda")
+    config = json.loads((tmp / "config.json").read_text())
+    tok = large_tokenizer(config["vocab_size"])
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    config.update(eos_token_id=eos, pad_token_id=eos, bos_token_id=None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tok.save_pretrained(tmp)
+    import bench_real
+
+    bench_real.TOKENIZER_CLASS.setdefault(preset, TOKENIZER_CLASS[preset])
+    published_tokenizer_config(tmp, preset)
+    tmp.rename(folder)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return folder
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def engine_prefill(eng, n: int, vocab: int) -> float:
+    p = {"temperature": 0, "max_new_tokens": 1}
+    ids = lambda k: [(i * 7919 + k * 104729) % (vocab - 10) + 5 for i in range(n)]  # noqa: E731
+    eng.generate(input_ids=ids(0), sampling_params=p)
+    return n / min(timed(lambda k=k: eng.generate(input_ids=ids(k), sampling_params=p))
+                   for k in (1, 2))  # fmt: skip
+
+
+def engine_decode(eng, batch: int, vocab: int, steps: int) -> float:
+    """Decode tok/s at ``batch`` (128-token prompts, cache off), from the outputs' arrival
+    times once every request of the batch decodes."""
+    from mambaradix.core import SamplingParams
+
+    ids = [[(i * 31 + b * 977) % (vocab - 10) + 5 for i in range(128)] for b in range(batch)]
+    p = SamplingParams(temperature=0.0, max_new_tokens=steps + 1, ignore_eos=True)
+    handles = eng.submit_many(ids, [p] * batch)
+    arrivals: list[list[tuple[float, int]]] = [[] for _ in handles]
+
+    def watch(i: int) -> None:
+        for out in handles[i].events():
+            arrivals[i].append((time.perf_counter(), len(out.new_token_ids)))
+
+    threads = [threading.Thread(target=watch, args=(i,)) for i in range(batch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    start = max(next(t for t, n in a if n) for a in arrivals)
+    end = max(a[-1][0] for a in arrivals)
+    tokens = sum(n for a in arrivals for t, n in a if t > start)
+    return tokens / max(end - start, 1e-9)
+
+
+def decode_syncs(eng, vocab: int, steps: int = 8) -> float:
+    """Host-device syncs torch reports per decode step at batch 1 (the sampled token ids'
+    read is one)."""
+    from mambaradix.core import SamplingParams
+
+    p = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    eng.generate(input_ids=[list(range(5, 133))], sampling_params=p)  # shapes seen
+    p = SamplingParams(temperature=0.0, max_new_tokens=steps + 1, ignore_eos=True)
+    handle = eng.submit_many([list(range(7, 135))], [p])[0]
+    seen = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = True
+        for out in handle.events():
+            if first and out.new_token_ids:  # prefill done: count the decode steps only
+                torch.cuda.set_sync_debug_mode("warn")
+                first = False
+                continue
+            seen += len(out.new_token_ids)
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return syncs / max(seen, 1)
+
+
+def engine_w1(eng, prompts: list[list[int]]) -> tuple[float, int]:
+    before = eng.stats().computed_prefill_tokens
+    p = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    t = timed(lambda: eng.generate(input_ids=prompts, sampling_params=[p] * len(prompts)))
+    return t, eng.stats().computed_prefill_tokens - before
+
+
+def w1_prompts(vocab: int, groups: int, system: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(1)
+    tok = lambda k: [rng.randrange(5, vocab - 5) for _ in range(k)]  # noqa: E731
+    systems = [tok(system) for _ in range(groups)]
+    return [systems[g] + tok(64) for g in range(groups) for _ in range(16)]
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def hf_prefill(hf, n: int, vocab: int) -> float:
+    ids = torch.tensor([[(i * 7919) % (vocab - 10) + 5 for i in range(n)]], device="cuda")
+    with torch.inference_mode():
+        hf(input_ids=ids, logits_to_keep=1)
+        return n / min(timed(lambda: hf(input_ids=ids, logits_to_keep=1)) for _ in range(2))
+
+
+def hf_decode(hf, batch: int, vocab: int, steps: int) -> float:
+    from transformers import DynamicCache
+
+    ids = torch.randint(5, vocab - 5, (batch, 128), device="cuda")
+    with torch.inference_mode():
+        cache = DynamicCache(config=hf.config)
+        pos = torch.arange(128, device="cuda")[None].expand(batch, -1)
+        hf(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True,
+           logits_to_keep=1)  # fmt: skip
+        tok = torch.ones(batch, 1, dtype=torch.long, device="cuda")
+
+        def run() -> None:
+            for s in range(steps):
+                pos = torch.full((batch, 1), 128 + s, device="cuda")
+                hf(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True)
+
+        return batch * steps / timed(run)
+
+
+def hf_w1(hf, prompts: list[list[int]]) -> float:
+    def run() -> None:
+        with torch.inference_mode():
+            for i in range(0, len(prompts), 16):
+                batch = torch.tensor(prompts[i : i + 16], device="cuda")
+                hf.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=16,
+                            min_new_tokens=16, do_sample=False)  # fmt: skip
+
+    return timed(run)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def run_preset(preset: str, args, out: Path, limits: dict, deadline: float) -> None:
+    from mambaradix.engine.engine import Engine
+
+    t0 = time.perf_counter()
+    folder = checkpoint(preset, Path(args.root))
+    record(out, preset, "checkpoint", seconds=time.perf_counter() - t0)
+    kw = dict(device="cuda", dtype="bfloat16", disable_radix_cache=True,
+              mem_fraction_static=args.mem_fraction)  # fmt: skip
+    t0 = time.perf_counter()
+    eng = Engine(model_path=str(folder), **kw)
+    start = time.perf_counter() - t0
+    read_bytes, linear_params = weight_figures(eng.model)
+    vocab = eng.model.vocab_size
+    record(out, preset, "start", seconds=start, weight_gb=read_bytes / 1e9,
+           backend=eng.kernel_backend)  # fmt: skip
+    prefill = {}
+    for n in (2048, 8192):
+        prefill[n] = engine_prefill(eng, n, vocab)
+    decode = {}
+    for b in args.batches:
+        if time.perf_counter() > deadline:
+            break
+        decode[b] = engine_decode(eng, b, vocab, args.steps)
+    syncs = decode_syncs(eng, vocab)
+    eng.shutdown()
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    eager = {}
+    if time.perf_counter() < deadline:
+        eng = Engine(model_path=str(folder), disable_cuda_graph=True, **kw)
+        for b in args.batches:
+            if time.perf_counter() > deadline:
+                break
+            eager[b] = engine_decode(eng, b, vocab, args.steps)
+        eng.shutdown()
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    w1 = None
+    prompts = w1_prompts(vocab, args.w1_groups, args.w1_system)
+    if time.perf_counter() < deadline:
+        kw_on = dict(kw, disable_radix_cache=False)
+        eng = Engine(model_path=str(folder), **kw_on)
+        w1 = engine_w1(eng, prompts)
+        eng.shutdown()
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    nan = float("nan")
+    hf_load = nan
+    hf_pre, hf_dec, hf_w1_s = {}, {}, nan
+    if not args.skip_hf and time.perf_counter() < deadline:
+        from transformers import AutoModelForCausalLM
+
+        t0 = time.perf_counter()
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16,
+                                                  device_map="cuda").eval()  # fmt: skip
+        sync()
+        hf_load = time.perf_counter() - t0
+        for n in prefill:
+            try:
+                hf_pre[n] = hf_prefill(hf, n, vocab)
+            except Exception as e:  # (out of memory at 8k, say): reported, not fatal
+                record(out, preset, f"hf_prefill_{n}_error", error=repr(e)[:200])
+        for b in (1, 16):
+            hf_dec[b] = hf_decode(hf, b, vocab, args.steps)
+        if time.perf_counter() < deadline:
+            sub = prompts[: 16 * args.hf_w1_groups]
+            hf_w1_s = hf_w1(hf, sub) * len(prompts) / len(sub)
+        del hf
+        gc.collect()
+        torch.cuda.empty_cache()
+    bw, flops = limits["hbm_read_bytes_s"], limits["bf16_flops"]
+    record(out, preset, "start_vs_hf", seconds=start, hf_load_seconds=hf_load,
+           ratio_to_hf=start / hf_load)  # fmt: skip
+    for n, ours in prefill.items():
+        limit = flops / (2 * linear_params)
+        record(out, preset, f"prefill_{n}", tok_s=ours, hf_tok_s=hf_pre.get(n, nan),
+               ratio_to_hf=ours / hf_pre.get(n, nan), of_bf16_limit=ours / limit)  # fmt: skip
+    for b, ours in decode.items():
+        extra = {"of_hbm_limit": ours * read_bytes / bw} if b == 1 else {}
+        record(out, preset, f"decode_b{b}", tok_s=ours, eager_tok_s=eager.get(b, nan),
+               graphs_over_eager=ours / eager.get(b, nan), hf_tok_s=hf_dec.get(b, nan),
+               ratio_to_hf=ours / hf_dec.get(b, nan), **extra)  # fmt: skip
+    record(out, preset, "decode_syncs", per_step=syncs)
+    if w1 is not None:
+        t, computed = w1
+        groups = args.w1_groups
+        ideal = groups * (args.w1_system + 64) + groups * 15 * 64
+        record(out, preset, "w1", seconds=t, computed_prompt_tokens=computed, ideal_tokens=ideal,
+               hf_seconds_scaled=hf_w1_s, hf_groups_run=args.hf_w1_groups,
+               speedup_vs_hf=hf_w1_s / t)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--presets", nargs="*",
+                    default=["qwen3_5_0_8b", "granite_4_0_h_350m", "qwen3_5_9b"])  # fmt: skip
+    ap.add_argument("--out", default="gpu.jsonl")
+    ap.add_argument("--root", default="/tmp/mambaradix-gpu")
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64, 256])
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--w1-groups", type=int, default=64)
+    ap.add_argument("--w1-system", type=int, default=2048)
+    ap.add_argument("--hf-w1-groups", type=int, default=4)
+    ap.add_argument("--mem-fraction", type=float, default=0.6)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=360.0, help="stop starting new parts after")
+    args = ap.parse_args()
+    out = Path(args.out)
+    deadline = time.perf_counter() + args.budget_s
+    limits = {"hbm_read_bytes_s": hbm_read_bandwidth(), "bf16_flops": bf16_matmul_rate()}
+    record(out, "machine", "limits", gpu=torch.cuda.get_device_name(), **limits)
+    for preset in args.presets:
+        if time.perf_counter() > deadline:
+            record(out, preset, "skipped", reason="time budget")
+            continue
+        try:
+            run_preset(preset, args, out, limits, deadline)
+        except Exception as e:  # one preset's failure is reported, the others still run
+            import traceback
+
+            traceback.print_exc()
+            record(out, preset, "error", error=repr(e)[:500])
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""CUDA graphs of decode steps (SGLang's ``--cuda-graph-bs``, ``--cuda-graph-max-bs``,
+``--disable-cuda-graph``): a decode-only forward is captured once per batch-size bucket and KV
+table capacity, and replayed after that, so a step is one graph launch instead of hundreds of
+kernel launches from Python.
+
+A step of ``n`` requests replays the graph of the smallest captured batch size ``bs >= n``::
+
+    static layout (one per graph)   rows 0 .. n-1      the step's token ids, positions, KV slot
+                                                       written, working state slot, length and
+                                                       KV slot row, copied in
+                                    rows n .. bs-1     padding: token 0 at position 0, written
+                                                       into the pools' scratch KV and state
+                                                       slots (never handed out), length 1
+    replay -> logits[:n]
+
+The backend's per-forward index tensors (``prepare``) are built inside the captured region,
+from the static layout's tensors, so they follow every copy. Decode snapshots (a decode's
+state after its one token = its working state after the step) are copied after the replay,
+outside the graph. The first use of a shape runs the forward once eagerly on padding rows
+only (Triton compiles its kernels there, never while capturing) and then captures it.
+
+On a CPU device (the tests) ``capture`` keeps the forward as a Python callable instead of a
+CUDA graph: the padding, the static inputs and the snapshot copies are exercised the same way.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from mambaradix.core import ForwardReq
+from mambaradix.engine.step_graph import table_capacity
+from mambaradix.kernels.backend import KernelBackend
+from mambaradix.kernels.torch_backend import _copy_decode_snapshots
+from mambaradix.layout import ForwardContext, ForwardLayout
+
+logger = logging.getLogger(__name__)
+
+MAX_GRAPHS = 64  # graphs kept (least recently replayed dropped first)
+
+
+def default_batch_sizes(max_bs: int) -> list[int]:
+    """SGLang's shape of buckets: 1, 2, 4, 8, then every 8 up to 256, then every 16."""
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 8)) + list(range(272, max_bs + 1, 16))
+    sizes = [s for s in sizes if s <= max_bs]
+    if max_bs > 0 and (not sizes or sizes[-1] != max_bs):
+        sizes.append(max_bs)
+    return sizes
+
+
+class _Graph:
+    """One captured step: its static layout, the replay callable and the logits it writes."""
+
+    def __init__(self, key: tuple[int, int], layout: ForwardLayout, replay: Callable[[], None],
+                 logits: torch.Tensor, keep: object) -> None:  # fmt: skip
+        self.key = key
+        self.layout = layout
+        self.replay = replay
+        self.logits = logits
+        self.keep = keep  # the CUDA graph object (or the eager closure) kept alive
+
+
+class CudaGraphs:
+    """The runner's decode graphs on a CUDA device. ``forward(ctx)`` returns the logits of a
+    decode step it replayed (or captured and ran), or None where the caller runs the model.
+
+    Contract: the model, the backend and the pools never change under a graph; the pools have
+    one scratch state slot and one scratch KV page (``scratch_slot``) for the padding rows."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: KernelBackend,
+        kv_pool: object,
+        state_pool: object,
+        batch_sizes: list[int],
+        device: str | torch.device,
+        max_graphs: int = MAX_GRAPHS,
+    ) -> None:
+        if not batch_sizes:
+            raise ValueError("CUDA graphs need at least one batch size")
+        self.model = model
+        self.backend = backend
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.device = torch.device(device)
+        self.max_graphs = max_graphs
+        self._with_kv = bool(getattr(kv_pool, "k", None))
+        self._graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
+        self._mempool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self.stats: Counter[str] = Counter()  # recorded, replayed, python
+        self.failed: str | None = None  # why capturing stopped (the forwards then run eagerly)
+
+    @property
+    def graphs(self) -> list[_Graph]:
+        return list(self._graphs.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the graphs' static inputs and logits (their private memory pool holds the
+        activations too; ``torch.cuda.memory_stats`` reports it)."""
+        total = 0
+        for g in self._graphs.values():
+            total += g.logits.numel() * g.logits.element_size()
+        return total
+
+    def key(self, layout: ForwardLayout) -> tuple[int, int] | None:
+        """The captured batch size and KV table width a decode step over ``layout`` replays,
+        or None (not a decode-only step, or larger than the largest bucket)."""
+        dec = layout.decode
+        if layout.prefill is not None or dec is None or not dec.rows.whole:
+            return None
+        n = len(dec.reqs)
+        i = bisect.bisect_left(self.batch_sizes, n)
+        if i == len(self.batch_sizes):
+            return None
+        width = 0
+        if dec.kv_table is not None:
+            width = table_capacity(max(r.seq_len for r in layout.reqs))
+        return self.batch_sizes[i], width
+
+    def forward(self, ctx: ForwardContext) -> torch.Tensor | None:
+        layout = ctx.layout
+        key = self.key(layout) if self.failed is None else None
+        if key is None:
+            self.stats["python"] += 1
+            return None
+        graph = self._graphs.get(key)
+        if graph is None:
+            try:
+                graph = self._capture(key, ctx)
+            except Exception as e:  # a model or kernel that cannot be captured runs eagerly
+                self.failed = f"{type(e).__name__}: {e}"
+                logger.warning("decode steps will not be captured: %s", self.failed)
+                self.stats["python"] += 1
+                return None
+        else:
+            self._graphs.move_to_end(key)
+        self._write_inputs(graph.layout, layout)
+        graph.replay()
+        self.stats["replayed"] += 1
+        dec = layout.decode
+        if dec.num_snapshots:  # a decode's snapshot is its working state after the step
+            for t in self._state_tensors():
+                _copy_decode_snapshots(t, dec)
+        return graph.logits[: len(dec.reqs)]
+
+    # ------------------------------------------------------------------ internals
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        pool = self.state_pool
+        return [*pool.conv, *(t for t in pool.temporal if t is not None)]
+
+    def _static_layout(self, bs: int, width: int) -> ForwardLayout:
+        """A decode layout of ``bs`` padding rows (scratch slots), its tensors the graph's."""
+        kv_slot = self.kv_pool.scratch_slot if self._with_kv else 0
+        kv = torch.full((1,), kv_slot, dtype=torch.long)
+        reqs = [ForwardReq(0, [0], kv, self.state_pool.scratch_slot) for _ in range(bs)]
+        table = torch.full((bs, max(width, 1)), kv_slot, dtype=torch.long) if width else None
+        return ForwardLayout.build(reqs, self.device, table, with_kv=self._with_kv)
+
+    def _write_inputs(self, static: ForwardLayout, layout: ForwardLayout) -> None:
+        """The step's rows into the static layout; the rows past them back to padding."""
+        n = layout.num_tokens
+        dst, src = static.decode, layout.decode
+        static.input_ids[:n].copy_(layout.input_ids)
+        static.positions[:n].copy_(layout.positions)
+        static.out_kv_slots[:n].copy_(layout.out_kv_slots)
+        dst.state_slots[:n].copy_(src.state_slots)
+        dst.seq_lens[:n].copy_(src.seq_lens)
+        if n < static.num_tokens:
+            static.input_ids[n:].fill_(0)
+            static.positions[n:].fill_(0)
+            dst.seq_lens[n:].fill_(1)
+            dst.state_slots[n:].fill_(self.state_pool.scratch_slot)
+            if self._with_kv:
+                static.out_kv_slots[n:].fill_(self.kv_pool.scratch_slot)
+        if src.kv_table is not None:
+            dst.kv_table[:n, : src.kv_table.shape[1]].copy_(src.kv_table)
+            if n < static.num_tokens:
+                dst.kv_table[n:].fill_(self.kv_pool.scratch_slot)
+
+    def _capture(self, key: tuple[int, int], ctx: ForwardContext) -> _Graph:
+        bs, width = key
+        t0 = time.perf_counter()
+        static = self._static_layout(bs, width)
+        sctx = ForwardContext(static, ctx.kv_pool, ctx.state_pool)
+
+        def step() -> torch.Tensor:
+            self.backend.prepare(static)
+            return self.model.forward(sctx)
+
+        step()  # eagerly, on padding rows only: Triton compiles here, not while capturing
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool):
+                logits = step()
+            replay, keep = graph.replay, graph
+        else:
+            holder = {"logits": step()}
+
+            def replay() -> None:
+                holder["logits"].copy_(step())
+
+            logits, keep = holder["logits"], holder
+        g = _Graph(key, static, replay, logits, keep)
+        self._graphs[key] = g
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        self.stats["recorded"] += 1
+        logger.info(
+            "decode step captured in %.0f ms: batch %d, KV table %d wide",
+            (time.perf_counter() - t0) * 1e3, bs, width,
+        )  # fmt: skip
+        return g

@@ -1,0 +1,249 @@
+"""The ``"cuda"`` backend: Triton kernels for the state ops and the paged attention, over pools
+on the GPU (docs/backends.md).
+
+- Gated DeltaNet: fla-core's chunked gated delta rule (varlen, states by slot) for prefills and
+  its recurrent step for decodes (``kernels/triton/gdn.py``);
+- the short conv, the Mamba2 scan and paged attention: this project's Triton kernels
+  (``kernels/triton/conv.py``, ``mamba2.py``, ``attention.py``);
+- projections and norms: torch (cuBLAS and fused elementwise kernels).
+
+``prepare`` builds every index tensor the kernels take (int32 ``cu_seqlens``, state slots,
+snapshot indices, the prefills' KV slot table) once per forward (``CudaPlan``); the layers' ops
+never copy between host and device nor read a device value.
+
+Snapshots inside a prefill come from the chunked kernels' chunk-boundary states, so
+``capabilities.snapshot_stride`` is their chunk (64): the planner ends a forward where a wanted
+snapshot falls between chunk boundaries.
+
+On a machine without a GPU the same kernels run on CPU tensors under ``TRITON_INTERPRET=1``
+(the tests: ``tests/triton``); ``available()`` says so.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from mambaradix.kernels import gated_delta
+from mambaradix.kernels.backend import register_backend
+from mambaradix.kernels.capabilities import BackendCapabilities
+from mambaradix.kernels.torch_backend import TorchBackend, TorchPlan, _copy_decode_snapshots
+from mambaradix.layout import ForwardLayout
+
+Tensor = torch.Tensor
+CHUNK = 64  # fla-core's chunk: where its prefill kernels keep states
+
+
+def unavailable_reason() -> str | None:
+    """Why the ``cuda`` backend cannot run here, or None."""
+    missing = [m for m in ("triton", "fla") if importlib.util.find_spec(m) is None]
+    if missing:
+        names = {"triton": "triton", "fla": "fla-core"}
+        return f"{', '.join(names[m] for m in missing)} not installed (pip install -e '.[cuda]')"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None  # the kernels run on CPU tensors, interpreted (tests)
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible to torch"
+    return None
+
+
+def _int32(values: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+@dataclass(slots=True)
+class PrefillIndex:
+    """The prefill segments as the Triton kernels take them."""
+
+    cu_seqlens: Tensor  # int32 [P+1]
+    prefix_lens: Tensor  # int32 [P]
+    state_slots: Tensor  # int32 [P]
+    snap_seqs: Tensor  # int32 [S]
+    snap_offsets: Tensor  # int32 [S]
+    snap_slots: Tensor  # int32 [S]
+    snap_chunks: Tensor  # int64 [S]: each snapshot's chunk in fla-core's varlen numbering
+    gdn_chunks: object  # gdn.GdnChunks: that numbering on the device
+    kv_table: Tensor | None  # int32 [P, L]: every segment's KV slots (prefix and new)
+    max_len: int  # the longest segment's new tokens
+
+
+@dataclass(slots=True)
+class DecodeIndex:
+    state_slots: Tensor  # int32 [D]
+    kv_table: Tensor | None  # int32 [D, L]
+    seq_lens: Tensor  # int32 [D]
+
+
+class CudaPlan(TorchPlan):
+    """The per-forward index tensors of the Triton kernels (and the reference's memo, for the
+    ops this backend takes from it)."""
+
+    __slots__ = ("prefill", "decode")
+
+    def __init__(self, layout: ForwardLayout, backend: CudaBackend) -> None:
+        super().__init__(layout, backend)
+        dev = layout.device
+        self.prefill: PrefillIndex | None = None
+        self.decode: DecodeIndex | None = None
+        seg = layout.prefill
+        if seg is not None:
+            from mambaradix.kernels.triton import gdn
+
+            kv_table = None
+            if seg.kv_slots:
+                kv_table = torch.nn.utils.rnn.pad_sequence(
+                    seg.kv_slots, batch_first=True, padding_value=0
+                ).to(torch.int32)
+            self.prefill = PrefillIndex(
+                cu_seqlens=seg.cu_seqlens.to(torch.int32),
+                prefix_lens=_int32(seg.prefix_lens, dev),
+                state_slots=seg.state_slots.to(torch.int32),
+                snap_seqs=_int32(seg.snapshot_seqs, dev),
+                snap_offsets=_int32(seg.snapshot_offsets, dev),
+                snap_slots=seg.snapshot_slots.to(torch.int32),
+                snap_chunks=torch.tensor(
+                    [
+                        gdn.snapshot_index(seg.lens, s, n)
+                        for s, n in zip(seg.snapshot_seqs, seg.snapshot_offsets)
+                    ],
+                    dtype=torch.long,
+                    device=dev,
+                ),  # fmt: skip
+                gdn_chunks=gdn.GdnChunks.build(seg.lens, dev),
+                kv_table=kv_table,
+                max_len=max(seg.lens),
+            )
+        dec = layout.decode
+        if dec is not None:
+            self.decode = DecodeIndex(
+                state_slots=dec.state_slots.to(torch.int32),
+                kv_table=None if dec.kv_table is None else dec.kv_table.to(torch.int32),
+                seq_lens=dec.seq_lens.to(torch.int32),
+            )
+
+
+@register_backend("cuda")
+class CudaBackend(TorchBackend):
+    capabilities = BackendCapabilities(snapshot_stride=CHUNK)
+
+    @classmethod
+    def available(cls) -> bool:
+        return unavailable_reason() is None
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return unavailable_reason()
+
+    def native_ops(self) -> list[str]:
+        return [
+            "paged_attention_prefill", "paged_attention_decode", "conv1d_prefill",
+            "conv1d_decode", "gdn_prefill (fla-core)", "gdn_decode (fla-core)",
+            "mamba2_prefill", "mamba2_decode", "mamba2_mixer_decode",
+        ]  # fmt: skip
+
+    def prepare(self, layout: ForwardLayout) -> None:
+        layout.meta = CudaPlan(layout, self)
+
+    def _cuda_plan(self, layout: ForwardLayout) -> CudaPlan:
+        plan = layout.meta
+        if not isinstance(plan, CudaPlan) or plan.backend is not self:
+            self.prepare(layout)  # a layout no runner prepared (a test driving a model)
+            plan = layout.meta
+        return plan
+
+    # ------------------------------------------------------------------ attention
+
+    def paged_attention_prefill(self, q, k_pool, v_pool, layout, scale) -> Tensor:
+        from mambaradix.kernels.triton import attention
+
+        idx = self._cuda_plan(layout).prefill
+        return attention.paged_attention_prefill(
+            q, k_pool, v_pool, idx.cu_seqlens, idx.prefix_lens, idx.kv_table, scale, idx.max_len
+        )
+
+    def paged_attention_decode(self, q, k_pool, v_pool, layout, scale) -> Tensor:
+        from mambaradix.kernels.triton import attention
+
+        idx = self._cuda_plan(layout).decode
+        return attention.paged_attention_decode(
+            q, k_pool, v_pool, idx.kv_table, idx.seq_lens, scale
+        )
+
+    def replay_key(self, layout, num_kv_heads):
+        return None  # CUDA graphs replay this backend's steps (engine/cuda_graphs.py)
+
+    # ------------------------------------------------------------------ conv
+
+    def conv1d_prefill(self, x, weight, bias, conv_pool, layout, activation) -> Tensor:
+        from mambaradix.kernels.triton import conv
+
+        idx = self._cuda_plan(layout).prefill
+        return conv.conv1d_prefill(
+            x, weight, bias, conv_pool, idx.cu_seqlens, idx.state_slots, idx.snap_seqs,
+            idx.snap_offsets, idx.snap_slots, activation,
+        )  # fmt: skip
+
+    def conv1d_decode(self, x, weight, bias, conv_pool, layout, activation) -> Tensor:
+        from mambaradix.kernels.triton import conv
+
+        idx = self._cuda_plan(layout).decode
+        y = conv.conv1d_decode(x, weight, bias, conv_pool, idx.state_slots, activation)
+        _copy_decode_snapshots(conv_pool, layout.decode)
+        return y
+
+    # ------------------------------------------------------------------ Gated DeltaNet
+
+    def gdn_prefill(self, q, k, v, g, beta, ssm_pool, layout) -> Tensor:
+        from mambaradix.kernels.triton import gdn
+
+        seg, idx = layout.prefill, self._cuda_plan(layout).prefill
+        return gdn.gdn_prefill(
+            q, k, v, g, beta, ssm_pool, idx.cu_seqlens, seg.state_slots, idx.snap_chunks,
+            seg.snapshot_slots, idx.gdn_chunks,
+        )  # fmt: skip
+
+    def gdn_decode(self, x, a, b, conv_pool, ssm_pool, layout, conv_weight, conv_bias, A_log,
+                   dt_bias, num_k_heads, activation, norm=None) -> Tensor:  # fmt: skip
+        """The conv step, the gates, fla-core's delta step on the pool, the output norm."""
+        from mambaradix.kernels.triton import conv, gdn
+
+        dec, idx = layout.decode, self._cuda_plan(layout).decode
+        hv, dk, dv = ssm_pool.shape[1:]
+        n = x.shape[0]
+        mixed = conv.conv1d_decode(x, conv_weight, conv_bias, conv_pool, idx.state_slots,
+                                   activation)  # fmt: skip
+        q, k, v = torch.split(mixed, [num_k_heads * dk, num_k_heads * dk, hv * dv], dim=-1)
+        g, beta = gated_delta.gdn_gates(a, b, A_log, dt_bias)
+        out = gdn.gdn_decode(
+            q.reshape(n, num_k_heads, dk), k.reshape(n, num_k_heads, dk), v.reshape(n, hv, dv),
+            g, beta, ssm_pool, idx.state_slots,
+        )  # fmt: skip
+        for pool in (conv_pool, ssm_pool):
+            _copy_decode_snapshots(pool, dec)
+        if norm is None:
+            return out
+        return self.rms_norm_gated(out, norm.gate.reshape(out.shape), norm.weight, norm.eps)
+
+    # ------------------------------------------------------------------ Mamba2
+
+    def mamba2_prefill(self, x, dt, A, B, C, D, ssm_pool, layout) -> Tensor:
+        from mambaradix.kernels.triton import mamba2 as triton_mamba2
+
+        idx = self._cuda_plan(layout).prefill
+        return triton_mamba2.mamba2_prefill(
+            x, dt, A, B, C, D, ssm_pool, idx.cu_seqlens, idx.state_slots, idx.snap_seqs,
+            idx.snap_offsets, idx.snap_slots,
+        )  # fmt: skip
+
+    def mamba2_decode(self, x, dt, A, B, C, D, ssm_pool, layout) -> Tensor:
+        from mambaradix.kernels.triton import mamba2 as triton_mamba2
+
+        idx = self._cuda_plan(layout).decode
+        y = triton_mamba2.mamba2_decode(x, dt, A, B, C, D, ssm_pool, idx.state_slots)
+        _copy_decode_snapshots(ssm_pool, layout.decode)
+        return y
+
+    # mamba2_mixer_decode: the reference's composition of this backend's conv and scan steps

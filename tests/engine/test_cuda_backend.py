@@ -1,0 +1,168 @@
+"""The ``cuda`` backend in the engine: outputs equal the reference's (cache on and off, both
+strategies, page sizes), and captured decode steps (``engine.cuda_graphs``) equal the eager
+forward step by step.
+
+On a GPU the kernels run there and the steps are real CUDA graphs (``bench/gpu_check.sh``).
+Here the same Triton kernels run on CPU tensors under the interpreter (tests/triton/
+interpreter.py), and a "captured" step is the forward kept as a Python callable over the
+static layout: what differs from a GPU is named where it matters: the interpreter runs each
+program of a grid one after the other in numpy (no races, no reordered reductions), and a
+CPU step is no graph, so what these tests check here is the padding, the static inputs and
+the snapshot copies around a replay, not CUDA's capture itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from equivalence_helpers import LOGPROB_ATOL, MAX_TIES, compare, run, workload
+
+from mambaradix.cache.kv_pool import KVPool
+from mambaradix.cache.state_pool import StatePool
+from mambaradix.core import ForwardReq
+from mambaradix.engine.cuda_graphs import CudaGraphs
+from mambaradix.kernels.backend import create_backend
+from mambaradix.layout import ForwardContext, ForwardLayout
+from mambaradix.models.loader import load_model, load_tokenizer, resolve_model_path
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# cache off, then on with each strategy and page size (interpreted kernels are slow: a short
+# workload, each configuration once)
+CONFIGS = [
+    dict(disable_radix_cache=True),
+    dict(mamba_scheduler_strategy="no_buffer", page_size=1),
+    dict(mamba_scheduler_strategy="extra_buffer", page_size=16, chunked_prefill_size=64),
+]
+REFERENCE = dict(disable_radix_cache=True, disable_overlap_schedule=True, kernel_backend="torch",
+                 skip_warmup=True)  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "granite_hybrid"])
+def tiny(request):
+    path = resolve_model_path(f"tiny:{request.param}")
+    return request.param, path, load_tokenizer(path)
+
+
+def test_engine_outputs_equal_the_reference(tiny):
+    """Ids and chosen-token logprobs of a workload with shared prefixes (snapshots inside and at
+    the end of forwards, on the backend's stride of 64) equal the torch reference's on the
+    CPU, in every configuration; the cache hits."""
+    name, path, tok = tiny
+    ref_model = load_model(path)
+    prompts = workload(ref_model.vocab_size, n=24, seed=3)
+    ref, _ = run(ref_model, tok, prompts, REFERENCE, max_new_tokens=3)
+    model = load_model(path, device=DEVICE)
+    for flags in CONFIGS:
+        got, hits = run(model, tok, prompts, dict(flags, kernel_backend="cuda", device=DEVICE,
+                                                  skip_warmup=True), max_new_tokens=3)  # fmt: skip
+        ties, worst = compare(ref, got)
+        assert ties <= MAX_TIES and worst <= 10 * LOGPROB_ATOL, (name, flags, ties, worst)
+        if not flags.get("disable_radix_cache"):
+            assert hits > 0, (name, flags)
+
+
+# --------------------------------------------------------------------------- captured steps
+
+
+class _Requests:
+    """Requests with their own KV slots and state slots, prefilled once, then decoded."""
+
+    def __init__(self, model, lens: list[int], kv: KVPool, st: StatePool, backend) -> None:
+        self.model, self.kv, self.st, self.backend = model, kv, st, backend
+        self.kv_slots, self.state_slots, self.lens = [], [], list(lens)
+        next_kv = 0
+        for i in range(len(lens)):
+            self.kv_slots.append(torch.arange(next_kv, next_kv + 64))
+            next_kv += 64
+            self.state_slots.append(i)
+        reqs = [ForwardReq(0, [(7 * i + j) % 50 + 3 for j in range(n)], self.kv_slots[i][:n], i)
+                for i, n in enumerate(lens)]  # fmt: skip
+        self.forward(reqs)
+
+    def forward(self, reqs: list[ForwardReq]) -> torch.Tensor:
+        layout = ForwardLayout.build(reqs, DEVICE)
+        self.backend.prepare(layout)
+        return self.model.forward(ForwardContext(layout, self.kv, self.st))
+
+    def decode_layout(self, which: list[int], snapshots: dict[int, int]) -> ForwardContext:
+        reqs = []
+        for i in which:
+            n = self.lens[i]
+            snaps = [(1, snapshots[i])] if i in snapshots else []
+            reqs.append(ForwardReq(n, [(5 * n + i) % 50 + 3], self.kv_slots[i][: n + 1],
+                                   self.state_slots[i], snaps))  # fmt: skip
+        layout = ForwardLayout.build(reqs, DEVICE)
+        self.backend.prepare(layout)
+        return ForwardContext(layout, self.kv, self.st)
+
+
+def _pools(kv: KVPool, st: StatePool) -> list[torch.Tensor]:
+    return [*kv.k, *kv.v, *st.conv, *(t for t in st.temporal if t is not None)]
+
+
+def _steps(graphs_factory, skip_pad_reset: bool = False):
+    """Decode steps of 4, 3 (the same bucket of 4: its last row back to padding), 2 (one with a
+    snapshot into slot 6) and 1 requests, each run eagerly and replayed from the same pools;
+    yields (step, eager logits, replayed logits, eager pools, replayed pools, pools before)."""
+    path = resolve_model_path("tiny:qwen3_next")
+    model = load_model(path, device=DEVICE)
+    kv = KVPool(model.kv_spec, 512, 1, DEVICE, scratch=1)
+    st = StatePool(model.state_spec, 8, DEVICE, scratch=1)
+    backend = create_backend("cuda", DEVICE)
+    model.use_backend(backend)
+    reqs = _Requests(model, [5, 20, 33, 9], kv, st, backend)
+    graphs = graphs_factory(model, backend, kv, st)
+    if skip_pad_reset:
+        write = graphs._write_inputs
+
+        def stale(static, layout):  # the rows past the step's keep the last step's values
+            n = layout.num_tokens
+            rows = (static.input_ids, static.out_kv_slots, static.decode.state_slots,
+                    static.decode.seq_lens)  # fmt: skip
+            saved = [t[n:].clone() for t in rows]
+            write(static, layout)
+            for t, v in zip(rows, saved):
+                t[n:] = v
+
+        graphs._write_inputs = stale
+    for step, (which, snaps) in enumerate([([0, 1, 2, 3], {}), ([0, 1, 2], {}), ([1, 2], {2: 6}),
+                                           ([0], {})]):  # fmt: skip
+        before = [t.clone() for t in _pools(kv, st)]
+        with torch.inference_mode():
+            eager = model.forward(reqs.decode_layout(which, snaps))
+            eager_pools = [t.clone() for t in _pools(kv, st)]
+            for t, b in zip(_pools(kv, st), before):
+                t.copy_(b)
+            replayed = graphs.forward(reqs.decode_layout(which, snaps))
+        yield step, eager, replayed, eager_pools, [t.clone() for t in _pools(kv, st)], before
+        for i in which:
+            reqs.lens[i] += 1
+
+
+def _graphs(model, backend, kv, st) -> CudaGraphs:
+    return CudaGraphs(model, backend, kv, st, [1, 2, 4], DEVICE)
+
+
+def test_captured_decode_steps_equal_eager_step_by_step():
+    """Logits and every pool (outside the scratch rows) equal the eager forward's after each
+    step; a batch of 3 replays the graph of 4 with one padding row, whose writes land in the
+    scratch slots only; a decode snapshot lands in its slot."""
+    seen = []
+    for step, eager, replayed, eager_pools, pools, _ in _steps(_graphs):
+        assert replayed is not None and replayed.shape == eager.shape, step
+        torch.testing.assert_close(replayed.float(), eager.float(), atol=1e-5, rtol=1e-5)
+        for a, b in zip(pools, eager_pools):
+            torch.testing.assert_close(a[:-1].float(), b[:-1].float(), atol=1e-5, rtol=1e-5)
+        seen.append(step)
+    assert seen == [0, 1, 2, 3]
+
+
+def test_stale_padding_rows_are_caught():
+    """Negative control: a replay that leaves the rows past the step as the last step had them
+    (request 3's slots in the batch of 3) advances request 3's state behind its back."""
+    differs = False
+    for step, _, _, eager_pools, pools, _ in _steps(_graphs, skip_pad_reset=True):
+        if step == 1:
+            differs = any(not torch.equal(a[:-1], b[:-1]) for a, b in zip(pools, eager_pools))
+    assert differs
