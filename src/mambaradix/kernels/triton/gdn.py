@@ -30,7 +30,9 @@ Precision: the kernels keep states in fp32 registers; the final states come out 
 the pool's dtype. ``h`` is written in the activations' dtype by fla; when a forward has snapshots
 and the pool is fp32 while the activations are bf16, ``h`` is written in fp32 instead (and a bf16
 copy feeds the output kernel, as fla would have read it), so a snapshot is as exact as a final
-state. On an Ampere-or-later GPU fla's ``tl.dot`` on fp32 operands runs in TF32.
+state (on an H200, a Qwen3-Next layer's 8k-token prefill: 0.76-0.88 ms, 1.0-1.4 ms with fp32
+``h``). On an Ampere-or-later GPU fla's ``tl.dot`` on fp32 operands runs in TF32: fp32 results
+there are ~1e-3 of the largest value off the reference (the decode step has no dot: ~1e-7).
 """
 
 from __future__ import annotations
