@@ -525,3 +525,21 @@ def test_a_backend_that_drops_snapshots_fails_the_contract() -> None:
     assert any("gdn_prefill: snapshot" in f for f in failures), failures
     assert any("mamba2_prefill: snapshot" in f for f in failures), failures
     assert any("ssm_pool differs" in f for f in failures), failures
+
+
+def test_a_cuda_backend_fed_the_wrong_state_slot_fails_the_contract() -> None:
+    """Negative control for the Triton kernels: the prefill ops read and write each segment's
+    neighbour's slot (its kernels otherwise unchanged)."""
+    from mambaradix.kernels.cuda_backend import CudaBackend
+
+    class WrongSlot(CudaBackend):
+        def prepare(self, layout):
+            super().prepare(layout)
+            idx = layout.meta.prefill
+            idx.state_slots = idx.state_slots.roll(1)
+
+    device, _ = _runs("cuda")
+    failures = contract_failures(WrongSlot(device), CASES["fp32"], SMALL, REQUESTS_STRIDE_64,
+                                 device)  # fmt: skip
+    assert any(f.startswith("conv_prefill: conv_pool") for f in failures), failures
+    assert any(f.startswith("mamba2_prefill: ssm_pool") for f in failures), failures

@@ -12,6 +12,8 @@ that is correct on a GPU fail or differ here, and each is patched or named:
 - a loop over Python ``range`` yields Python ints, where the compiler gives ``tl.int32``
   scalars (fla-core calls ``i_t.to(tl.int64)``): the kernels' modules get a ``range`` that yields
   interpreter scalars;
+- (speed) a ``@triton.jit`` helper called inside a kernel re-patches the language on every
+  call; inside a running kernel it is already patched, and the shim skips the repeat;
 - bfloat16 values are numpy ``uint16`` bit patterns, and ``tl.dot``, the elementwise arithmetic
   (``+ - * /``, comparisons, ``exp``...) and ``fma`` ran on those raw bits (a bf16 ``tl.dot`` gave
   values ~1e9: fla-core's chunked kernels with bf16 inputs were garbage); ``fp32 -> bf16`` casts
@@ -76,19 +78,40 @@ def install() -> None:
     interpreter_range = _Range()
     run_kernel = interpreter.GridExecutor.__call__
 
+    running = [0]  # kernels being interpreted (the language is patched while one runs)
+
     def __call__(self, *args, **kwargs):
         module_globals = self.fn.__globals__
         before = module_globals.get("range", _MISSING)
         module_globals["range"] = interpreter_range
+        running[0] += 1
+        patched.clear()
         try:
             return run_kernel(self, *args, **kwargs)
         finally:
+            running[0] -= 1
+            patched.clear()
             if before is _MISSING:
                 module_globals.pop("range", None)
             else:
                 module_globals["range"] = before
 
     interpreter.GridExecutor.__call__ = __call__
+
+    patch_lang = interpreter._patch_lang
+    patched: set[tuple[int, ...]] = set()  # the language modules patched in the running kernel
+
+    def _patch_lang(fn):
+        """Patch ``triton.language`` for ``fn`` unless the running kernel already patched the
+        same modules (a ``@triton.jit`` helper re-patched them on every call)."""
+        key = tuple(sorted(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core))
+        if running[0] and key in patched:
+            return interpreter._LangPatchScope()
+        scope = patch_lang(fn)
+        patched.add(key)
+        return scope
+
+    interpreter._patch_lang = _patch_lang
     _patch_bfloat16(interpreter.InterpreterBuilder, interpreter.TensorHandle, tl, np)
     _INSTALLED = True
 
