@@ -72,12 +72,12 @@ def _stats(samples_us: list[float]) -> tuple[float, float]:
 def bench_xgrammar(tok: Any, vocab: int, steps: int, batch: int) -> dict[str, float]:
     import xgrammar as xgr
 
-    from mambaradix.engine.grammar import GrammarCompiler, apply_bitmask_rows, spec_from_request
+    from mambaradix.engine.grammar import GrammarCompiler, GrammarSpec, apply_bitmask_rows
 
     t0 = time.perf_counter()
     comp = GrammarCompiler(tok, vocab, max_threads=2)
     t1 = time.perf_counter()
-    spec = spec_from_request(json_schema=SCHEMA)
+    spec = GrammarSpec.from_json_schema(SCHEMA)
     comp.compile(spec)
     t2 = time.perf_counter()
     comp.compile(spec)

@@ -21,9 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from mambaradix.core import SamplingParams
+from mambaradix.core import GrammarSpec, SamplingParams
 from mambaradix.engine.engine import Engine
-from mambaradix.engine.grammar import spec_from_request
 
 SCHEMA = {
     "type": "object",
@@ -70,7 +69,7 @@ def main() -> None:
     try:
         tok = eng.tokenizer
         prompts = [tok.encode(f"Request {i}: list forty words.") for i in range(args.batch)]
-        grammar = spec_from_request(json_schema=SCHEMA)
+        grammar = GrammarSpec.from_json_schema(SCHEMA)
         eng.structured.compiler.compile(grammar)  # compiled once, outside the timing
         run_arm(eng, prompts, 8, grammar)  # warm both paths
         run_arm(eng, prompts, 8, None)

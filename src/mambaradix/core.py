@@ -12,6 +12,7 @@ A request's regions in one forward::
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -79,6 +80,15 @@ SEED_LIMIT = 1 << 63  # torch.Generator.manual_seed takes a signed 64-bit value
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 
 
+class FieldError(ValueError):
+    """A bad value a user sent: ``field`` names it (a dotted path), the message says why; an
+    API turns ``field`` into its own name for the field, never by reading the message."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
     """A request's output grammar (structured output), as plain data: ``engine.grammar``
@@ -95,6 +105,14 @@ class GrammarSpec:
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
             raise ValueError(f"unknown grammar kind {self.kind!r}; expected one of {GRAMMAR_KINDS}")
+
+    @classmethod
+    def from_json_schema(cls, schema: dict | bool, any_whitespace: bool = False) -> GrammarSpec:
+        """The ``json_schema`` spec of a schema object, its source in one canonical form
+        (compact, key order kept: properties are generated in the schema's order), so that one
+        schema sent as an object or as JSON text is one cache entry."""
+        source = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        return cls("json_schema", source, any_whitespace)
 
 
 @dataclass(slots=True)

@@ -1,5 +1,6 @@
 """Grammar-constrained decoding (engine/grammar.py): random logits masked by the grammar must
-always produce output that the spec accepts, and bad specs are ValueErrors."""
+always produce output that the spec accepts, and bad specs are ValueErrors. (A request's fields
+turned into a spec, and their 400s: tests/server/test_grammar_fields.py.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import jsonschema
 import pytest
 import torch
 
-from mambaradix.engine.grammar import GrammarCompiler, GrammarSpec, spec_from_request
+from mambaradix.engine.grammar import GrammarCompiler, GrammarSpec, validate_spec
 from mambaradix.models.loader import load_tokenizer, resolve_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -57,7 +58,7 @@ def drive(compiler, matcher, tok, seed: int, max_steps: int = 400, bias=None) ->
 @pytest.mark.parametrize("i", range(len(SCHEMAS)))
 def test_json_schema_random_logits_always_valid(compiler, tok, i):
     schema = SCHEMAS[i]
-    spec = spec_from_request(json_schema=json.dumps(schema))
+    spec = GrammarSpec.from_json_schema(schema)
     for seed in range(3):
         text = drive(compiler, compiler.matcher(spec), tok, seed=1000 * i + seed)
         value = json.loads(text)
@@ -68,7 +69,7 @@ def test_json_schema_random_logits_always_valid(compiler, tok, i):
 
 def test_bounded_string_refuses_control_characters(compiler, tok):
     """xgrammar's bounded-string class lets U+0000..U+001F through; ours must not."""
-    m = compiler.matcher(spec_from_request(json_schema={"type": "string", "maxLength": 5}))
+    m = compiler.matcher(GrammarSpec.from_json_schema({"type": "string", "maxLength": 5}))
     assert m.accept(tok.encode('"', add_special_tokens=False)[0])
     logits = torch.zeros(compiler.vocab_size)
     m.apply(logits)
@@ -82,14 +83,11 @@ def test_twenty_schemas():
     assert len(SCHEMAS) == 20
 
 
-def test_response_format_json_schema_and_json_object(compiler, tok):
+def test_json_schema_and_json_object(compiler, tok):
     schema = SCHEMAS[6]
-    spec = spec_from_request(
-        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
-    )
-    assert spec == spec_from_request(json_schema=schema)  # same cache key either way
+    spec = GrammarSpec.from_json_schema(schema)
     jsonschema.validate(json.loads(drive(compiler, compiler.matcher(spec), tok, 7)), schema)
-    obj = spec_from_request(response_format={"type": "json_object"})
+    obj = GrammarSpec("json_object")
     # json_object is unbounded: random logits leaning towards closing tokens, so it ends
     bias = torch.zeros(compiler.vocab_size)
     for text in ('"', "}", "]", "0", "1", ","):
@@ -98,20 +96,18 @@ def test_response_format_json_schema_and_json_object(compiler, tok):
     for seed in range(3):
         text = drive(compiler, compiler.matcher(obj), tok, seed, max_steps=2000, bias=bias)
         assert isinstance(json.loads(text), dict)
-    assert spec_from_request(response_format={"type": "text"}) is None
-    assert spec_from_request() is None
 
 
 def test_regex(compiler, tok):
     pattern = r"[a-c]{2,4}-\d{1,3}(x|yz)?"
-    spec = spec_from_request(regex=pattern)
+    spec = GrammarSpec("regex", pattern)
     for seed in range(5):
         assert re.fullmatch(pattern, drive(compiler, compiler.matcher(spec), tok, seed))
 
 
 def test_ebnf(compiler, tok):
     grammar = 'root ::= "(" expr ")"\nexpr ::= num | num "+" num\nnum ::= [1-9] [0-9]?\n'
-    spec = spec_from_request(ebnf=grammar)
+    spec = GrammarSpec("ebnf", grammar)
     for seed in range(5):
         text = drive(compiler, compiler.matcher(spec), tok, seed)
         assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)?\)", text), text
@@ -132,22 +128,17 @@ def test_negative_control_without_mask_not_json(tok):
 
 def test_bad_specs_raise_value_error():
     cases = [
-        dict(json_schema="{not json"),
-        dict(json_schema="[1, 2]"),
-        dict(json_schema={"type": "integer", "minimum": 5, "maximum": 1}),
-        dict(json_schema={"type": "nosuchtype"}),
-        dict(regex="(unclosed"),
-        dict(regex=""),
-        dict(ebnf="root ::= undefined_rule"),
-        dict(response_format={"type": "bogus"}),
-        dict(response_format={"type": "json_schema"}),
-        dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
-        dict(response_format="json"),
-        dict(regex="a", ebnf='root ::= "a"'),
+        GrammarSpec("json_schema", "[1, 2]"),
+        GrammarSpec.from_json_schema({"type": "integer", "minimum": 5, "maximum": 1}),
+        GrammarSpec.from_json_schema({"type": "nosuchtype"}),
+        GrammarSpec.from_json_schema({"type": "string", "pattern": "a+", "maxLength": 3}),
+        GrammarSpec("regex", "(unclosed"),
+        GrammarSpec("ebnf", "root ::= undefined_rule"),
     ]
-    for kw in cases:
-        with pytest.raises(ValueError):
-            spec_from_request(**kw)
+    for spec in cases:
+        with pytest.raises(ValueError, match=r"^answer\.field: "):  # names the caller's field
+            validate_spec(spec, "answer.field")
+    validate_spec(GrammarSpec.from_json_schema({"type": "string", "maxLength": 3}))  # control
     with pytest.raises(ValueError):
         GrammarSpec("yaml")
 
@@ -160,7 +151,7 @@ def test_bad_spec_at_compile_is_value_error(compiler):
 
 
 def test_stop_token_only_when_complete(compiler, tok):
-    m = compiler.matcher(spec_from_request(regex="ab"))
+    m = compiler.matcher(GrammarSpec("regex", "ab"))
     eos = compiler.stop_token_ids[0]
     logits = torch.zeros(compiler.vocab_size)
     m.apply(logits)
@@ -178,7 +169,7 @@ def test_stop_token_only_when_complete(compiler, tok):
 
 
 def test_rollback(compiler, tok):
-    m = compiler.matcher(spec_from_request(regex="abc"), max_rollback_tokens=8)
+    m = compiler.matcher(GrammarSpec("regex", "abc"), max_rollback_tokens=8)
     ids = [tok.convert_tokens_to_ids(c) for c in "abc"]
     assert m.accept(ids[0]) and m.accept(ids[1])
     assert not m.accept(ids[0])
@@ -189,7 +180,7 @@ def test_rollback(compiler, tok):
 
 def test_cache_lru_bound_and_hits(tok):
     c = GrammarCompiler(tok, len(tok), cache_size=2)
-    specs = [spec_from_request(regex=f"a{{{n}}}") for n in range(1, 4)]
+    specs = [GrammarSpec("regex", f"a{{{n}}}") for n in range(1, 4)]
     first = c.compile(specs[0])
     assert c.compile(specs[0]) is first and c.hits == 1
     c.compile(specs[1])
@@ -201,8 +192,8 @@ def test_cache_lru_bound_and_hits(tok):
 
 
 def test_batched_apply_matches_per_row(compiler, tok):
-    specs = [spec_from_request(json_schema=SCHEMAS[i]) for i in (0, 5, 9)] + [
-        spec_from_request(regex="[0-9]+")
+    specs = [GrammarSpec.from_json_schema(SCHEMAS[i]) for i in (0, 5, 9)] + [
+        GrammarSpec("regex", "[0-9]+")
     ]
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, compiler.vocab_size, generator=g)
@@ -219,7 +210,7 @@ def test_batched_apply_matches_per_row(compiler, tok):
 
 
 def test_bf16_logits(compiler):
-    m = compiler.matcher(spec_from_request(regex="[0-9]"))
+    m = compiler.matcher(GrammarSpec("regex", "[0-9]"))
     logits = torch.zeros(compiler.vocab_size, dtype=torch.bfloat16)
     m.apply(logits)
     assert torch.isfinite(logits).sum() == 10
@@ -229,10 +220,10 @@ _IMPORTS = """
 import sys
 import mambaradix.engine.engine, mambaradix.server.app
 before = "xgrammar.compiler" in sys.modules
-from mambaradix.engine.grammar import spec_from_request, xgr
+from mambaradix.engine.grammar import validate_spec, xgr
 from mambaradix.core import GrammarSpec
 try:
-    spec_from_request(regex="a(")
+    validate_spec(GrammarSpec("regex", "a("), "regex")
 except ValueError as e:
     print("refused:", "regex" in str(e))
 print(before, "xgrammar.compiler" in sys.modules, type(xgr.Grammar.from_regex("a+")).__name__)

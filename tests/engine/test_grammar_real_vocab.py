@@ -38,7 +38,6 @@ from mambaradix.engine.grammar import (
     GrammarCompiler,
     GrammarSpec,
     apply_bitmask_rows,
-    spec_from_request,
 )
 from mambaradix.models.tiny import SPECIAL_TOKENS, make_tiny_checkpoint
 from mambaradix.server.tools import get_tool_parser
@@ -217,16 +216,16 @@ def drive(compiler, spec, tok, seed: int, dtype, max_steps: int = 300) -> str:
 def test_json_schemas(compiler, tok, dtype):
     for i in (0, 5, 6, 9, 13, 17):
         schema = SCHEMAS[i]
-        text = drive(compiler, spec_from_request(json_schema=schema), tok, seed=i, dtype=dtype)
+        text = drive(compiler, GrammarSpec.from_json_schema(schema), tok, seed=i, dtype=dtype)
         jsonschema.validate(json.loads(text), schema)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_regex_ebnf_and_a_forced_tool_call(compiler, tok, dtype):
     pattern = r"[a-c]{2,4}-\d{1,3}(x|yz)?"
-    assert re.fullmatch(pattern, drive(compiler, spec_from_request(regex=pattern), tok, 1, dtype))
+    assert re.fullmatch(pattern, drive(compiler, GrammarSpec("regex", pattern), tok, 1, dtype))
     ebnf = 'root ::= "(" expr ")"\nexpr ::= num | num "+" num\nnum ::= [1-9] [0-9]?\n'
-    text = drive(compiler, spec_from_request(ebnf=ebnf), tok, 2, dtype)
+    text = drive(compiler, GrammarSpec("ebnf", ebnf), tok, 2, dtype)
     assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)?\)", text), text
     spec = call_grammar("qwen", {"search": SEARCH}, "search")
     _assert_one_search_call(drive(compiler, spec, tok, 3, dtype))
@@ -242,8 +241,8 @@ def _assert_one_search_call(text: str) -> None:
 def test_batched_masks_equal_the_reference(compiler, tok):
     """``apply_masks`` over a batch of matchers at several states (an object's first key, a
     JSON string's inside, digits only), rows without a grammar untouched."""
-    specs = [spec_from_request(json_schema=SCHEMAS[i]) for i in (0, 9)]
-    specs += [spec_from_request(regex="[0-9]+"), spec_from_request(json_schema={"type": "string"})]
+    specs = [GrammarSpec.from_json_schema(SCHEMAS[i]) for i in (0, 9)]
+    specs += [GrammarSpec("regex", "[0-9]+"), GrammarSpec.from_json_schema({"type": "string"})]
     matchers = [compiler.matcher(s) for s in specs]
     for m, prefix in zip(matchers, ['{"a":"', "", "", '"ab']):
         for t in tok.encode(prefix, add_special_tokens=False):
@@ -298,7 +297,7 @@ def eng(padded_model):
 def test_engine_json_schema_regex_and_a_tool_call(eng):
     """Greedy, together in one batch: each request's output is what its grammar allows."""
     specs = [
-        spec_from_request(json_schema=RECORD),
+        GrammarSpec.from_json_schema(RECORD),
         GrammarSpec("regex", r"[a-z]{3,6}-[0-9]{2}"),
         call_grammar("qwen", {"search": SEARCH}, "search"),
     ]

@@ -16,7 +16,6 @@ from engine_helpers import fake_engine
 
 from mambaradix.core import GrammarSpec, SamplingParams
 from mambaradix.engine.engine import Engine
-from mambaradix.engine.grammar import spec_from_request
 from mambaradix.engine.outputs import RequestError
 
 SCHEMA = {
@@ -55,7 +54,7 @@ def eng():
 def _json_params(**kw) -> SamplingParams:
     kw.setdefault("max_new_tokens", 200)
     kw.setdefault("temperature", 0.0)
-    return SamplingParams(grammar=spec_from_request(json_schema=SCHEMA), **kw)
+    return SamplingParams(grammar=GrammarSpec.from_json_schema(SCHEMA), **kw)
 
 
 def _valid(out: dict) -> bool:

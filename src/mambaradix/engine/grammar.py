@@ -2,9 +2,10 @@
 
 Three pieces:
 
-- ``GrammarSpec`` / ``spec_from_request``: what a request asks for (OpenAI ``response_format``
-  ``json_object`` / ``json_schema``; SGLang's ``regex`` / ``json_schema`` / ``ebnf``), checked
-  without a tokenizer; every bad input is a ``ValueError`` naming the field (a 400 upstream).
+- ``GrammarSpec`` (``core``): the grammar a request's output must match, as plain data; the
+  server makes it from its API's fields (``server.structured``). ``validate_spec`` builds it
+  without a tokenizer (cheap), so a bad schema, regex or EBNF is a ``ValueError`` naming the
+  caller's field before the request is queued.
 - ``GrammarCompiler``: owned by the engine, one per tokenizer. Compiles specs against the
   vocabulary (off the engine thread through ``compile_async``) and keeps the compiled grammars
   in a bounded LRU keyed by spec.
@@ -57,32 +58,13 @@ xgr = _lazy_module("xgrammar")
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GRAMMAR_KINDS", "GrammarCompiler", "GrammarMatcher", "GrammarSpec", "spec_from_request"]
+__all__ = ["GRAMMAR_KINDS", "GrammarCompiler", "GrammarMatcher", "GrammarSpec", "validate_spec"]
 
 _COMPACT = (",", ":")
 # up to this vocabulary xgrammar's CPU kernel (every bit of every row, in C++) beats the word
 # skipping of apply_bitmask_rows, whose Python per row costs more than the whole row there
 _SMALL_VOCAB = 16384
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
-MAX_SOURCE_CHARS = 1 << 20  # a schema / regex / grammar longer than 1 MiB is refused
-
-
-def _schema_source(schema: Any, field: str) -> str:
-    """Canonical JSON text of a schema given as a dict / bool or a JSON string."""
-    if isinstance(schema, str):
-        if len(schema) > MAX_SOURCE_CHARS:
-            raise ValueError(f"{field}: schema longer than {MAX_SOURCE_CHARS} characters")
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{field}: not valid JSON: {e}") from None
-    if not isinstance(schema, (dict, bool)):
-        raise ValueError(f"{field}: a JSON schema must be an object, got {type(schema).__name__}")
-    # key order kept: properties are generated in the schema's order
-    source = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-    if len(source) > MAX_SOURCE_CHARS:
-        raise ValueError(f"{field}: schema longer than {MAX_SOURCE_CHARS} characters")
-    return source
 
 
 # xgrammar 0.2.9 writes a length-bounded JSON string's characters as [^"\\\r\n], which lets raw
@@ -147,81 +129,6 @@ def _first_line(e: BaseException) -> str:
     if not text:
         return type(e).__name__
     return _CPP_PREFIX.sub("", text.splitlines()[0])
-
-
-def spec_from_request(
-    *,
-    response_format: dict[str, Any] | None = None,
-    regex: str | None = None,
-    json_schema: str | dict[str, Any] | None = None,
-    ebnf: str | None = None,
-    any_whitespace: bool = False,
-    validate: bool = True,
-) -> GrammarSpec | None:
-    """The grammar a request asks for, or None. ``response_format`` is OpenAI's object
-    (``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema",
-    "strict"}}``); ``regex`` / ``json_schema`` / ``ebnf`` are SGLang's sampling params (at most
-    one of all four may be set). Raises ``ValueError`` naming the field for an unknown type, a
-    missing or malformed schema, a bad regex or bad EBNF (with ``validate``)."""
-    given = [
-        name
-        for name, value in (
-            ("response_format", response_format),
-            ("regex", regex),
-            ("json_schema", json_schema),
-            ("ebnf", ebnf),
-        )
-        if value is not None
-    ]
-    if response_format is not None and _response_format_type(response_format) == "text":
-        given.remove("response_format")
-    if len(given) > 1:
-        raise ValueError(f"only one of {', '.join(given)} may be set")
-    if not given:
-        return None
-    field = given[0]
-    if field == "response_format":
-        spec = _spec_from_response_format(response_format, any_whitespace)  # type: ignore[arg-type]
-    elif field == "json_schema":
-        spec = GrammarSpec("json_schema", _schema_source(json_schema, field), any_whitespace)
-    else:
-        text = regex if field == "regex" else ebnf
-        if not isinstance(text, str) or not text:
-            raise ValueError(f"{field}: must be a non-empty string")
-        if len(text) > MAX_SOURCE_CHARS:
-            raise ValueError(f"{field}: longer than {MAX_SOURCE_CHARS} characters")
-        spec = GrammarSpec(field, text)
-    if validate:
-        if field == "response_format" and spec.kind == "json_schema":
-            field = "response_format.json_schema.schema"
-        validate_spec(spec, field)
-    return spec
-
-
-def _response_format_type(response_format: Any) -> str:
-    if not isinstance(response_format, dict):
-        raise ValueError("response_format: must be an object")
-    kind = response_format.get("type")
-    if kind not in ("text", "json_object", "json_schema"):
-        raise ValueError(
-            f"response_format.type: {kind!r} is not one of 'text', 'json_object', 'json_schema'"
-        )
-    return kind
-
-
-def _spec_from_response_format(rf: dict[str, Any], any_whitespace: bool) -> GrammarSpec:
-    kind = _response_format_type(rf)
-    if kind == "json_object":
-        return GrammarSpec("json_object", "", any_whitespace)
-    body = rf.get("json_schema")
-    if not isinstance(body, dict):
-        raise ValueError("response_format.json_schema: must be an object with a 'schema'")
-    schema = body.get("schema", body.get("schema_"))
-    if schema is None:
-        raise ValueError("response_format.json_schema.schema: missing")
-    return GrammarSpec(
-        "json_schema", _schema_source(schema, "response_format.json_schema.schema"), any_whitespace
-    )
 
 
 class GrammarCompiler:

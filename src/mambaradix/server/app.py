@@ -50,7 +50,7 @@ from mambaradix.server.protocol import (
 )
 from mambaradix.server.reasoning import starts_in_reasoning
 from mambaradix.server.structured import grammar_of
-from mambaradix.server.tooling import ToolPlan, plan_tools, template_messages
+from mambaradix.server.tools import ToolPlan, plan_tools, template_messages
 from mambaradix.server.validation import parse_json, validate_body
 
 logger = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
         ch = Choices(False, req, tok, srv.table, logprobs=want_lps, discard=req.max_tokens == 0)
         jobs: list[Job] = []
         n = req.num_choices
-        grammar = _grammar(req)
+        grammar = grammar_of(req)
         for p_idx, prompt in enumerate(req.prompts()):
             if isinstance(prompt, str):
                 ids = await _off_loop(len(prompt), tok.encode, prompt)
@@ -263,7 +263,8 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
         params = req.sampling_params(
             srv.max_tokens_for(len(ids), req.requested_max_tokens()), srv.vocab_size
         )
-        params.grammar = plan.grammar if plan and plan.grammar else _grammar(req)
+        # a forced tool call (the plan refuses one beside a constraint field), else the fields'
+        params.grammar = plan.grammar if plan and plan.grammar else grammar_of(req)
         params.return_logprob = bool(req.logprobs)
         params.top_logprobs = req.top_logprobs or 0
         ch = Choices(True, req, tok, srv.table, logprobs=bool(req.logprobs), tools=plan)
@@ -278,13 +279,6 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
     if srv.cfg.enable_debug_endpoints:
         app.include_router(debug_router(srv))  # /debug/tree
     return app
-
-
-def _grammar(req: Any) -> Any:
-    return grammar_of(
-        response_format=req.response_format, regex=req.regex, json_schema=req.json_schema,
-        ebnf=req.ebnf,
-    )  # fmt: skip
 
 
 def _render_chat(

@@ -39,7 +39,7 @@ class Choices:
     discard: bool = False  # max_tokens 0: the one token the engine generates is not reported
     in_reasoning: bool | None = None  # reasoning parser on: whether replies start in reasoning
     stream_reasoning: bool = True
-    tools: Any = None  # server.tooling.ToolPlan: replies are parsed into tool calls
+    tools: Any = None  # server.tools.ToolPlan: replies are parsed into tool calls
 
 
 class Job:

@@ -156,10 +156,7 @@ class NativeSampling(BaseModel):
             top_logprobs=top_n if return_logprob else 0,
             prompt_logprob_start=start + 1 if wants_prompt else -1,
             prompt_top_logprobs=top_n if wants_prompt else 0,
-            grammar=grammar_of(
-                regex=self.regex, json_schema=self.json_schema, ebnf=self.ebnf,
-                prefix="sampling_params.",
-            ),
+            grammar=grammar_of(self, prefix="sampling_params."),
         )  # fmt: skip
         try:
             params.validate()

@@ -1,4 +1,16 @@
-"""Tool-call parsers: turn a model's reply into OpenAI `tool_calls` (whole or streamed).
+"""Tool calling on the chat route: the request's side (which tools, which parser, a forced call's
+grammar, the history for the template) and the reply's side (the model's text parsed into OpenAI
+`tool_calls`, whole or streamed).
+
+Modules, by concern:
+
+- `plan.py` (request): `plan_tools(req, flag, template) -> ToolPlan | None` checks `tools` /
+  `tool_choice` and picks the parser and a forced call's grammar (400s naming the field);
+  `template_messages` / `messages_for_template` put the history in the template's shape.
+- `constrain.py` (request): `call_grammar`, one call in a parser's format over the tools'
+  parameter schemas (the `GrammarSpec` of `tool_choice` required / named).
+- `registry.py`: parsers by `--tool-call-parser` name, and the one a chat template names.
+- `base.py` / `formats.py` (reply): the marker-driven parser and streaming base; the formats.
 
 API (the chat route's seam):
 
@@ -32,9 +44,6 @@ Family -> parser (the format its published chat template renders):
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 from mambaradix.server.tools.base import (
     ContentDelta,
     Delta,
@@ -44,14 +53,14 @@ from mambaradix.server.tools.base import (
     ToolStream,
     tool_schemas,
 )
-from mambaradix.server.tools.formats import (
-    Granite4Parser,
-    JsonTagParser,
-    NemotronParser,
-    PythonicParser,
-    Qwen3CoderParser,
-    coerce,
+from mambaradix.server.tools.formats import coerce
+from mambaradix.server.tools.plan import (
+    ToolPlan,
+    messages_for_template,
+    plan_tools,
+    template_messages,
 )
+from mambaradix.server.tools.registry import TOOL_PARSERS, detect_tool_parser, get_tool_parser
 
 __all__ = [
     "ContentDelta",
@@ -59,78 +68,14 @@ __all__ = [
     "ToolCall",
     "ToolCallDelta",
     "ToolParser",
+    "ToolPlan",
     "ToolStream",
     "TOOL_PARSERS",
     "coerce",
     "detect_tool_parser",
     "get_tool_parser",
     "messages_for_template",
+    "plan_tools",
+    "template_messages",
     "tool_schemas",
 ]
-
-TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    "qwen": JsonTagParser,
-    "qwen25": JsonTagParser,
-    "hermes": JsonTagParser,
-    "qwen3_coder": Qwen3CoderParser,
-    "granite4": Granite4Parser,
-    "granite": Granite4Parser,
-    "lfm2": PythonicParser,
-    "pythonic": PythonicParser,
-    "nemotron": NemotronParser,
-}
-
-
-def get_tool_parser(name: str) -> ToolParser:
-    """A parser by `--tool-call-parser` name."""
-    cls = TOOL_PARSERS.get(name)
-    if cls is None:
-        raise ValueError(
-            f"unknown tool-call parser {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}"
-        )
-    return cls()
-
-
-def detect_tool_parser(chat_template: str | None) -> str | None:
-    """The parser name whose markers the chat template renders, or None."""
-    t = chat_template or ""
-    if "<|tool_call_start|>" in t:
-        return "lfm2"
-    if "<TOOLCALL>" in t:
-        return "nemotron"
-    if "<tool_call>" in t:
-        if "<function=" in t and "<parameter=" in t:
-            return "qwen3_coder"
-        if "<|start_of_role|>" in t:
-            return "granite4"
-        return "qwen"
-    return None
-
-
-def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Copy of `messages` where assistant `tool_calls[].function.arguments` JSON strings
-    are decoded to dicts (as transformers-style templates expect). A string that is not a
-    JSON object raises ValueError naming the message (the route answers 400)."""
-    out = []
-    for i, m in enumerate(messages):
-        calls = m.get("tool_calls") if isinstance(m, dict) else None
-        if not calls:
-            out.append(m)
-            continue
-        new_calls = []
-        for j, c in enumerate(calls):
-            fn = dict(c.get("function") or {})
-            args = fn.get("arguments")
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args) if args.strip() else {}
-                except ValueError:
-                    args = None
-                if not isinstance(args, dict):
-                    raise ValueError(
-                        f"messages[{i}].tool_calls[{j}].function.arguments is not a JSON object"
-                    )
-                fn["arguments"] = args
-            new_calls.append({**c, "function": fn})
-        out.append({**m, "tool_calls": new_calls})
-    return out

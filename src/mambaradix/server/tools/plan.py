@@ -7,27 +7,26 @@ and resolved to what the template, the engine and the reply need (``ToolPlan``).
   not parsed), ``auto`` (default with tools: rendered, the reply parsed), ``required`` and a
   named function (rendered, and the reply forced into one call of the parser's format whose
   arguments follow the function's schema: ``server.tools.constrain``). A forced call together
-  with ``response_format`` / ``regex`` / ``json_schema`` / ``ebnf`` is a 400.
+  with ``response_format`` / ``regex`` / ``json_schema`` / ``ebnf`` is a 400
+  (``server.structured.constraints``).
 - Bad ``tools`` (a duplicate or malformed name, ``parameters`` that are not an object schema or
-  do not compile) and history arguments that are not a JSON object are 400s naming the field.
+  do not compile: ``server.structured.schema_spec``) and history arguments that are not a JSON
+  object are 400s naming the field.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from mambaradix.core import GrammarSpec
-from mambaradix.engine.grammar import spec_from_request
+from mambaradix.core import FieldError, GrammarSpec
 from mambaradix.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
-from mambaradix.server.tools import (
-    ToolParser,
-    detect_tool_parser,
-    get_tool_parser,
-    messages_for_template,
-)
+from mambaradix.server.structured import constraints, schema_spec
+from mambaradix.server.tools.base import ToolParser
 from mambaradix.server.tools.constrain import call_grammar
+from mambaradix.server.tools.registry import detect_tool_parser, get_tool_parser
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -46,9 +45,38 @@ def template_messages(req: ChatCompletionRequest, messages: list[dict]) -> list[
     """History with assistant calls' ``arguments`` decoded (what templates iterate over)."""
     try:
         return messages_for_template(messages)
-    except ValueError as e:
-        field = re.sub(r"\[(\d+)\]", r".\1", str(e).split(" ", 1)[0])
-        raise APIError(f"{e}", param=field) from None
+    except FieldError as e:
+        raise APIError(str(e), param=e.field) from None
+
+
+def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copy of `messages` where assistant `tool_calls[].function.arguments` JSON strings
+    are decoded to dicts (as transformers-style templates expect). A string that is not a
+    JSON object raises ``FieldError`` naming the message (the route answers 400)."""
+    out = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if not calls:
+            out.append(m)
+            continue
+        new_calls = []
+        for j, c in enumerate(calls):
+            fn = dict(c.get("function") or {})
+            args = fn.get("arguments")
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except ValueError:
+                    args = None
+                if not isinstance(args, dict):
+                    raise FieldError(
+                        f"messages.{i}.tool_calls.{j}.function.arguments",
+                        f"messages[{i}].tool_calls[{j}].function.arguments is not a JSON object",
+                    )
+                fn["arguments"] = args
+            new_calls.append({**c, "function": fn})
+        out.append({**m, "tool_calls": new_calls})
+    return out
 
 
 def plan_tools(req: ChatCompletionRequest, flag: str, template: str | None) -> ToolPlan | None:
@@ -67,9 +95,7 @@ def plan_tools(req: ChatCompletionRequest, flag: str, template: str | None) -> T
             f"tool_choice.function.name: {forced!r} is not one of the tools",
             param="tool_choice.function.name",
         )
-    if force and any(
-        v is not None for v in (req.response_format, req.regex, req.json_schema, req.ebnf)
-    ):
+    if force and constraints(req):
         raise APIError(
             "tool_choice forces a call: it cannot be combined with another output constraint",
             param="tool_choice",
@@ -106,10 +132,6 @@ def _check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 f"{where}.parameters: must be a JSON schema of an object",
                 param=f"{where}.parameters",
             )
-        try:
-            spec_from_request(json_schema=params)
-        except ValueError as e:
-            msg = str(e).split(": ", 1)[-1]
-            raise APIError(f"{where}.parameters: {msg}", param=f"{where}.parameters") from None
+        schema_spec(params, f"{where}.parameters")  # compiles: a 400 naming it if not
         schemas[fn["name"]] = params
     return schemas
