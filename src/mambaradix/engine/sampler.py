@@ -79,6 +79,13 @@ def _greedy(p: SamplingParams) -> bool:
 def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     if gen is not None and gen.device != row.device:
         row = row.to(gen.device)  # a request's seeded generator draws on the CPU on any device
+    return int(torch.multinomial(sampling_probs(row, p), 1, generator=gen).item())
+
+
+def sampling_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled token of ``row`` (fp32 logits ``[V]``) is drawn from:
+    temperature, then top-k, min-p and top-p (the kept probabilities, not renormalised:
+    ``multinomial`` normalises)."""
     row = row / p.temperature
     if p.top_k > 0 and p.top_k < row.numel():
         kth = torch.topk(row, p.top_k).values[-1]
@@ -92,4 +99,4 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | Non
         drop = cum - sorted_probs > p.top_p  # keep the smallest set reaching top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    return probs

@@ -1,0 +1,118 @@
+"""Speculative decoding's parts that need no forward: n-gram drafts (prompt lookup) and the
+acceptance rules that turn a verified draft into the tokens a request emits.
+
+A verify step scores a request's ``k`` draft tokens ``d_1 .. d_k`` and one more position in one
+forward: row ``i`` (``0 <= i <= k``) holds the target's distribution of the token after
+``d_1 .. d_i``. Acceptance walks the rows in order and emits ``1 .. k + 1`` tokens:
+
+- greedy: each draft token while it equals the row's argmax, then the argmax of the first row
+  that disagrees (or of row ``k``, the bonus token, when all ``k`` agree): exactly the tokens
+  greedy decoding without speculation gives;
+- sampling (the speculative rejection rule): draft token ``x`` of row ``i``, drawn by the drafter
+  from ``q``, is kept with probability ``min(1, p(x) / q(x))``; at the first rejection the
+  emitted token is drawn from the residual ``max(p - q, 0)`` normalised, and after ``k`` kept
+  tokens the bonus is drawn from row ``k``'s ``p``. Each emitted token is then distributed
+  exactly as ``p`` (Leviathan et al. 2023; Chen et al. 2023). An n-gram draft is
+  deterministic: ``q`` is a point mass on its token (kept with probability ``p(x)``, the
+  residual is ``p`` without ``x``). Draws use the request's own generator, so a seeded request
+  gives the same tokens on every run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class NgramDrafter:
+    """Draft tokens looked up in a request's own tokens (prompt and output): the tokens that
+    followed the most recent earlier occurrence of its last ``n`` tokens, for the largest ``n``
+    from ``max_n`` down to ``min_n`` that occurs. The index is built as tokens arrive (each
+    ``append`` is O(max_n)); an n-gram's entry is its latest end position."""
+
+    def __init__(self, tokens: list[int] | None = None, min_n: int = 1, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min ({min_n}) <= max ({max_n})")
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self._last: dict[tuple[int, ...], int] = {}  # n-gram -> its latest end (inclusive)
+        for t in tokens or ():
+            self.append(t)
+
+    def append(self, token: int) -> None:
+        """Add the next token; the n-grams ending just before it become searchable (the suffix
+        a lookup searches for must not find itself)."""
+        toks = self.tokens
+        end = len(toks) - 1  # n-grams ending at the previous last token
+        for n in range(self.min_n, self.max_n + 1):
+            if end - n + 1 < 0:
+                break
+            self._last[tuple(toks[end - n + 1 : end + 1])] = end
+        toks.append(token)
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.append(t)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` draft tokens (fewer, or none, where no earlier occurrence continues)."""
+        toks = self.tokens
+        for n in range(min(self.max_n, len(toks)), self.min_n - 1, -1):
+            end = self._last.get(tuple(toks[len(toks) - n :]))
+            if end is not None:
+                return toks[end + 1 : end + 1 + k]
+        return []
+
+
+def accept_greedy(draft: list[int], target: list[int]) -> list[int]:
+    """The tokens greedy decoding emits: ``target`` holds the argmax of each of the ``k + 1``
+    verified rows (``len(draft) + 1`` of them)."""
+    if len(target) != len(draft) + 1:
+        raise ValueError(f"{len(draft)} draft tokens need {len(draft) + 1} rows, got {len(target)}")
+    out = []
+    for d, t in zip(draft, target):
+        out.append(t)
+        if d != t:
+            return out
+    out.append(target[len(draft)])
+    return out
+
+
+def accept_sampled(
+    draft: list[int],
+    target_probs: Tensor,
+    generator: torch.Generator | None,
+    draft_probs: Tensor | None = None,
+) -> list[int]:
+    """The tokens the speculative rejection rule emits. ``target_probs`` ``[k + 1, V]``: each
+    verified row's sampling distribution (``sampler.sampling_probs``: unnormalised is fine);
+    ``draft_probs`` ``[k, V]``: the drafter's distributions, or None for a deterministic draft
+    (a point mass on each draft token). One uniform draw per kept or rejected draft token, one
+    draw for the emitted token after a rejection or the bonus, all from ``generator``."""
+    k = len(draft)
+    if target_probs.shape[0] != k + 1:
+        raise ValueError(f"{k} draft tokens need {k + 1} rows, got {target_probs.shape[0]}")
+    dev = generator.device if generator is not None else target_probs.device
+    p_all = target_probs.to(dev, torch.float64)
+    p_all = p_all / p_all.sum(dim=-1, keepdim=True)
+    out: list[int] = []
+    for i, x in enumerate(draft):
+        p = p_all[i]
+        if draft_probs is None:
+            q = torch.zeros_like(p)
+            q[x] = 1.0
+        else:
+            q = draft_probs[i].to(dev, torch.float64)
+            q = q / q.sum()
+        u = float(torch.rand((), generator=generator, device=dev, dtype=torch.float64))
+        if q[x] > 0 and u * float(q[x]) < float(p[x]):  # u < p(x) / q(x), without dividing
+            out.append(x)
+            continue
+        residual = (p - q).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:  # p == q: a rejection has probability 0 (rounding)
+            residual = p
+        out.append(int(torch.multinomial(residual, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(p_all[k], 1, generator=generator)))
+    return out
