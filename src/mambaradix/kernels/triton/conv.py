@@ -9,12 +9,15 @@ output's dtype (the reference rounds after the conv and again after the activati
 
 Prefill is two launches, stream-ordered, so no program overwrites a state another still reads::
 
-    _conv_prefill_kernel   grid (token blocks of the packed rows, channel blocks): each row
-                           finds its segment (binary search of cu_seqlens), its K taps read the
-                           rows before it, or the segment's carried-in state before its start
-    _conv_states_kernel    grid (segments, channel blocks): every snapshot's state, then the
-                           final one into the segment's own slot, from the inputs and the
-                           carried-in state (read before the barrier that precedes the store)
+    _conv_prefill_kernel   grid (token blocks of the packed rows, channel blocks): the rows at
+                           least K-1 into their segment (found by a binary search of
+                           cu_seqlens), whose K taps all read rows of the same segment
+    _conv_states_kernel    grid (segments, channel blocks): the segment's first K-1 rows, whose
+                           taps reach into its carried-in state; every snapshot's state; then,
+                           past a barrier, the final state into the segment's own slot
+
+Keeping the pool out of the token-block kernel keeps its gathers (a state's channels lie K-1
+apart) off the hot path: that kernel streams x at full width.
 
 Decode is one launch, grid (requests, channel blocks), the state updated in place. No function
 reads device data from Python: grids come from tensor shapes.
@@ -26,27 +29,20 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_T = 32  # packed rows per prefill program
+BLOCK_T = 16  # packed rows per prefill program
 BLOCK_C = 128  # channels per program (256 bytes of bf16 per row)
 
 
 @triton.jit
-def _silu(v):
-    return v / (1.0 + tl.exp(-v))
-
-
-@triton.jit
 def _conv_prefill_kernel(
-    x_ptr, w_ptr, bias_ptr, pool_ptr, out_ptr, cu_ptr, slots_ptr,
-    num_tokens, num_segs, channels,
-    sx_t, sx_c, sw_c, sw_k, sp_s, sp_c, sp_k, so_t, so_c,
+    x_ptr, w_ptr, bias_ptr, out_ptr, cu_ptr, num_tokens, num_segs, channels,
+    sx_t, sx_c, sw_c, sw_k, so_t, so_c,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     t_mask, c_mask = t < num_tokens, c < channels
-    mask = t_mask[:, None] & c_mask[None, :]
     # each row's segment: the last p with cu_seqlens[p] <= t (empty segments are skipped)
     lo = tl.zeros([BLOCK_T], dtype=tl.int32)
     hi = tl.zeros([BLOCK_T], dtype=tl.int32) + (num_segs - 1)
@@ -55,86 +51,93 @@ def _conv_prefill_kernel(
         go = tl.load(cu_ptr + mid) <= t
         lo = tl.where(go, mid, lo)
         hi = tl.where(go, hi, mid - 1)
-    seg_start = tl.load(cu_ptr + lo)
-    slot = tl.load(slots_ptr + lo, mask=t_mask, other=0).to(tl.int64)
+    body = t_mask & (t - tl.load(cu_ptr + lo) >= K - 1)  # the segment's first K-1: elsewhere
+    mask = body[:, None] & c_mask[None, :]
     x_ty = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for k in tl.static_range(K):
-        src = t - (K - 1) + k  # the input row tap k reads
-        in_seg = src >= seg_start
-        xv = tl.load(
-            x_ptr + src.to(tl.int64)[:, None] * sx_t + c[None, :] * sx_c,
-            mask=mask & in_seg[:, None], other=0.0,
-        ).to(tl.float32)  # fmt: skip
-        col = (K - 1) + src - seg_start  # before the segment: a column of its carried-in state
-        sv = tl.load(
-            pool_ptr + slot[:, None] * sp_s + c[None, :] * sp_c + col[:, None] * sp_k,
-            mask=mask & (src < seg_start)[:, None], other=0.0,
-        )  # fmt: skip
-        sv = sv.to(tl.float32).to(x_ty).to(tl.float32)
+        src = (t - (K - 1) + k).to(tl.int64)  # the row tap k reads
+        xv = tl.load(x_ptr + src[:, None] * sx_t + c[None, :] * sx_c, mask=mask, other=0.0)
         w = tl.load(w_ptr + c * sw_c + k * sw_k, mask=c_mask, other=0.0)
-        w = w.to(tl.float32).to(x_ty).to(tl.float32)
-        acc += tl.where(in_seg[:, None], xv, sv) * w[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
-    if SILU:
-        acc = _silu(acc)
+        acc += xv.to(tl.float32) * w.to(x_ty).to(tl.float32)[None, :]
+    acc = _finish(acc, bias_ptr, c, c_mask, HAS_BIAS, SILU)
     out_ptrs = out_ptr + t.to(tl.int64)[:, None] * so_t + c[None, :] * so_c
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _state_after(
-    x_ptr, pool_ptr, start, n, slot, c, c_mask, sx_t, sx_c, sp_s, sp_c, sp_k, active,
-    K: tl.constexpr, KP: tl.constexpr,
+def _finish(acc, bias_ptr, c, c_mask, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """Bias and activation on a ``[rows, BLOCK_C]`` fp32 tile."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    return acc
+
+
+@triton.jit
+def _window(
+    x_ptr, state_ptr, start, n, c, mask, sx_t, sx_c, sp_c, sp_k, i,
+    OFFSET: tl.constexpr, K: tl.constexpr,
 ):  # fmt: skip
-    """The conv state ``[BLOCK_C, KP]`` after the first ``n`` rows of the segment starting at
-    packed row ``start`` whose carried-in state is ``pool[slot]`` (fp32; columns >= K-1 are 0)."""
-    i = tl.arange(0, KP)
-    pos = n - (K - 1) + i  # the segment's input in state column i (< 0: a carried-in one)
-    col_mask = c_mask[:, None] & (i < K - 1)[None, :] & active
+    """``[len(i), BLOCK_C]`` fp32: row ``i`` holds the input ``n - (K-1) + i + OFFSET`` of the
+    segment starting at packed row ``start`` (a negative one: a column of its carried-in state
+    ``state_ptr``, rounded to x's dtype as the reference does)."""
+    pos = n - (K - 1) + i + OFFSET
+    from_x = (pos >= 0)[:, None]
     xv = tl.load(
-        x_ptr + (start + pos).to(tl.int64)[None, :] * sx_t + c[:, None] * sx_c,
-        mask=col_mask & (pos >= 0)[None, :], other=0.0,
-    ).to(tl.float32)  # fmt: skip
+        x_ptr + (start + pos).to(tl.int64)[:, None] * sx_t + c[None, :] * sx_c,
+        mask=mask & from_x, other=0.0,
+    )  # fmt: skip
     sv = tl.load(
-        pool_ptr + slot * sp_s + c[:, None] * sp_c + (n + i)[None, :] * sp_k,
-        mask=col_mask & (pos < 0)[None, :], other=0.0,
+        state_ptr + c[None, :] * sp_c + (K - 1 + pos)[:, None] * sp_k,
+        mask=mask & (pos < 0)[:, None], other=0.0,
     )  # fmt: skip
     sv = sv.to(tl.float32).to(x_ptr.dtype.element_ty).to(tl.float32)
-    return tl.where((pos >= 0)[None, :], xv, sv)
+    return tl.where(from_x, xv.to(tl.float32), sv)
 
 
 @triton.jit
 def _conv_states_kernel(
-    x_ptr, pool_ptr, cu_ptr, slots_ptr, snap_seqs_ptr, snap_offsets_ptr, snap_slots_ptr,
-    num_snaps, channels, sx_t, sx_c, sp_s, sp_c, sp_k,
-    K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, pool_ptr, out_ptr, cu_ptr, slots_ptr,
+    snap_seqs_ptr, snap_offsets_ptr, snap_slots_ptr, num_snaps, channels,
+    sx_t, sx_c, sw_c, sw_k, sp_s, sp_c, sp_k, so_t, so_c,
+    K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     seg = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = c < channels
     start = tl.load(cu_ptr + seg)
     length = tl.load(cu_ptr + seg + 1) - start
-    slot = tl.load(slots_ptr + seg).to(tl.int64)
+    state_ptr = pool_ptr + tl.load(slots_ptr + seg).to(tl.int64) * sp_s
     i = tl.arange(0, KP)
-    store_mask = c_mask[:, None] & (i < K - 1)[None, :]
+    x_ty = x_ptr.dtype.element_ty
+    # the outputs of the segment's first K-1 rows: tap k of row i reads input i - (K-1) + k
+    head = (i < K - 1) & (i < length)
+    head_mask = head[:, None] & c_mask[None, :]
+    acc = tl.zeros([KP, BLOCK_C], dtype=tl.float32)
+    for k in tl.static_range(K):
+        v = _window(x_ptr, state_ptr, start, 0, c, head_mask, sx_t, sx_c, sp_c, sp_k, i, k, K)
+        w = tl.load(w_ptr + c * sw_c + k * sw_k, mask=c_mask, other=0.0)
+        acc += v * w.to(x_ty).to(tl.float32)[None, :]
+    acc = _finish(acc, bias_ptr, c, c_mask, HAS_BIAS, SILU)
+    out_ptrs = out_ptr + (start + i).to(tl.int64)[:, None] * so_t + c[None, :] * so_c
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=head_mask)
+    # the states: row i of a state tile is its column i (transposed: channels stay contiguous)
+    state_mask = (i < K - 1)[:, None] & c_mask[None, :]
+    state_offs = c[None, :] * sp_c + i[:, None] * sp_k
     for j in range(num_snaps):
         mine = tl.load(snap_seqs_ptr + j) == seg
         n = tl.load(snap_offsets_ptr + j)
-        dst = tl.load(snap_slots_ptr + j).to(tl.int64)
-        state = _state_after(
-            x_ptr, pool_ptr, start, n, slot, c, c_mask, sx_t, sx_c, sp_s, sp_c, sp_k, mine, K, KP
+        dst = pool_ptr + tl.load(snap_slots_ptr + j).to(tl.int64) * sp_s
+        snap = _window(
+            x_ptr, state_ptr, start, n, c, state_mask & mine, sx_t, sx_c, sp_c, sp_k, i, 0, K
         )
-        ptrs = pool_ptr + dst * sp_s + c[:, None] * sp_c + i[None, :] * sp_k
-        tl.store(ptrs, state.to(pool_ptr.dtype.element_ty), mask=store_mask & mine)
-    final = _state_after(
-        x_ptr, pool_ptr, start, length, slot, c, c_mask, sx_t, sx_c, sp_s, sp_c, sp_k,
-        length >= 0, K, KP,
-    )  # fmt: skip
+        tl.store(dst + state_offs, snap.to(pool_ptr.dtype.element_ty), mask=state_mask & mine)
+    final = _window(x_ptr, state_ptr, start, length, c, state_mask, sx_t, sx_c, sp_c, sp_k, i, 0, K)
     tl.debug_barrier()  # every thread has read the carried-in state before any overwrites it
-    ptrs = pool_ptr + slot * sp_s + c[:, None] * sp_c + i[None, :] * sp_k
-    tl.store(ptrs, final.to(pool_ptr.dtype.element_ty), mask=store_mask)
+    tl.store(state_ptr + state_offs, final.to(pool_ptr.dtype.element_ty), mask=state_mask)
 
 
 @triton.jit
@@ -153,30 +156,27 @@ def _conv_decode_kernel(
     state_ptrs = pool_ptr + slot * sp_s + c[:, None] * sp_c
     xv = tl.load(x_ptr + b * sx_b + c * sx_c, mask=c_mask, other=0.0).to(tl.float32)
     # the window [state | x]: column k < K-1 from the state, column K-1 the new input
-    sv = tl.load(state_ptrs + k[None, :] * sp_k, mask=c_mask[:, None] & (k < K - 1)[None, :])
-    window = tl.where((k == K - 1)[None, :], xv[:, None], sv.to(tl.float32).to(x_ty).to(tl.float32))
+    state_mask = c_mask[:, None] & (k < K - 1)[None, :]
+    sv = tl.load(state_ptrs + k[None, :] * sp_k, mask=state_mask, other=0.0)
+    sv = sv.to(tl.float32).to(x_ty).to(tl.float32)
+    window = tl.where((k == K - 1)[None, :], xv[:, None], sv)  # padding columns: 0 (w = 0 too)
     w = tl.load(
         w_ptr + c[:, None] * sw_c + k[None, :] * sw_k,
         mask=c_mask[:, None] & (k < K)[None, :], other=0.0,
     )  # fmt: skip
     acc = tl.sum(window * w.to(tl.float32).to(x_ty).to(tl.float32), axis=1)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
-    if SILU:
-        acc = _silu(acc)
+    acc = tl.sum(_finish(acc[None, :], bias_ptr, c, c_mask, HAS_BIAS, SILU), axis=0)
     tl.store(out_ptr + b * so_b + c * so_c, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
     # new state column i = window column i + 1 (the state shifted, the input last)
     shifted = tl.load(
-        state_ptrs + (k + 1)[None, :] * sp_k, mask=c_mask[:, None] & (k < K - 2)[None, :]
-    )
+        state_ptrs + (k + 1)[None, :] * sp_k, mask=c_mask[:, None] & (k < K - 2)[None, :],
+        other=0.0,
+    )  # fmt: skip
     new = tl.where(
         (k == K - 2)[None, :], xv[:, None], shifted.to(tl.float32).to(x_ty).to(tl.float32)
     )
     tl.debug_barrier()  # every thread has read the old state before any overwrites it
-    tl.store(
-        state_ptrs + k[None, :] * sp_k, new.to(pool_ptr.dtype.element_ty),
-        mask=c_mask[:, None] & (k < K - 1)[None, :],
-    )  # fmt: skip
+    tl.store(state_ptrs + k[None, :] * sp_k, new.to(pool_ptr.dtype.element_ty), mask=state_mask)
 
 
 def _activation_is_silu(activation: str | None) -> bool:
@@ -223,17 +223,19 @@ def conv1d_prefill(
     if num_tokens == 0 or num_segs == 0:
         return out
     c_blocks = triton.cdiv(channels, BLOCK_C)
-    pool_strides = conv_pool.stride()
+    bias_arg = bias if bias is not None else x
     _conv_prefill_kernel[(triton.cdiv(num_tokens, BLOCK_T), c_blocks)](
-        x, weight, bias if bias is not None else x, conv_pool, out, cu_seqlens, state_slots,
-        num_tokens, num_segs, channels, *x.stride(), *weight.stride(), *pool_strides,
-        *out.stride(), K=K, HAS_BIAS=bias is not None, SILU=silu,
+        x, weight, bias_arg, out, cu_seqlens, num_tokens, num_segs, channels,
+        *x.stride(), *weight.stride(), *out.stride(),
+        K=K, HAS_BIAS=bias is not None, SILU=silu,
         SEARCH_STEPS=max(1, (num_segs - 1).bit_length()), BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
     )  # fmt: skip
     _conv_states_kernel[(num_segs, c_blocks)](
-        x, conv_pool, cu_seqlens, state_slots, snap_seqs, snap_offsets, snap_slots,
-        snap_seqs.shape[0], channels, *x.stride(), *pool_strides,
-        K=K, KP=triton.next_power_of_2(K - 1), BLOCK_C=BLOCK_C,
+        x, weight, bias_arg, conv_pool, out, cu_seqlens, state_slots, snap_seqs, snap_offsets,
+        snap_slots, snap_seqs.shape[0], channels,
+        *x.stride(), *weight.stride(), *conv_pool.stride(), *out.stride(),
+        K=K, KP=triton.next_power_of_2(K - 1), HAS_BIAS=bias is not None, SILU=silu,
+        BLOCK_C=BLOCK_C,
     )  # fmt: skip
     return out
 

@@ -6,29 +6,41 @@ dt_t x_t B_t^T`` and ``y_t = s_t C_t + D x_t``; every product in fp32, the state
 fp32 and stored in the pool's dtype (a bf16 pool rounds each state it stores, never the running
 one), ``y`` returned in fp32.
 
-Prefill design: one program per (segment, head, block of P) owns its ``[BLOCK_P, N]`` state in
-registers for the whole segment and walks it chunk by chunk, sequentially; inside a chunk of
-``L`` tokens it runs the chunked (SSD) form as four small matrix products::
+Prefill design: one program per (segment, head, block of 16 values of P) owns that block's
+state in registers for the whole segment and walks it chunk by chunk, in sequence; inside a
+chunk of ``L = 32`` tokens it runs the chunked (SSD) form as small matrix products::
 
-    y     = (C B^T * decay) (dt x)  +  exp(cumsum a) * (C s^T)        + D x     a = dt A
-    s_new = exp(sum a) s  +  (dt x * exp(a after each token))^T B
+    y     = (C B^T * decay) (dt x)  +  exp(cumsum a) * (C s)          + D x     a = dt A
+    s_new = exp(sum a) s  +  B^T (dt x * exp(sum of a after each token))        s: [N, P]
 
 A chunk ends early at any snapshot offset of its segment, so the state there is exact and
-snapshots fall at any offset, as the reference's pieces do. Against a token-by-token scan (exact,
-simplest) this trades a little arithmetic (C B^T again for every block of P) for what a GPU
-needs: one coalesced ``[L, N]`` load of B and C rows and four tensor-core products per chunk,
-instead of a dependent load and cross-thread reduction per token. Against the fully parallel
-SSD (chunk states in parallel, a state-passing pass, outputs in parallel: mamba_ssm's five
-kernels) it keeps one launch and no intermediate buffers, but parallelism is only segments x
-heads x P blocks and the chunks of a segment run in sequence: a lone long prefill on a model
-with few heads (Granite-4.0-H-350M: 24) fills a fraction of the GPU.
+snapshots fall at any offset, as the reference's pieces do (the backend's declared stride of 64
+is not needed here). Why this form:
+
+- against a token-by-token scan (exact, simplest): a GPU would wait on a dependent load and a
+  cross-thread reduction over N for every token; here each chunk is a few coalesced ``[L, N/2]``
+  loads of B and C rows and tensor-core products, at the price of recomputing ``C B^T`` for every
+  block of P (a quarter of the products at P = 64);
+- against the fully parallel SSD (chunk states in parallel, a state-passing pass, outputs in
+  parallel: mamba_ssm's five kernels): one launch and no intermediate buffers, but parallelism
+  is only segments x heads x P/16 programs and the chunks of a segment run in sequence, so a
+  lone long prefill on a model with few heads (Granite-4.0-H-350M: 24 heads, 96 programs)
+  leaves part of an H200's 132 multiprocessors idle.
+
+The state is held transposed (``[N, P]``) and in two halves of N: a whole ``[L, N]`` fp32
+operand spilled registers (ptxas for sm_90a: 255 registers and 2 KB of spills in fp32 before the
+split; 76 B in bf16 and 284 B in fp32 after, at ``L = 32``, 16 values of P, 8 warps). These
+knobs (``_launch_prefill``) are not yet tuned on a GPU.
 
 Precision: the decays within a chunk are exponentials of segment sums taken by a cumulative
 sum over a masked ``[L, L]`` tile (each ``sum_{j<k<=i} a_k`` summed on its own, never the
 difference of two large prefix sums, which the reference avoids with float64). Products of
-fp32 operands use ``tf32x3`` (three TF32 passes, about fp32 accuracy); ``C B^T`` of bf16 inputs
-uses one TF32 pass, exact for bf16 values. Decode: one program per (request, head, block of P)
-updates its state tile in place.
+fp32 operands use ``tf32x3`` (three TF32 passes, about fp32 accuracy; plain TF32 would be ~1e-3
+off); ``C B^T`` of bf16 inputs uses one TF32 pass, exact for bf16 values. The interpreter does
+not emulate TF32, so only a GPU run checks these choices.
+
+Decode: one program per (request, head, block of 32 values of P) updates its ``[32, N]`` state
+tile in place.
 """
 
 from __future__ import annotations
@@ -38,9 +50,18 @@ import triton
 import triton.language as tl
 
 CHUNK = 32  # tokens per chunk of the prefill scan
-TARGET_PROGRAMS = 264  # prefill: halve BLOCK_P (down to 16) while fewer programs than this
+PREFILL_BLOCK_P = 16
+PREFILL_WARPS = 8
 DECODE_BLOCK_P = 32
 FP32_DOT = "tf32x3"
+
+
+@triton.jit
+def _rows(row_ptrs, row_mask, n, n_mask, s_n):
+    """A ``[L, len(n)]`` fp32 tile of B or C rows, 0 where masked (0 * NaN would reach the
+    state through the products)."""
+    tile = tl.load(row_ptrs + n[None, :] * s_n, mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+    return tile.to(tl.float32)
 
 
 @triton.jit
@@ -56,15 +77,21 @@ def _mamba2_prefill_kernel(
     seg, h = tl.program_id(0), tl.program_id(1)
     g = h // HEADS_PER_GROUP
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    p_mask, n_mask = p < P, n < N
+    p_mask = p < P
+    # the state transposed, [N, P], in two halves of N (n0, n1): every product's operands
+    # then stay small enough for registers (a whole [L, N] fp32 operand spills)
+    HALF: tl.constexpr = BLOCK_N // 2
+    n0 = tl.arange(0, HALF)
+    n1 = n0 + HALF
+    m0, m1 = n0 < N, n1 < N
+    offs0 = h * sp_h + n0[:, None] * sp_n + p[None, :] * sp_p
+    offs1 = h * sp_h + n1[:, None] * sp_n + p[None, :] * sp_p
+    mask0, mask1 = m0[:, None] & p_mask[None, :], m1[:, None] & p_mask[None, :]
     start = tl.load(cu_ptr + seg)
     end = tl.load(cu_ptr + seg + 1)
-    slot = tl.load(slots_ptr + seg).to(tl.int64)
-    state_offs = h * sp_h + p[:, None] * sp_p + n[None, :] * sp_n
-    state_mask = p_mask[:, None] & n_mask[None, :]
-    state = tl.load(pool_ptr + slot * sp_s + state_offs, mask=state_mask, other=0.0)
-    state = state.to(tl.float32)
+    state_ptr = pool_ptr + tl.load(slots_ptr + seg).to(tl.int64) * sp_s
+    s0 = tl.load(state_ptr + offs0, mask=mask0, other=0.0).to(tl.float32)
+    s1 = tl.load(state_ptr + offs1, mask=mask1, other=0.0).to(tl.float32)
     a_h = tl.load(A_ptr + h).to(tl.float32)
     # this segment's snapshot offsets, as packed rows (end + 1: not this segment's)
     j = tl.arange(0, SNAP_BLOCK)
@@ -81,49 +108,51 @@ def _mamba2_prefill_kernel(
         t = pos + r
         t_mask = t < stop
         t64 = t.to(tl.int64)
+        tp_mask = t_mask[:, None] & p_mask[None, :]
         dt = tl.load(dt_ptr + t64 * sdt_t + h * sdt_h, mask=t_mask, other=0.0).to(tl.float32)
         x = tl.load(
-            x_ptr + t64[:, None] * sx_t + h * sx_h + p[None, :] * sx_p,
-            mask=t_mask[:, None] & p_mask[None, :], other=0.0,
-        ).to(tl.float32)  # fmt: skip
-        tn_mask = t_mask[:, None] & n_mask[None, :]
-        Bc = tl.load(B_ptr + t64[:, None] * sb_t + g * sb_g + n[None, :] * sb_n, mask=tn_mask)
-        Cc = tl.load(C_ptr + t64[:, None] * sc_t + g * sc_g + n[None, :] * sc_n, mask=tn_mask)
-        Bc, Cc = Bc.to(tl.float32), Cc.to(tl.float32)
+            x_ptr + t64[:, None] * sx_t + h * sx_h + p[None, :] * sx_p, mask=tp_mask, other=0.0
+        )
+        x = x.to(tl.float32)
+        B_rows = B_ptr + t64[:, None] * sb_t + g * sb_g
+        C_rows = C_ptr + t64[:, None] * sc_t + g * sc_g
+        # C B^T and C s over the two halves of N
+        C_half = _rows(C_rows, t_mask, n0, m0, sc_n)
+        cb = tl.dot(C_half, tl.trans(_rows(B_rows, t_mask, n0, m0, sb_n)), input_precision=CB_DOT)
+        c_s = tl.dot(C_half, s0, input_precision=FP32_DOT)
+        C_half = _rows(C_rows, t_mask, n1, m1, sc_n)
+        cb = tl.dot(
+            C_half, tl.trans(_rows(B_rows, t_mask, n1, m1, sb_n)), cb, input_precision=CB_DOT
+        )
+        c_s = tl.dot(C_half, s1, c_s, input_precision=FP32_DOT)
         a = dt * a_h  # padded rows: a = 0, x = B = C = 0 (decay 1, no input)
         # seg[i, k] = sum of a over (k, i]: a cumulative sum of its own per column
         seg_sum = tl.cumsum(tl.where(r[:, None] > r[None, :], a[:, None], 0.0), axis=0)
-        decay = tl.where(causal, tl.exp(seg_sum), 0.0)
         xdt = x * dt[:, None]
-        cb = tl.dot(Cc, tl.trans(Bc), input_precision=CB_DOT)
-        y = tl.dot(cb * decay, xdt, input_precision=FP32_DOT)
-        c_s = tl.dot(Cc, tl.trans(state), input_precision=FP32_DOT)
+        y = tl.dot(cb * tl.where(causal, tl.exp(seg_sum), 0.0), xdt, input_precision=FP32_DOT)
         y += tl.exp(tl.cumsum(a, axis=0))[:, None] * c_s
         if HAS_D:
             y += x * tl.load(D_ptr + h).to(tl.float32)
-        tl.store(
-            y_ptr + t64[:, None] * sy_t + h * sy_h + p[None, :] * sy_p, y,
-            mask=t_mask[:, None] & p_mask[None, :],
-        )  # fmt: skip
-        after = tl.cumsum(a, axis=0, reverse=True) - a  # sum of a after each row
+        tl.store(y_ptr + t64[:, None] * sy_t + h * sy_h + p[None, :] * sy_p, y, mask=tp_mask)
+        # s = exp(sum a) s + B^T (dt x * exp(sum of a after each row))
+        after = tl.cumsum(a, axis=0, reverse=True) - a
         weighted = xdt * tl.exp(after)[:, None]
-        state = state * tl.exp(tl.sum(a, axis=0)) + tl.dot(
-            tl.trans(weighted), Bc, input_precision=FP32_DOT
-        )
+        decay = tl.exp(tl.sum(a, axis=0))
+        B_half = tl.trans(_rows(B_rows, t_mask, n0, m0, sb_n))
+        s0 = s0 * decay + tl.dot(B_half, weighted, input_precision=FP32_DOT)
+        B_half = tl.trans(_rows(B_rows, t_mask, n1, m1, sb_n))
+        s1 = s1 * decay + tl.dot(B_half, weighted, input_precision=FP32_DOT)
         if tl.sum((cuts == stop).to(tl.int32), axis=0) > 0:
             for k in range(num_snaps):
                 hit = (tl.load(snap_seqs_ptr + k) == seg) & (
                     start + tl.load(snap_offsets_ptr + k) == stop
                 )
-                dst = tl.load(snap_slots_ptr + k).to(tl.int64)
-                tl.store(
-                    pool_ptr + dst * sp_s + state_offs, state.to(pool_ptr.dtype.element_ty),
-                    mask=state_mask & hit,
-                )  # fmt: skip
+                dst = pool_ptr + tl.load(snap_slots_ptr + k).to(tl.int64) * sp_s
+                tl.store(dst + offs0, s0.to(pool_ptr.dtype.element_ty), mask=mask0 & hit)
+                tl.store(dst + offs1, s1.to(pool_ptr.dtype.element_ty), mask=mask1 & hit)
         pos = stop
-    tl.store(
-        pool_ptr + slot * sp_s + state_offs, state.to(pool_ptr.dtype.element_ty), mask=state_mask
-    )
+    tl.store(state_ptr + offs0, s0.to(pool_ptr.dtype.element_ty), mask=mask0)
+    tl.store(state_ptr + offs1, s1.to(pool_ptr.dtype.element_ty), mask=mask1)
 
 
 @triton.jit
@@ -167,14 +196,6 @@ def _shapes(x: torch.Tensor, B: torch.Tensor, ssm_pool: torch.Tensor) -> tuple[i
     return H, P, G, N
 
 
-def _block_p(P: int, programs_per_block: int) -> int:
-    """The widest block of P (16 to 64) that still gives ``TARGET_PROGRAMS`` programs."""
-    block = min(64, max(16, triton.next_power_of_2(P)))
-    while block > 16 and programs_per_block * triton.cdiv(P, block) < TARGET_PROGRAMS:
-        block //= 2
-    return block
-
-
 def mamba2_prefill(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -202,7 +223,7 @@ def mamba2_prefill(
 
 def _launch_prefill(
     x, dt, A, B, C, D, ssm_pool, cu_seqlens, state_slots, snap_seqs, snap_offsets, snap_slots,
-    chunk: int = CHUNK, block_p: int | None = None, num_warps: int = 4,
+    chunk: int = CHUNK, block_p: int = PREFILL_BLOCK_P, num_warps: int = PREFILL_WARPS,
 ) -> torch.Tensor:  # fmt: skip
     """``mamba2_prefill`` with its tuning knobs (the device benchmark sweeps them)."""
     H, P, G, N = _shapes(x, B, ssm_pool)
@@ -210,15 +231,14 @@ def _launch_prefill(
     y = torch.empty((num_tokens, H, P), dtype=torch.float32, device=x.device)
     if num_tokens == 0 or num_segs == 0:
         return y
-    block_p = block_p or _block_p(P, num_segs * H)
     num_snaps = snap_seqs.shape[0]
-    exact_inputs = B.dtype == C.dtype == torch.bfloat16  # bf16 values are exact in TF32
+    exact_inputs = B.dtype == C.dtype != torch.float32  # bf16 and fp16 values are exact in TF32
     _mamba2_prefill_kernel[(num_segs, H, triton.cdiv(P, block_p))](
         x, dt, A, B, C, D if D is not None else A, ssm_pool, y, cu_seqlens, state_slots,
         snap_seqs, snap_offsets, snap_slots, num_snaps,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *ssm_pool.stride(), *y.stride(),
         HEADS_PER_GROUP=H // G, P=P, N=N, HAS_D=D is not None, BLOCK_P=block_p,
-        BLOCK_N=max(16, triton.next_power_of_2(N)),
+        BLOCK_N=max(32, triton.next_power_of_2(N)),
         SNAP_BLOCK=max(2, triton.next_power_of_2(num_snaps)), L=chunk,
         CB_DOT="tf32" if exact_inputs else FP32_DOT, FP32_DOT=FP32_DOT, num_warps=num_warps,
     )  # fmt: skip
