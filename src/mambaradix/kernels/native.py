@@ -1,4 +1,5 @@
-"""Native CPU kernels: C sources in ``kernels/csrc`` built on first use and loaded with ctypes.
+"""Native CPU kernels: C sources in ``kernels/csrc``, built when the package is installed
+(or on first use) and loaded with ctypes.
 
 A decode step of a hybrid model is many small operations. Where the torch reference needs
 several passes over a tensor (gather the states of the batch, update them in five elementwise
@@ -6,14 +7,18 @@ and matmul ops, scatter them back), a C kernel reads and writes each state once,
 the pool. These kernels are the primitives of the ``"cpu"`` backend (``kernels.cpu_backend``),
 which the engine picks on CPU when they build (``--kernel-backend auto``).
 
-Build: the system C compiler (``$CC``, else ``cc``) with ``-O3 -march=native``, into a cache
-folder (``$MAMBARADIX_KERNEL_CACHE``, else ``~/.cache/mambaradix/kernels``) under a name that
-hashes the source, the flags, the compiler and the CPU's model and features, so a change
-rebuilds, a machine never loads code built for another CPU, and concurrent processes never load
-a half-written file. OpenMP: only when the process's OpenMP runtime is libgomp (the
-CPU torch builds), whose already-loaded copy (``kernels.openmp``) the kernel then shares: one
-worker pool, see ``engine.cpu_runtime``. Otherwise the kernels run single-threaded. No compiler,
-or a failed build, leaves the torch kernels in place with one warning.
+Build (``kernels.native_build``): the system C compiler (``$CC``, else ``cc``) with ``-O3
+-march=native``, under a name that hashes the sources, the flags, the compiler and the CPU's
+model and features. ``pip install`` (``-e`` or not) compiles every library into
+``kernels/prebuilt`` (setup.py); a library found there under the name this process would give
+it is loaded as it is. Otherwise (a source tree never installed, sources edited since, another
+compiler or CPU) the missing ones are compiled at once into a cache folder
+(``$MAMBARADIX_KERNEL_CACHE``, else ``~/.cache/mambaradix/kernels``), written whole or not at
+all, so concurrent processes never load a half-written file; ``origins()`` says which
+happened. OpenMP: only when the process's OpenMP runtime is libgomp (the CPU torch builds),
+whose already-loaded copy (``kernels.openmp``) the kernel then shares: one worker pool, see
+``engine.cpu_runtime``. Otherwise the kernels run single-threaded. No compiler, or a failed
+build, leaves the torch kernels in place with one warning.
 """
 
 from __future__ import annotations
@@ -21,17 +26,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from mambaradix.kernels import native_build
 from mambaradix.kernels.openmp import openmp_runtime_path
 
 logger = logging.getLogger(__name__)
@@ -256,85 +259,106 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "mambaradix" / "kernels"
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC", "cc")
-    return shutil.which(cc)
-
-
-def _cpu_id() -> str:
-    """Model and feature flags of this CPU: ``-march=native`` code built on one machine may not
-    run on another that shares the cache folder."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        import platform
-
-        return platform.machine() + platform.processor()
-    wanted = ("model name", "flags", "Features", "CPU part")
-    return "\n".join(sorted({ln for ln in info.splitlines() if ln.startswith(wanted)}))
-
-
 def _uses_libgomp() -> bool:
     path = openmp_runtime_path()
     return path is not None and "libgomp" in Path(path).name
 
 
+_origins: dict[str, str] = {}  # library -> "prebuilt" | "cache" | "compiled"
+_compiled: set[str] = set()  # libraries this process tried to compile (tried once only)
+
+
+def origins() -> dict[str, str]:
+    """Where each library loaded so far came from: ``"prebuilt"`` (built when the package was
+    installed), ``"cache"`` (compiled by an earlier process) or ``"compiled"`` (by this one)."""
+    return dict(_origins)
+
+
+@dataclass(frozen=True, slots=True)
+class _Build:
+    cc: str
+    flags: list[str]
+    version: str
+
+    def path(self, directory: Path, name: str) -> Path:
+        key = native_build.library_key(name, self.flags, self.version)
+        return native_build.library_file(directory, name, key)
+
+
+@functools.cache
+def _build_setup() -> _Build | None:
+    cc = native_build.compiler()
+    if cc is None:
+        logger.warning("no C compiler found ($CC or cc): native kernels not built")
+        return None
+    version = native_build.compiler_version(cc)
+    if version is None:
+        logger.warning("C compiler %s unusable: native kernels not built", cc)
+        return None
+    return _Build(cc, native_build.flags(openmp=_uses_libgomp()), version)
+
+
+def _find(build: _Build, name: str) -> tuple[Path, str] | None:
+    for directory, origin in ((native_build.PREBUILT, "prebuilt"), (cache_dir(), "cache")):
+        path = build.path(directory, name)
+        if path.exists():
+            return path, origin
+    return None
+
+
+def _compile(build: _Build, names: list[str]) -> None:
+    """Compile the libraries neither the install nor an earlier process built, at once, into
+    the cache (a source tree never installed, or sources edited since)."""
+    started = time.perf_counter()
+    _compiled.update(names)
+    outputs = {name: build.path(cache_dir(), name) for name in names}
+    failed = native_build.compile_libraries(build.cc, build.flags, outputs)
+    for name, err in failed.items():
+        logger.warning("building native kernel %s failed:\n%s", name, err)
+    if built := [name for name in names if name not in failed]:
+        logger.info("built native kernels in %.1f s (%s; an install builds them beforehand)",
+                    time.perf_counter() - started, ", ".join(built))  # fmt: skip
+
+
 @functools.cache
 def load(name: str) -> ctypes.CDLL | None:
     """The built library ``csrc/<name>.c`` with its functions' argtypes set, or None when it
-    cannot be built here (reason logged once)."""
-    src = CSRC / f"{name}.c"
-    cc = _compiler()
-    if cc is None:
-        logger.warning("no C compiler found ($CC or cc): native kernel %s not built", name)
+    cannot be built here (reason logged once). Prebuilt at install time, else compiled by an
+    earlier process, else compiled now."""
+    build = _build_setup()
+    if build is None:
         return None
-    flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fopenmp-simd", f"-I{CSRC}"]
-    if _uses_libgomp():
-        flags.append("-fopenmp")
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    except OSError as e:
-        logger.warning("C compiler %s unusable (%s): native kernel %s not built", cc, e, name)
+    found = _find(build, name)
+    if found is None and name not in _compiled:
+        _compile(build, [name])
+        found = _find(build, name)
+    if found is None:
         return None
-    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # shared helpers
-    key = hashlib.sha256(
-        src.read_bytes()
-        + headers
-        + " ".join(flags).encode()
-        + version.encode()
-        + _cpu_id().encode()
-    ).hexdigest()[:16]
-    out = cache_dir() / f"{name}-{key}.so"
-    if not out.exists():
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-            os.close(fd)
-            res = subprocess.run(
-                [cc, *flags, "-o", tmp, str(src), "-lm"], capture_output=True, text=True
-            )
-            if res.returncode != 0:
-                os.unlink(tmp)
-                logger.warning("building native kernel %s failed:\n%s", name, res.stderr[-2000:])
-                return None
-            os.replace(tmp, out)  # atomic: another process sees the whole file or none
-        except OSError as e:
-            logger.warning("building native kernel %s failed: %s", name, e)
-            return None
+    path, origin = found
+    if name in _compiled:
+        origin = "compiled"
     try:
-        lib = ctypes.CDLL(str(out))
+        lib = ctypes.CDLL(str(path))
     except OSError as e:
         logger.warning("loading native kernel %s failed: %s", name, e)
         return None
     for fn, argtypes in SIGNATURES.get(name, {}).items():
         getattr(lib, fn).argtypes = argtypes
         getattr(lib, fn).restype = RESULTS.get(fn)
-    logger.info("native kernel %s: %s", name, out)
+    _origins[name] = origin
+    logger.debug("native kernel %s: %s (%s)", name, path, origin)
     return lib
 
 
 def available() -> bool:
-    """Whether every native kernel builds and loads here."""
+    """Whether every native kernel builds and loads here. Compiles the missing ones at once
+    (one compiler per core) before loading them one by one."""
+    build = _build_setup()
+    if build is None:
+        return False
+    missing = [n for n in SIGNATURES if n not in _compiled and _find(build, n) is None]
+    if missing:
+        _compile(build, missing)
     return all(load(name) is not None for name in SIGNATURES)
 
 
