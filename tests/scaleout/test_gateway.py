@@ -17,11 +17,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from conftest import API_KEY, AUTH, MODEL, alive, children
+from scaleout_stack import API_KEY, AUTH, MODEL, alive, children
 
 from mambaradix.bench.remote import read_counters
 from mambaradix.cli import main as cli_main
-from mambaradix.server.replicas import free_port
+from mambaradix.server.ports import ReservedPort
 
 BENCH = [
     "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "4",
@@ -98,13 +98,13 @@ def test_shared_prefix_hit_rate_through_gateway(stack, tmp_path):
 
 
 def test_power_of_two_sees_our_loads(stack):
-    port = free_port()
+    port, metrics = ReservedPort(), ReservedPort()  # held until the gateway stops
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-           "--port", str(port), "--worker-urls", *stack.replicas, "--policy", "power_of_two",
-           "--api-key", API_KEY, "--log-level", "warn",
-           "--prometheus-port", str(free_port())]  # fmt: skip
+           "--port", str(port.port), "--worker-urls", *stack.replicas,
+           "--policy", "power_of_two", "--api-key", API_KEY, "--log-level", "warn",
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics.port)]  # fmt: skip
     gw = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port.port}"
     stop = threading.Event()
 
     def load(i: int) -> None:
@@ -146,6 +146,8 @@ def test_power_of_two_sees_our_loads(stack):
                 t.join(120)
         gw.send_signal(signal.SIGTERM)
         gw.wait(30)
+        port.close()
+        metrics.close()
 
 
 def test_killed_replica_is_routed_around_and_restarted(stack):

@@ -7,16 +7,13 @@ every replica, unless ``--dp-private-cache`` or ``--disable-radix-cache``."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import API_KEY, AUTH, REPLICA_FLAGS, Stack, cmdline
+from scaleout_stack import API_KEY, AUTH, Stack, cmdline, start_stack
 
 from mambaradix.bench.remote import read_counters
 from mambaradix.cli import main as cli_main
@@ -24,7 +21,7 @@ from mambaradix.config import EngineConfig, ServerConfig
 from mambaradix.kernels.native import cache_dir as kernel_cache_dir
 from mambaradix.models.loader import cache_root
 from mambaradix.server import replicas
-from mambaradix.server.replicas import ReplicaSet, ScaleOutConfig, free_port, shared_storage
+from mambaradix.server.replicas import ReplicaSet, ScaleOutConfig, shared_storage
 
 PROMPT = [3 + (i * 7919) % 500 for i in range(300)]  # token ids of the tiny model's vocab (512)
 STORED_AT_LEAST = 256  # 300 tokens: at least the state at the last 64-token block boundary
@@ -78,18 +75,14 @@ def test_a_prefix_computed_on_one_replica_is_a_storage_hit_on_the_other(tmp_path
     home = tmp_path / "home"
     home.mkdir()
     store = tmp_path / "store"
-    port = free_port()
-    cmd = [sys.executable, "-m", "mambaradix.cli", "serve", *REPLICA_FLAGS, "--port", str(port),
-           "--dp-size", "2", "--router-policy", "round_robin",
-           "--hicache-write-policy", "write_through", "--hicache-storage-dir", str(store),
-           "--router-health-check-interval-secs", "600"]  # fmt: skip
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HOME=str(home),
-               MAMBARADIX_CACHE=str(cache_root()),
+    env = dict(HOME=str(home), MAMBARADIX_CACHE=str(cache_root()),
                MAMBARADIX_KERNEL_CACHE=str(kernel_cache_dir()))  # fmt: skip
     log = tmp_path / "launcher.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    stack = Stack(proc, f"http://127.0.0.1:{port}", log)
+    stack = start_stack(log, "--router-policy", "round_robin",
+                        "--hicache-write-policy", "write_through",
+                        "--hicache-storage-dir", str(store),
+                        "--router-health-check-interval-secs", "600", env=env)  # fmt: skip
+    proc = stack.proc
     try:
         stack.wait_ready()
         for url in stack.replicas:  # the launcher turned the tier on for each replica
@@ -148,7 +141,9 @@ def flag(cmd: list[str], name: str) -> str | None:
 
 def replica_cmds(ecfg: EngineConfig, so: ScaleOutConfig) -> list[list[str]]:
     """The command lines ``serve_replicas`` would start (no process is started)."""
-    return [r.cmd for r in ReplicaSet(shared_storage(ecfg, so), ServerConfig(), so).replicas]
+    rs = ReplicaSet(shared_storage(ecfg, so), ServerConfig(), so)
+    rs.close()
+    return [r.cmd for r in rs.replicas]
 
 
 def test_replicas_share_one_storage_location_by_default(tmp_path, monkeypatch):

@@ -13,15 +13,9 @@ import uvicorn
 
 from mambaradix.config import ServerConfig
 from mambaradix.server.app import create_app
-from mambaradix.server.lifecycle import serve_app
+from mambaradix.server.lifecycle import bind_socket, serve_app
 
 logger = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def serve(engine: Any, cfg: ServerConfig, sock: socket.socket | None = None) -> int:
@@ -36,22 +30,24 @@ def serve(engine: Any, cfg: ServerConfig, sock: socket.socket | None = None) -> 
 
 
 class ServerThread:
-    """Runs ``create_app(engine, cfg)`` under uvicorn in a daemon thread; port 0 picks a free one.
+    """Runs ``create_app(engine, cfg)`` under uvicorn in a daemon thread; port 0 picks a free one
+    (bound here, so ``cfg.port`` is the server's from the start).
 
     Use as a context manager; ``stop()`` shuts uvicorn down (the engine stays the caller's).
     """
 
     def __init__(self, engine: Any, cfg: ServerConfig | None = None) -> None:
         cfg = dataclasses.replace(cfg) if cfg is not None else ServerConfig(port=0)
-        if cfg.port == 0:
-            cfg.port = free_port(cfg.host)
+        self.sock = bind_socket(cfg.host, cfg.port)
+        cfg.port = self.sock.getsockname()[1]
         self.cfg = cfg
         self.app = create_app(engine, cfg)
         config = uvicorn.Config(
             self.app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off"
         )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="mambaradix-http", daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="mambaradix-http", daemon=True)  # fmt: skip
 
     @property
     def base_url(self) -> str:
@@ -69,6 +65,7 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+        self.sock.close()
 
     def __enter__(self) -> ServerThread:
         return self.start()

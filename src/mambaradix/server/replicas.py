@@ -1,11 +1,12 @@
 """``mambaradix serve --dp-size N``: N engine processes behind the SGLang Model Gateway.
 
-The launcher starts N ``mambaradix serve`` replicas on free local ports (each with
-``--num-threads`` threads, default ``cores // N``), waits until each answers ``/health``,
-then starts the gateway from the ``sglang-router`` package (``python -m
-sglang_router.launch_router``) on ``--host``/``--port`` with ``--router-policy`` and every
-replica's URL. There is no routing code here: the gateway routes, health-checks, retries and
-circuit-breaks. The launcher only supervises:
+The launcher starts N ``mambaradix serve`` replicas on local ports it holds for its whole
+life (``server.ports.ReservedPort``: no other process takes one before its replica binds it,
+or while a replica restarts), each with ``--num-threads`` threads (default ``cores // N``),
+waits until each answers ``/health``, then starts the gateway from the ``sglang-router``
+package (``python -m sglang_router.launch_router``) on ``--host``/``--port`` with
+``--router-policy`` and every replica's URL. There is no routing code here: the gateway
+routes, health-checks, retries and circuit-breaks. The launcher only supervises:
 
 - a replica that exits is taken out of the gateway at once, through the gateway's worker API
   (``DELETE /workers/{id}`` of sglang-router 0.3.2; a thread waits on each replica process, so
@@ -27,7 +28,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 
 from mambaradix.config import EngineConfig, ServerConfig, opt
+from mambaradix.server.ports import ReservedPort
 
 logger = logging.getLogger(__name__)
 
@@ -114,15 +115,12 @@ def config_args(cfg: Any) -> list[str]:
         if isinstance(value, bool):
             if value:
                 args.append(flag)
+        elif isinstance(value, (tuple, list)):  # a list flag (nargs="+"): absent when empty
+            if value:
+                args += [flag, *map(str, value)]
         elif value != "" and value is not None:
             args += [flag, str(value)]
     return args
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -232,13 +230,17 @@ class ReplicaSet:
         threads = ecfg.num_threads or max(1, _cores() // so.dp_size)
         ecfg = dataclasses.replace(ecfg, num_threads=threads)
         self.replicas: list[Replica] = []
-        for i in range(so.dp_size):
-            port = free_port()
+        # held until close(): the replicas' ports (kept for their restarts) and the gateway's
+        # metrics port, each bound by its server while the reservation stands
+        self.ports = [ReservedPort() for _ in range(so.dp_size)]
+        for i, port in enumerate(p.port for p in self.ports):
             rcfg = dataclasses.replace(scfg, host="127.0.0.1", port=port)
             cmd = [sys.executable, "-m", "mambaradix.cli", "serve"]
             cmd += config_args(ecfg) + config_args(rcfg)
             self.replicas.append(Replica(i, cmd, port, scfg.api_key, self._replica_exited))
-        self.prometheus_port = so.router_prometheus_port or free_port()
+        if not so.router_prometheus_port:
+            self.ports.append(ReservedPort())
+        self.prometheus_port = so.router_prometheus_port or self.ports[-1].port
         self.gateway: subprocess.Popen | None = None
         gateway_host = "127.0.0.1" if scfg.host in ("0.0.0.0", "::", "") else scfg.host
         self.workers = GatewayWorkers(f"http://{gateway_host}:{scfg.port}", scfg.api_key)
@@ -389,6 +391,12 @@ class ReplicaSet:
                 logger.warning("pid %d did not stop within %.0f s; killing it", p.pid, grace)
                 p.kill()
                 p.wait()
+        self.close()
+
+    def close(self) -> None:
+        """Release the reserved ports (``stop`` does; a set never started needs only this)."""
+        for port in self.ports:
+            port.close()
 
 
 def shared_storage(ecfg: EngineConfig, so: ScaleOutConfig) -> EngineConfig:

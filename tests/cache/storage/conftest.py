@@ -1,5 +1,5 @@
-"""Fixtures of the storage-tier tests: a real ``redis-server`` per test (on a free port, no
-persistence, in a temp dir) and a factory making either backend."""
+"""Fixtures of the storage-tier tests: a real ``redis-server`` per test (on a port reserved for
+the test, no persistence, in a temp dir) and a factory making either backend."""
 
 from __future__ import annotations
 
@@ -13,14 +13,9 @@ from pathlib import Path
 import pytest
 
 from mambaradix.cache.storage.backend import StorageBackend
+from mambaradix.server.ports import ReservedPort
 
 INSTALL = "apt-get update -qq && apt-get install -y -qq redis-server"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ping(port: int) -> bool:
@@ -33,20 +28,21 @@ def ping(port: int) -> bool:
 
 
 class RedisServer:
-    """A ``redis-server`` child process on ``port``; ``stop`` and ``start`` keep the port."""
+    """A ``redis-server`` child process on a port reserved while the object lives (until
+    ``close``): ``stop`` and ``start`` keep the port, and no other process takes it between."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.port = 0
+        self.reserved = ReservedPort()
+        self.port = self.reserved.port
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, port: int | None = None, wait_s: float = 5.0) -> bool:
-        """Start on ``port`` (default: the current one); True once PING answers."""
-        self.port = port or self.port
+    def start(self, wait_s: float = 5.0) -> bool:
+        """Start on the reserved port; True once PING answers."""
         self.proc = subprocess.Popen(
             [
                 "redis-server",
@@ -66,7 +62,7 @@ class RedisServer:
         )
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:  # exited: the port was taken meanwhile
+            if self.proc.poll() is not None:  # exited
                 return False
             if ping(self.port):
                 return True
@@ -82,6 +78,10 @@ class RedisServer:
             self.proc.wait()
         self.proc = None
 
+    def close(self) -> None:
+        self.stop()
+        self.reserved.close()
+
 
 @pytest.fixture
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
@@ -90,15 +90,12 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     if shutil.which("redis-server") is None:
         pytest.fail(f"redis-server is not installed; install it with: {INSTALL}")
     server = RedisServer(tmp_path_factory.mktemp("redis"))
-    for _ in range(5):  # a free port can be taken between the probe and the start
-        if server.start(free_port()):
-            break
-    else:
-        pytest.fail("redis-server did not start on any of 5 free ports")
     try:
+        if not server.start():
+            pytest.fail(f"redis-server did not start on port {server.port}")
         yield server
     finally:
-        server.stop()
+        server.close()
 
 
 @pytest.fixture(params=["file", "redis"])

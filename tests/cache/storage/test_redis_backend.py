@@ -16,10 +16,12 @@ from mambaradix.cache.storage.redis_backend import RedisStorage
 LOGGER = "mambaradix.cache.storage.redis_backend"
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def closed_port() -> socket.socket:
+    """A socket bound to a port and never listening: a connection to it is refused for as
+    long as the socket is open (no other process can listen there meanwhile)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 def warnings(caplog) -> list[str]:
@@ -55,12 +57,13 @@ def test_server_stopped_and_restarted(redis_server, caplog):
 
 
 def test_unreachable_server_answers_absent_quickly(caplog):
-    store = RedisStorage(f"redis://127.0.0.1:{closed_port()}/0", retry_after_s=60)
-    start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        assert store.put([("k", [b"v"])]) == [False]
-        assert store.get(["k"]) == [None] and store.exists(["k"]) == [False]
-    assert time.monotonic() - start < 3.0
+    with closed_port() as closed:
+        store = RedisStorage(f"redis://127.0.0.1:{closed.getsockname()[1]}/0", retry_after_s=60)
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert store.put([("k", [b"v"])]) == [False]
+            assert store.get(["k"]) == [None] and store.exists(["k"]) == [False]
+        assert time.monotonic() - start < 3.0
     assert len(warnings(caplog)) == 1
 
 
