@@ -16,6 +16,7 @@ from fake_model import FakeModel
 from mambaradix.core import SamplingParams
 from mambaradix.engine import runner as runner_mod
 from mambaradix.engine.engine import Engine
+from mambaradix.engine.loop import AddRequests
 from mambaradix.engine.outputs import EngineDeadError, RequestError
 
 N_OTHERS = 20
@@ -105,7 +106,7 @@ def test_seed_overflow_that_slips_past_validation_fails_alone(baseline) -> None:
         bad_params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=5)
         req, handle = eng._make_req([9, 9, 9], bad_params, "bad")
         bad_params.seed = 18446744073709551616  # changed after validation
-        eng._put(("add", [req]))
+        eng.loop.put(AddRequests([req]))
         outs, _ = _run(eng, prompts, params)
         _assert_failed_alone(eng, handle, outs, want, "Overflow|seed")
 
@@ -134,7 +135,7 @@ def test_detokenizer_raising_for_one_request_fails_it_alone(baseline, where) -> 
     prompts, params, want = baseline
     bad = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     with _engine() as eng:
-        detok = eng._detok
+        detok = eng.outputs.detok
         real = getattr(detok, where)
 
         def patched(state, ids):
@@ -145,13 +146,13 @@ def test_detokenizer_raising_for_one_request_fails_it_alone(baseline, where) -> 
         req, handle = eng._make_req([8, 7, 6, 5], bad, "bad-detok")
         bad_state = [req.detok]
         setattr(detok, where, patched)
-        eng._put(("add", [req]))
+        eng.loop.put(AddRequests([req]))
         outs, _ = _run(eng, prompts, params)
         _assert_failed_alone(eng, handle, outs, want, "injected detokenizer fault")
 
 
 def test_stop_string_fault_fails_alone(baseline, monkeypatch) -> None:
-    from mambaradix.engine import engine as engine_mod
+    from mambaradix.engine import output_stage as engine_mod
 
     prompts, params, want = baseline
     real = engine_mod.find_stop
@@ -214,7 +215,7 @@ def test_calls_after_death_never_hang() -> None:
         eng._health.error = None  # let _make_req through, as a racing submit would get through
         req, handle = eng._make_req([1, 2], SamplingParams(max_new_tokens=1), "late")
         eng._health.die(RuntimeError("dead"))
-        eng._put(("add", [req]))
+        eng.loop.put(AddRequests([req]))
         with pytest.raises(EngineDeadError):
             handle.result()
 

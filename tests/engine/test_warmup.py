@@ -97,7 +97,7 @@ def test_malloc_keeps_freed_memory_before_the_warmup(monkeypatch):
     """The warm-up grows the heap to a forward's working size; with glibc still returning freed
     blocks to the OS that growth would be undone after every forward (the first request paying
     it again), so the malloc settings come first."""
-    from mambaradix.engine import engine as engine_module
+    from mambaradix.engine import wiring as engine_module
 
     order = []
     monkeypatch.setattr(engine_module, "keep_freed_memory", lambda: order.append("keep"))
