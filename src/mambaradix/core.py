@@ -154,52 +154,65 @@ class SamplingParams:
     grammar: GrammarSpec | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the bad field; called before a request enters the queue."""
+        """Raise ``FieldError`` (a ValueError) naming the bad field; called before a request
+        enters the queue."""
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise FieldError(
+                "max_new_tokens", f"max_new_tokens must be >= 1, got {self.max_new_tokens}"
+            )
         if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise FieldError("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise FieldError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+            raise FieldError("top_k", f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise FieldError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not (0 <= self.seed < SEED_LIMIT):
-            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
+            raise FieldError("seed", f"seed must be in [0, 2^63), got {self.seed}")
         for name in ("top_logprobs", "prompt_top_logprobs"):
             value = getattr(self, name)
             if not 0 <= value <= MAX_TOP_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+                raise FieldError(name, f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
         if self.prompt_logprob_start != -1 and self.prompt_logprob_start < 1:
-            raise ValueError(
-                f"prompt_logprob_start must be -1 (off) or >= 1, got {self.prompt_logprob_start}"
+            raise FieldError(
+                "prompt_logprob_start",
+                f"prompt_logprob_start must be -1 (off) or >= 1, got {self.prompt_logprob_start}",
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (-2.0 <= value <= 2.0):
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise FieldError(name, f"{name} must be in [-2, 2], got {value}")
         if not (0.0 < self.repetition_penalty <= 10.0):
-            raise ValueError(
-                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
+            raise FieldError(
+                "repetition_penalty",
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
             )
         if not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise ValueError(
+            raise FieldError(
+                "min_tokens",
                 f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
-                f"got {self.min_tokens}"
+                f"got {self.min_tokens}",
             )
         for tok, bias in self.logit_bias.items():
             if vocab_size is not None and not 0 <= tok < vocab_size:
-                raise ValueError(f"logit_bias token id {tok} is out of range [0, {vocab_size})")
+                raise FieldError(
+                    "logit_bias", f"logit_bias token id {tok} is out of range [0, {vocab_size})"
+                )
             if not (-100.0 <= bias <= 100.0):
-                raise ValueError(f"logit_bias value for token {tok} must be in [-100, 100]")
+                raise FieldError(
+                    "logit_bias", f"logit_bias value for token {tok} must be in [-100, 100]"
+                )
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
-            raise ValueError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
+            raise FieldError(
+                "grammar", f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}"
+            )
         if vocab_size is not None:
             for tok in self.stop_token_ids:
                 if not 0 <= tok < vocab_size:
-                    raise ValueError(
-                        f"stop_token_ids: token id {tok} is out of range [0, {vocab_size})"
+                    raise FieldError(
+                        "stop_token_ids",
+                        f"stop_token_ids: token id {tok} is out of range [0, {vocab_size})",
                     )
 
     @property

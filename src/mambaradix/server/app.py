@@ -19,7 +19,6 @@ does not stall every other client and /health.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -27,15 +26,15 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mambaradix.config import ServerConfig
 from mambaradix.server.debug import debug_router
-from mambaradix.server.guard import ServerErrorGuard, read_body
+from mambaradix.server.guard import ServerErrorGuard
 from mambaradix.server.health import add_health_routes
-from mambaradix.server.jobs import Choices, Job, abort_unfinished, first_error, watch_disconnect
+from mambaradix.server.jobs import Choices, Job
 from mambaradix.server.logprobs import TokenTable
 from mambaradix.server.metrics import ServerMetrics
 from mambaradix.server.native import native_router
@@ -49,9 +48,18 @@ from mambaradix.server.protocol import (
     usage_dict,
 )
 from mambaradix.server.reasoning import starts_in_reasoning
+from mambaradix.server.serving import (
+    SSE_DONE,
+    Events,
+    collect,
+    openai_params,
+    read_json,
+    sse,
+    sse_response,
+)
 from mambaradix.server.structured import grammar_of
 from mambaradix.server.tools import ToolPlan, plan_tools, template_messages
-from mambaradix.server.validation import parse_json, validate_body
+from mambaradix.server.validation import validate_body
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +243,7 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
                 ids = list(prompt)
             srv.check_ids(ids)
             max_new = srv.max_tokens_for(len(ids), req.max_tokens, least=0)
-            params = req.sampling_params(max_new, srv.vocab_size)
+            params = openai_params(req, max_new, srv.vocab_size)
             params.grammar = grammar
             params.return_logprob = want_lps
             params.top_logprobs = req.logprobs or 0
@@ -260,8 +268,8 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
         plan = plan_tools(req, srv.cfg.tool_call_parser, template)
         text, kwargs = await _off_loop(size, _render_chat, srv, tok, req, plan)
         ids = await _off_loop(len(text), lambda: tok.encode(text, add_special_tokens=False))
-        params = req.sampling_params(
-            srv.max_tokens_for(len(ids), req.requested_max_tokens()), srv.vocab_size
+        params = openai_params(
+            req, srv.max_tokens_for(len(ids), req.requested_max_tokens()), srv.vocab_size
         )
         # a forced tool call (the plan refuses one beside a constraint field), else the fields'
         params.grammar = plan.grammar if plan and plan.grammar else grammar_of(req)
@@ -322,27 +330,16 @@ async def _off_loop(size: int, fn: Any, *args: Any) -> Any:
 
 async def _parse(srv: _Server, request: Request, model: type[M], kind: str) -> M:
     """The body as JSON whatever its content type (curl -d sends form encoding), validated."""
-    data = parse_json(await read_body(request, srv.max_body))
-    return validate_body(data, model, kind)  # type: ignore[return-value]
+    return validate_body(await read_json(srv, request), model, kind)  # type: ignore[return-value]
 
 
 async def _serve(srv: _Server, jobs: list[Job], req: Any, request: Request, chat: bool) -> Any:
     srv.check_admitting()
     srv.submit(jobs)
     rid = new_id("chatcmpl" if chat else "cmpl")
-    srv.active += 1
     if req.stream:
-        return StreamingResponse(_stream(srv, jobs, req, rid, chat), media_type="text/event-stream")
-    watcher = asyncio.create_task(watch_disconnect(request, srv.engine, jobs))
-    try:
-        await asyncio.gather(*(job.collect() for job in jobs))
-    finally:
-        srv.active -= 1
-        watcher.cancel()
-        _abort_unfinished(srv, jobs)
-    err = first_error(jobs)
-    if err is not None:
-        raise err
+        return sse_response(srv, jobs, lambda events: _frames(srv, jobs, req, rid, chat, events))
+    await collect(srv, request, jobs)
     kind = "chat.completion" if chat else "text_completion"
     body = response_envelope(kind, rid, srv.model_name, [j.final_choice() for j in jobs])
     body["usage"] = _usage(jobs)
@@ -361,60 +358,39 @@ def _usage(jobs: list[Job]) -> dict[str, Any]:
     return usage_dict(prompt, sum(j.completion_tokens for j in jobs), cached)
 
 
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _stream(
-    srv: _Server, jobs: list[Job], req: Any, rid: str, chat: bool
+async def _frames(
+    srv: _Server, jobs: list[Job], req: Any, rid: str, chat: bool, events: Events
 ) -> AsyncIterator[str]:
-    """SSE events: one chunk per engine event per choice, an optional usage chunk, [DONE].
-    Cancelled (client gone) or not, the finally block aborts every unfinished request."""
-    queue: asyncio.Queue = asyncio.Queue()
+    """OpenAI's SSE events: one chunk per engine event per choice, an optional usage chunk,
+    [DONE]; a request failed in the engine is an error event, then [DONE]."""
     kind = "chat.completion.chunk" if chat else "text_completion"
-    tasks = [asyncio.create_task(job.pump(queue)) for job in jobs]
-    try:
-        if chat:
-            for job in jobs:
-                first = {"index": job.index, "delta": {"role": "assistant", "content": ""}}
-                first["logprobs"], first["finish_reason"] = None, None
-                yield _sse(response_envelope(kind, rid, srv.model_name, [first]))
-        remaining = len(jobs)
-        while remaining:
-            job, out = await queue.get()
-            if isinstance(out, BaseException) or out.error is not None:
-                if not isinstance(out, BaseException):
-                    job.add(out)  # the request failed in the engine: an error event, [DONE]
-                    out = APIError(out.error, 500, "server_error")
-                err = out if isinstance(out, APIError) else APIError(str(out), 500, "server_error")
-                yield _sse(err.body())
-                yield "data: [DONE]\n\n"
-                break
-            job.add(out)
-            choice = job.chunk_choice(out)
-            if choice is not None:
-                body = response_envelope(kind, rid, srv.model_name, [choice])
-                if req.continuous_usage:
-                    body["usage"] = usage_dict(
-                        job.prompt_tokens, job.completion_tokens, job.cached_tokens
-                    )
-                if req.return_token_ids and out.finished:
-                    body["prompt_token_ids"] = job.input_ids
-                yield _sse(body)
-            if out.finished:
-                remaining -= 1
-        else:
-            if req.include_usage:
-                body = response_envelope(kind, rid, srv.model_name, [])
-                body["usage"] = _usage(jobs)
-                yield _sse(body)
-            yield "data: [DONE]\n\n"
-    finally:
-        srv.active -= 1
-        for t in tasks:
-            t.cancel()
-        _abort_unfinished(srv, jobs)
-
-
-def _abort_unfinished(srv: _Server, jobs: list[Job]) -> None:
-    abort_unfinished(srv.engine, jobs)
+    if chat:
+        for job in jobs:
+            first = {"index": job.index, "delta": {"role": "assistant", "content": ""}}
+            first["logprobs"], first["finish_reason"] = None, None
+            yield sse(response_envelope(kind, rid, srv.model_name, [first]))
+    async for job, out in events:
+        if isinstance(out, BaseException) or out.error is not None:
+            if not isinstance(out, BaseException):
+                job.add(out)  # the request failed in the engine: an error event, [DONE]
+                out = APIError(out.error, 500, "server_error")
+            err = out if isinstance(out, APIError) else APIError(str(out), 500, "server_error")
+            yield sse(err.body())
+            yield SSE_DONE
+            return
+        job.add(out)
+        choice = job.chunk_choice(out)
+        if choice is not None:
+            body = response_envelope(kind, rid, srv.model_name, [choice])
+            if req.continuous_usage:
+                body["usage"] = usage_dict(
+                    job.prompt_tokens, job.completion_tokens, job.cached_tokens
+                )
+            if req.return_token_ids and out.finished:
+                body["prompt_token_ids"] = job.input_ids
+            yield sse(body)
+    if req.include_usage:
+        body = response_envelope(kind, rid, srv.model_name, [])
+        body["usage"] = _usage(jobs)
+        yield sse(body)
+    yield SSE_DONE

@@ -1,10 +1,10 @@
 """One engine request behind an HTTP request (a choice): accumulates its events, builds choices.
 
-A ``Job`` is created per (prompt, n-copy), submitted by the app, then either collected whole
-(``collect``) or forwarded event by event to a stream (``pump``). ``watch_disconnect`` aborts
-the jobs of a non-streaming request whose client went away. ``Choices`` holds what the jobs of
-one HTTP request share: the route, the request, the tokenizer and how to report logprobs,
-echo, ``max_tokens: 0`` and reasoning.
+A ``Job`` is created per (prompt, n-copy), submitted by the route, then either collected whole
+(``collect``) or forwarded event by event to a stream (``pump``); ``server.serving`` drives
+both, and aborts the jobs of a client that went away. ``Choices`` holds what the jobs of one
+HTTP request share: the route, the request, the tokenizer and how to report logprobs, echo,
+``max_tokens: 0`` and reasoning.
 """
 
 from __future__ import annotations
@@ -20,13 +20,10 @@ from mambaradix.core import SEED_LIMIT, SamplingParams
 from mambaradix.engine.detokenizer import DetokState, IncrementalDetokenizer
 from mambaradix.server.logprobs import TokenTable, chat_logprobs, completion_logprobs, text_offsets
 from mambaradix.server.metrics import RequestTimer
-from mambaradix.server.protocol import APIError
 from mambaradix.server.reasoning import ReasoningSplitter
 from mambaradix.server.tools import ContentDelta
 
 logger = logging.getLogger(__name__)
-
-DISCONNECT_POLL_S = 0.2
 
 
 @dataclass(slots=True)
@@ -47,7 +44,7 @@ class Job:
         "index", "rid", "input_ids", "params", "prompt_key", "ch", "handle", "timer",
         "text_parts", "token_ids", "logprobs", "tops", "prompt_lps", "prompt_tops",
         "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "storage_tokens",
-        "finished",
+        "finished", "finish_matched",
         "error", "pending_ids", "pending_lps", "pending_tops", "echo_text", "echo_pending",
         "splitter", "withheld", "stream_detok", "stream_state", "stream_seen", "tool_stream",
     )  # fmt: skip
@@ -81,6 +78,7 @@ class Job:
         self.cached_tokens = 0
         self.storage_tokens = 0  # of cached_tokens, read back from the storage tier
         self.finished = False
+        self.finish_matched: str | int | None = None  # the stop string or token that ended it
         self.error: BaseException | None = None
         # streamed tokens not sent yet (an event whose text the detokenizer held back)
         self.pending_ids: list[int] = []
@@ -135,6 +133,7 @@ class Job:
         if out.finished:
             self.finished = True
             self.finish_reason = "length" if self.ch.discard else out.finish_reason
+            self.finish_matched = out.finish_matched
             if out.error is not None:
                 self.error = RuntimeError(out.error)
 
@@ -316,32 +315,3 @@ class Job:
         if content:
             delta["content"] = content
         return delta
-
-
-def first_error(jobs: list[Job]) -> APIError | None:
-    for job in jobs:
-        if job.error is not None:
-            return APIError(f"engine error: {job.error}", 500, "server_error")
-    return None
-
-
-def abort_unfinished(engine: Any, jobs: list[Job]) -> None:
-    """Abort in the engine what the client no longer waits for, and count it as aborted (the
-    engine's final event for it reaches nobody)."""
-    for job in jobs:
-        if not job.finished:
-            engine.abort(job.rid)
-            if job.timer is not None:
-                job.timer.aborted()
-
-
-async def watch_disconnect(request: Any, engine: Any, jobs: list[Job]) -> None:
-    """Poll the connection of a non-streaming request; abort its jobs when the client is gone."""
-    while True:
-        await asyncio.sleep(DISCONNECT_POLL_S)
-        if await request.is_disconnected():
-            logger.info("client disconnected; aborting %d request(s)", len(jobs))
-            for job in jobs:
-                if not job.finished:
-                    engine.abort(job.rid)
-            return

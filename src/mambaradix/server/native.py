@@ -23,17 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 import mambaradix
-from mambaradix.server.jobs import Choices, Job, abort_unfinished, first_error, watch_disconnect
+from mambaradix.server.jobs import Choices, Job
 from mambaradix.server.native_protocol import (
     DetokenizeRequest,
     GenerateRequest,
@@ -43,6 +42,15 @@ from mambaradix.server.native_protocol import (
     logprob_meta,
 )
 from mambaradix.server.protocol import APIError, error_body
+from mambaradix.server.serving import (
+    SSE_DONE,
+    Events,
+    collect,
+    native_params,
+    read_json,
+    sse,
+    sse_response,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,26 +58,21 @@ logger = logging.getLogger(__name__)
 class _NativeJob:
     """One engine request of a /generate call and what SGLang reports about it."""
 
-    __slots__ = ("job", "t0", "matched", "opts", "with_text", "batch_index")
+    __slots__ = ("job", "t0", "opts", "with_text")
 
-    def __init__(self, job: Job, t0: float, opts: PromptOptions, with_text: bool, i: int):
+    def __init__(self, job: Job, t0: float, opts: PromptOptions, with_text: bool):
         self.job = job
         self.t0 = t0
-        self.matched: str | int | None = None
         self.opts = opts
         self.with_text = with_text
-        self.batch_index = i
-
-    def add(self, out: Any) -> None:
-        self.job.add(out)
-        if out.finished:
-            self.matched = out.finish_matched
 
     def body(self) -> dict[str, Any]:
         job = self.job
         meta: dict[str, Any] = {
             "id": job.rid,
-            "finish_reason": finish_reason(job.finish_reason, self.matched, len(job.token_ids)),
+            "finish_reason": finish_reason(
+                job.finish_reason, job.finish_matched, len(job.token_ids)
+            ),
             "prompt_tokens": job.prompt_tokens,
             "completion_tokens": job.completion_tokens,
             "cached_tokens": job.cached_tokens,
@@ -132,30 +135,18 @@ def native_router(srv: Any) -> APIRouter:
             srv.check_ids(ids)
             sp, rid = opts.sampling, opts.rid
             max_new = srv.max_tokens_for(len(ids), sp.max_new_tokens)
-            params = sp.to_params(max_new, opts, len(ids))
+            params = native_params(sp, max_new, opts, len(ids))
             for j in range(sp.n):
                 job = Job.make(len(njobs), ids, params, j, ch, prompt_key=p_idx)
                 if rid is not None:
                     job.rid = rid if sp.n == 1 else f"{rid}-{j}"
-                njobs.append(_NativeJob(job, t0, opts, req.return_text_in_logprobs, j))
+                njobs.append(_NativeJob(job, t0, opts, req.return_text_in_logprobs))
         multi = batch or len(njobs) > 1
-        _submit(
-            srv, [nj.job for nj in njobs], custom_rids=any(r is not None for r in req.rid_list())
-        )
-        srv.active += 1  # graceful shutdown waits for it (server.lifecycle)
-        if req.stream:
-            return StreamingResponse(_stream(srv, njobs, multi), media_type="text/event-stream")
         jobs = [nj.job for nj in njobs]
-        watcher = asyncio.create_task(watch_disconnect(request, engine, jobs))
-        try:
-            await asyncio.gather(*(_collect(nj) for nj in njobs))
-        finally:
-            srv.active -= 1
-            watcher.cancel()
-            abort_unfinished(engine, jobs)
-        err = first_error(jobs)  # a request failed in the engine: a 500 with the reason
-        if err is not None:
-            raise err
+        _submit(srv, jobs, custom_rids=any(r is not None for r in req.rid_list()))
+        if req.stream:
+            return sse_response(srv, jobs, lambda events: _frames(njobs, multi, events))
+        await collect(srv, request, jobs)  # a request failed in the engine: a 500 with the reason
         bodies = [nj.body() for nj in njobs]
         return bodies if multi else bodies[0]
 
@@ -244,10 +235,9 @@ async def _parse(srv: Any, request: Request, model: type) -> Any:
     SGLang's schema (``native_protocol``: its own table of fields accepted at defaults)."""
     from pydantic import ValidationError
 
-    from mambaradix.server.guard import read_body
-    from mambaradix.server.validation import parse_json, pydantic_error
+    from mambaradix.server.validation import pydantic_error
 
-    data = parse_json(await read_body(request, srv.max_body))
+    data = await read_json(srv, request)
     if not isinstance(data, dict):
         raise APIError(f"the body must be a JSON object, got {type(data).__name__}")
     try:
@@ -269,53 +259,29 @@ def _submit(srv: Any, jobs: list[Job], custom_rids: bool) -> None:
     srv.submit(jobs, keep_rids=True)
 
 
-async def _collect(nj: _NativeJob) -> None:
-    try:
-        async for out in nj.job.handle.aevents():
-            nj.add(out)
-    except Exception as e:  # engine fault: a 500
-        logger.exception("request %s failed in the engine", nj.job.rid)
-        raise APIError(f"engine error: {e}", 500, "server_error") from None
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _stream(srv: Any, njobs: list[_NativeJob], multi: bool) -> AsyncIterator[str]:
-    """One ``data:`` line per engine event that brings tokens (SGLang's non-incremental
-    stream: the text and output ids so far), with ``index`` in a batch; ``[DONE]`` at the end.
-    The finally block aborts what is unfinished when the client goes away."""
-    queue: asyncio.Queue = asyncio.Queue()
+async def _frames(njobs: list[_NativeJob], multi: bool, events: Events) -> AsyncIterator[str]:
+    """SGLang's stream: one ``data:`` line per engine event that brings tokens (non-incremental:
+    the text and output ids so far), with ``index`` in a batch; ``[DONE]`` at the end. A
+    request failed in the engine is an error line, then ``[DONE]``; an exception of the engine
+    ends the stream after its error line."""
     by_job = {id(nj.job): nj for nj in njobs}
-    tasks = [asyncio.create_task(nj.job.pump(queue)) for nj in njobs]
-    try:
-        remaining = len(njobs)
-        while remaining:
-            job, out = await queue.get()
-            if isinstance(out, BaseException):
-                yield _sse(error_body(f"engine error: {out}", type="server_error"))
-                return
-            if out.error is not None:  # this request failed in the engine
-                job.add(out)
-                yield _sse(error_body(f"engine error: {out.error}", type="server_error"))
-                yield "data: [DONE]\n\n"
-                return
-            nj = by_job[id(job)]
-            nj.add(out)
-            if out.new_token_ids or out.new_text or out.finished:
-                body = nj.body()
-                if multi:
-                    body["index"] = job.index
-                yield _sse(body)
-            if out.finished:
-                remaining -= 1
-        yield "data: [DONE]\n\n"
-    finally:
-        srv.active -= 1
-        for t in tasks:
-            t.cancel()
-        abort_unfinished(srv.engine, [nj.job for nj in njobs])
+    async for job, out in events:
+        if isinstance(out, BaseException):
+            yield sse(error_body(f"engine error: {out}", type="server_error"))
+            return
+        if out.error is not None:  # this request failed in the engine
+            job.add(out)
+            yield sse(error_body(f"engine error: {out.error}", type="server_error"))
+            yield SSE_DONE
+            return
+        nj = by_job[id(job)]
+        job.add(out)
+        if out.new_token_ids or out.new_text or out.finished:
+            body = nj.body()
+            if multi:
+                body["index"] = job.index
+            yield sse(body)
+    yield SSE_DONE
 
 
 def _model_info(srv: Any) -> dict[str, Any]:

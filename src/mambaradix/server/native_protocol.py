@@ -2,10 +2,11 @@
 SGLang-shaped response pieces (``meta_info``, ``finish_reason``).
 
 Field names and defaults are SGLang's (``GenerateReqInput`` and its ``sampling_params``).
-Fields we implement are translated to ``SamplingParams``; fields SGLang clients and the gateway
-send at their defaults (``lora_path: null``, ``logprob_start_len: -1``,
-``return_hidden_states: false``...) are accepted at exactly those defaults, and any other value
-is an ``APIError`` (HTTP 400) naming the field. A field SGLang does not know is a 400 too.
+Fields we implement are translated to ``SamplingParams`` (``server.serving.native_params``);
+fields SGLang clients and the gateway send at their defaults (``lora_path: null``,
+``logprob_start_len: -1``, ``return_hidden_states: false``...) are accepted at exactly those
+defaults, and any other value is an ``APIError`` (HTTP 400) naming the field. A field SGLang
+does not know is a 400 too.
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mambaradix.core import MAX_TOP_LOGPROBS, SamplingParams
 from mambaradix.server.protocol import APIError
-from mambaradix.server.structured import grammar_of
 
 # Request fields accepted only at their SGLang default (value we do not implement otherwise).
 _GENERATE_DEFAULTS: dict[str, Any] = {
@@ -114,56 +113,6 @@ class NativeSampling(BaseModel):
             return cls.model_validate(known)
         except Exception as e:  # pydantic's message names the field
             raise APIError(f"{where}: {e}", param=where) from None
-
-    def to_params(
-        self, max_new_tokens: int, opts: PromptOptions, prompt_len: int
-    ) -> SamplingParams:
-        """The engine's parameters for one prompt of ``prompt_len`` tokens. SGLang's
-        ``logprob_start_len`` s (-1: the prompt's last token) asks for the logprobs of prompt
-        tokens s+1 .. L-1 (token s itself is reported without one): the engine's
-        ``prompt_logprob_start`` s+1; ``top_logprobs_num`` alternatives per token of both."""
-        return_logprob = opts.return_logprob
-        start, top_n = opts.logprob_start_len, opts.top_logprobs_num
-        if return_logprob and start != -1 and not 0 <= start < prompt_len:
-            raise APIError(
-                f"logprob_start_len must be -1 or in [0, {prompt_len}) (the prompt's "
-                f"{prompt_len} tokens), got {start}",
-                param="logprob_start_len",
-            )
-        if not 0 <= top_n <= MAX_TOP_LOGPROBS:
-            raise APIError(
-                f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_n}",
-                param="top_logprobs_num",
-            )
-        wants_prompt = return_logprob and start != -1 and start + 1 < prompt_len
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stop):
-            raise APIError("sampling_params.stop: stop strings must not be empty", param="stop")
-        if not 1 <= self.n <= 16:
-            raise APIError(f"sampling_params.n must be in [1, 16], got {self.n}", param="n")
-        params = SamplingParams(
-            max_new_tokens=max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            seed=self.sampling_seed,
-            ignore_eos=self.ignore_eos,
-            stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []),
-            return_logprob=return_logprob,
-            skip_special_tokens=self.skip_special_tokens,
-            top_logprobs=top_n if return_logprob else 0,
-            prompt_logprob_start=start + 1 if wants_prompt else -1,
-            prompt_top_logprobs=top_n if wants_prompt else 0,
-            grammar=grammar_of(self, prefix="sampling_params."),
-        )  # fmt: skip
-        try:
-            params.validate()
-        except ValueError as e:
-            word = str(e).split(" ", 1)[0]
-            raise APIError(f"sampling_params.{e}", param=f"sampling_params.{word}") from None
-        return params
 
 
 class GenerateRequest(BaseModel):

@@ -1,4 +1,5 @@
-"""OpenAI-compatible request schemas, their translation to ``SamplingParams``, response builders.
+"""OpenAI-compatible request schemas, error bodies, response builders (the translation of a
+request's fields to ``SamplingParams``: ``server.serving.openai_params``).
 
 Requests are strict pydantic models (no type coercion, unknown keys refused; ``validation.py``
 checks the body before them and turns their errors into 400s naming the field); responses are
@@ -20,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from mambaradix.core import MAX_TOP_LOGPROBS, SamplingParams
+from mambaradix.core import MAX_TOP_LOGPROBS
 
 MAX_N = 64
 
@@ -99,54 +100,6 @@ class _SamplingFields(_Strict):
     def num_choices(self) -> int:
         return 1 if self.n is None else self.n
 
-    def sampling_params(self, max_new_tokens: int, vocab_size: int) -> SamplingParams:
-        """Translate to engine params; raises APIError naming the offending field."""
-        n = self.num_choices
-        if not 1 <= n <= MAX_N:
-            raise APIError(f"n must be in [1, {MAX_N}], got {n}", param="n")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stop):
-            raise APIError("stop strings must not be empty", param="stop")
-        params = SamplingParams(
-            max_new_tokens=max_new_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
-            seed=self.seed,
-            ignore_eos=bool(self.ignore_eos),
-            stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []),
-            skip_special_tokens=self.skip_special_tokens is not False,
-            logit_bias=self._logit_bias(),
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            min_tokens=self.min_tokens or 0,
-        )
-        if params.temperature > 2.0:
-            raise APIError(
-                f"temperature must be in [0, 2], got {params.temperature}", param="temperature"
-            )
-        try:
-            params.validate(vocab_size)
-        except ValueError as e:
-            raise APIError(str(e), param=_param_of(str(e))) from None
-        return params
-
-    def _logit_bias(self) -> dict[int, float]:
-        out: dict[int, float] = {}
-        for key, value in (self.logit_bias or {}).items():
-            try:
-                tok = int(key)
-            except ValueError:
-                raise APIError(
-                    f"logit_bias keys must be token ids (decimal strings), got {key!r}",
-                    param="logit_bias",
-                ) from None
-            out[tok] = float(value)
-        return out
-
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -154,14 +107,6 @@ class _SamplingFields(_Strict):
     @property
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
-
-
-_PARAM_NAMES = {"max_new_tokens": "max_tokens"}
-
-
-def _param_of(message: str) -> str | None:
-    word = message.split(" ", 1)[0].rstrip(":")
-    return _PARAM_NAMES.get(word, word) if word.isidentifier() else None
 
 
 class CompletionRequest(_SamplingFields):
