@@ -153,6 +153,22 @@ def test_generate_input_and_output_logprobs_as_sglang(http, engine, hf_model):
     assert meta["cached_tokens"] > 0  # start L - 1 lets the cached prefix be used
 
 
+def test_generate_refuses_the_rid_of_a_running_request(http, engine, wait_idle):
+    """A client-chosen rid the engine holds unfinished is a 400 naming ``rid``
+    (``Engine.has_request``); once that request has ended the rid is free again (control)."""
+    held = {"max_new_tokens": 2000, "temperature": 0.0, "ignore_eos": True}
+    body = {"text": "hold this rid", "sampling_params": held, "rid": "live-rid", "stream": True}
+    with http.stream("POST", "/generate", json=body) as resp:
+        assert next(line for line in resp.iter_lines() if line.startswith("data:"))  # running
+        assert engine.has_request("live-rid")
+        r = gen(http, text="x", sampling_params=GREEDY, rid="live-rid")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
+    wait_idle()  # leaving the stream aborted it
+    assert not engine.has_request("live-rid")
+    r = gen(http, text="x", sampling_params=GREEDY, rid="live-rid")
+    assert r.status_code == 200 and r.json()["meta_info"]["id"] == "live-rid", r.text
+
+
 def test_generate_logprob_options_per_prompt_and_streamed(http, engine):
     ids = _prompt(engine)
     r = gen(http, input_ids=[ids, ids[:20]], sampling_params=GREEDY, return_logprob=[True, True],

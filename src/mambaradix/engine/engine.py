@@ -136,6 +136,12 @@ class Engine:
     def abort(self, rid: str) -> None:
         self.loop.put(Abort(rid))
 
+    def has_request(self, rid: str) -> bool:
+        """Whether a request with id ``rid`` is in the engine, unfinished; read from any thread
+        without waiting for the loop (one submitted but not yet taken from the inbox, or whose
+        grammar still compiles, is not seen yet)."""
+        return rid in self.loop.requests
+
     def abort_all(self) -> None:
         """Abort every request the engine holds (each gets a final ``abort`` event)."""
         self.loop.put(AbortAll())

@@ -252,8 +252,7 @@ def _submit(srv: Any, jobs: list[Job], custom_rids: bool) -> None:
         srv.submit(jobs)
         return
     rids = [job.rid for job in jobs]
-    live = getattr(srv.engine, "_reqs", {})
-    clash = next((r for r in rids if r in live), None)
+    clash = next((r for r in rids if srv.engine.has_request(r)), None)
     if clash is not None or len(set(rids)) != len(rids):
         raise APIError(f"rid {clash or rids[0]!r} is already in use", param="rid")
     srv.submit(jobs, keep_rids=True)
