@@ -15,6 +15,12 @@ It returns fp32 next-token logits at ``layout.logit_rows``: each request's last 
 all its new tokens where ``ForwardReq.all_logits`` is set (prompt logprobs); ``[num_tokens,
 vocab]`` for every new token when the ``all_logits`` argument is true. Layers call their ops on
 the backend the model is bound to (``use_backend``).
+
+Speculative decoding with a model's MTP head (``models/mtp.py``, loaded with
+``load_model(..., mtp=True)``): the target forward with ``return_hidden=True`` also returns the
+final-normed hidden state of every row; ``draft(ctx, hidden, next_ids)`` runs the head over a
+layout (the target's own, or a chained step's) and returns its hidden states and logits. The
+head's attention layers come after the model's in the KV pool (``kv_spec`` counts them).
 """
 
 from __future__ import annotations
@@ -61,18 +67,63 @@ class HybridCausalLM(torch.nn.Module):
         raise NotImplementedError
 
     @torch.inference_mode()
-    def forward(self, ctx: ForwardContext, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, ctx: ForwardContext, all_logits: bool = False, return_hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits at the layout's logit rows (every row with ``all_logits``). With
+        ``return_hidden``: ``(logits, hidden)``, ``hidden`` ``[T, hidden_size]`` the final-normed
+        hidden state of every row (what ``lm_head`` reads; an MTP draft head's input, ``draft``);
+        the logits are the same either way."""
         layout = ctx.layout
         x = self.embedding(layout.input_ids)
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
         x = self.body(x, ctx)
+        rows = x
         if not all_logits and layout.logit_rows is not None:
-            x = x.index_select(0, layout.logit_rows)
-        logits = self.lm_head(self.final_norm(x)).float()
+            rows = x.index_select(0, layout.logit_rows)
+        normed = self.final_norm(rows)
+        logits = self.project(normed)
+        if not return_hidden:
+            return logits
+        return logits, normed if rows is x else self.final_norm(x)
+
+    def project(self, normed: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final-normed hidden states (``lm_head``, Granite's scaling)."""
+        logits = self.lm_head(normed).float()
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
         return logits
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        ctx: ForwardContext,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        all_logits: bool = False,
+        step: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of the multi-token-prediction head (``models/mtp.py``; the model loaded
+        with ``load_model(..., mtp=True)``) over the layout's rows: row i at position
+        ``positions[i]`` with ``hidden[i]`` (the target's final-normed hidden state there,
+        ``forward(..., return_hidden=True)``, or the previous step's ``hidden_out``) and
+        ``next_ids[i]``, the token known to follow it. Writes the head's K/V at the layout's
+        ``out_kv_slots`` in its own attention layer(s) of the KV pool. Returns ``(hidden_out
+        [T, hidden_size], logits)``: the next step's ``hidden`` for every row, and fp32 logits
+        of the token after ``next_ids`` at the logit rows (every row with ``all_logits``).
+        ``step`` picks the head's layer (``step % num_mtp_layers``) when it has several."""
+        if self.mtp is None:
+            raise ValueError(
+                f"{type(self).__name__} was loaded without its MTP head; load it with "
+                "load_model(..., mtp=True) (--speculative-algorithm NEXTN)"
+            )
+        layout = ctx.layout
+        out = self.mtp(ctx, hidden, self.embedding(next_ids), step)
+        rows = out
+        if not all_logits and layout.logit_rows is not None:
+            rows = out.index_select(0, layout.logit_rows)
+        return out, self.project(rows)
 
     def use_backend(self, backend: KernelBackend) -> None:
         """Bind every module that calls kernel ops to ``backend`` (the engine's)."""
@@ -99,6 +150,7 @@ class HybridCausalLM(torch.nn.Module):
     def _init_common(self, config: Any, ssm_dtype: torch.dtype) -> None:
         self.config = config
         self.ssm_dtype = ssm_dtype
+        self.mtp: torch.nn.Module | None = None  # the draft head, where asked (models/mtp.py)
         self.vocab_size = config.vocab_size
         self.max_position_embeddings = config.max_position_embeddings
         eos = getattr(config, "eos_token_id", None)

@@ -200,10 +200,16 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     ssm_dtype: torch.dtype = torch.float32,
+    mtp: bool = False,
 ) -> nn.Module:
     """Build the registered model for the checkpoint at ``path`` (or ``tiny:<arch>``) and load
     its weights. The model is in eval mode on ``device`` with parameters in ``dtype`` (``auto``:
     the checkpoint's; modules that keep some parameters in float32 keep them).
+
+    ``mtp``: also build and load the checkpoint's multi-token-prediction draft head
+    (``models/mtp.py``: ``model.mtp``, ``model.draft``; its attention layers extend
+    ``model.kv_spec``). A ValueError names the fix where the architecture has no MTP head here
+    or the checkpoint has no ``mtp.*`` weights.
 
     The model is built without initialisation (``weights.no_init``: meta parameters) and each
     parameter is materialised from the checkpoint tensor that fills it, one at a time; what is
@@ -213,6 +219,18 @@ def load_model(
     config = load_config(str(folder))
     cls = get_model_class(getattr(config, "architectures", None))
     files = weight_files(folder)  # fail on missing weights before building the model
+    kwargs: dict[str, Any] = {}
+    if mtp:
+        from mambaradix.models.mtp import check_mtp_supported
+
+        if not getattr(cls, "supports_mtp", False):
+            raise ValueError(
+                f"{cls.__name__} has no multi-token-prediction head here (MTP runs with "
+                "Qwen3-Next / Qwen3.5 checkpoints); run without --speculative-algorithm"
+            )
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        check_mtp_supported(text, (name for name, _ in iter_weights(folder)), str(folder))
+        kwargs["mtp"] = True
     target = resolve_dtype(dtype, str(folder))
     if dtype == "auto" and target == torch.bfloat16 and str(device).startswith("cpu"):
         from mambaradix.kernels.cpu_features import fast_bf16_matmul
@@ -225,7 +243,7 @@ def load_model(
             )
             target = torch.float32
     with no_init():
-        model = cls(config, ssm_dtype=ssm_dtype)
+        model = cls(config, ssm_dtype=ssm_dtype, **kwargs)
     model.to(dtype=target)  # meta parameters take their target dtypes (overrides included)
     model.load_weights(iter_weights(folder))  # materialised on the CPU, moved below
     left = meta_tensors(model)

@@ -5,6 +5,8 @@ Layer kinds come from ``config.layer_types`` (``linear_attention`` / ``full_atte
 Qwen3.5 differs in the Gated DeltaNet projection layout and uses (text-only, hence plain) M-RoPE;
 its multimodal checkpoints (``Qwen3_5ForConditionalGeneration``) keep the text config under
 ``text_config`` and the weights under ``model.language_model.``; vision weights are ignored.
+Built with ``mtp=True`` the model also holds its MTP draft head (``models/mtp.py``), whose
+attention layers follow the model's in the KV pool; otherwise ``mtp.*`` weights are skipped.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from mambaradix.layers.rotary import RotaryEmbedding
 from mambaradix.layout import ForwardContext
 from mambaradix.models.base import HybridCausalLM
 from mambaradix.models.loader import assign_weights, merge_weights
+from mambaradix.models.mtp import MtpHead, is_mtp_weight, mtp_num_layers, mtp_weight_name
 from mambaradix.models.registry import register_model
 from mambaradix.models.weights import Mapped, stack_expert_weights
 
@@ -102,8 +105,11 @@ class Qwen3NextForCausalLM(HybridCausalLM):
     """Runtime model for Qwen3-Next / Qwen3.5 checkpoints (contract: ``models/base.py``)."""
 
     gdn_layout = "qwen3_next"
+    supports_mtp = True
 
-    def __init__(self, config: Any, ssm_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: Any, ssm_dtype: torch.dtype = torch.float32, mtp: bool = False
+    ) -> None:
         super().__init__()
         cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
         self._init_common(cfg, ssm_dtype)
@@ -144,8 +150,17 @@ class Qwen3NextForCausalLM(HybridCausalLM):
             getattr(cfg, "tie_word_embeddings", False)
             or getattr(config, "tie_word_embeddings", False)
         )
+        n_mtp = 0
+        if mtp:  # MTP layer j: a full-attention layer, the MLP kind of model layer j
+            n_mtp = mtp_num_layers(cfg)
+            layers = [
+                DecoderLayer(GatedAttention(cfg, n_attn + j), self._make_mlp(cfg, j),
+                             cfg.hidden_size, cfg.rms_norm_eps)
+                for j in range(n_mtp)
+            ]  # fmt: skip
+            self.mtp = MtpHead(cfg, layers, self.rotary)
         gdn = [layer.linear_attn for layer in self.layers if layer.mixer_kind == "gdn"]
-        self._init_memory(n_attn, cfg.num_key_value_heads, head_dim, gdn)
+        self._init_memory(n_attn + n_mtp, cfg.num_key_value_heads, head_dim, gdn)
 
     def _make_mlp(self, cfg: Any, i: int) -> nn.Module:
         num_experts = getattr(cfg, "num_experts", 0) or 0
@@ -183,12 +198,17 @@ class Qwen3NextForCausalLM(HybridCausalLM):
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Map HF names (``model.`` or ``model.language_model.`` prefixes; ``mtp.*`` and vision
-        weights dropped; per-expert tensors stacked) onto this module and copy them in."""
+        """Map HF names (``model.`` or ``model.language_model.`` prefixes; vision weights
+        dropped, ``mtp.*`` too unless the model has its MTP head; per-expert tensors stacked)
+        onto this module and copy them in."""
 
         def renamed():
             for name, t in weights:
-                if name.startswith(("mtp.", "model.visual.", "visual.", "model.mtp.")):
+                if is_mtp_weight(name):
+                    if self.mtp is not None:
+                        yield mtp_weight_name(name), t
+                    continue
+                if name.startswith(("model.visual.", "visual.")):
                     continue
                 for prefix in ("model.language_model.", "language_model.model.", "model."):
                     if name.startswith(prefix):

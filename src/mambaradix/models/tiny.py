@@ -8,14 +8,20 @@ tokenizer (any text round-trips) with ChatML special tokens and chat template.
 
 Sizes: ``tiny`` (tests), ``small`` (end-to-end benchmark), ``mid`` (model benchmark); see
 ``size_dims``. CLI: ``python -m mambaradix.models.tiny --arch qwen3_next --out DIR``.
+
+``mtp=True`` adds an architecture's multi-token-prediction head in its published layout
+(``register_tiny(..., mtp=writer)``: seeded random ``mtp.*`` tensors and the config fields that
+declare the head); the rest of the checkpoint is the same as without it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -30,12 +36,24 @@ CHAT_TEMPLATE = (
 )
 
 TinyBuilder = Callable[..., tuple[Any, Any]]
+# (hf_config, the checkpoint's tensors, generator) -> (mtp.* tensors, config.json fields)
+MtpWriter = Callable[[Any, dict, Any], tuple[dict, dict]]
 _BUILDERS: dict[str, TinyBuilder] = {}
+_MTP_WRITERS: dict[str, MtpWriter] = {}
 
 
-def register_tiny(arch: str, builder: TinyBuilder) -> None:
-    """Register the tiny-config builder of an architecture name (e.g. ``"granite_hybrid"``)."""
+def register_tiny(arch: str, builder: TinyBuilder, mtp: MtpWriter | None = None) -> None:
+    """Register the tiny-config builder of an architecture name (e.g. ``"granite_hybrid"``),
+    and the writer of its MTP head's tensors where it has one."""
     _BUILDERS[arch] = builder
+    if mtp is not None:
+        _MTP_WRITERS[arch] = mtp
+
+
+def mtp_archs() -> list[str]:
+    """Names of the architectures whose tiny checkpoints can carry an MTP head."""
+    tiny_archs()
+    return sorted(_MTP_WRITERS)
 
 
 def tiny_archs() -> list[str]:
@@ -121,16 +139,19 @@ def build_tokenizer(vocab_size: int) -> Any:
 
 
 def make_tiny_checkpoint(
-    arch: str, path: str, seed: int = 0, size: str = "tiny", **overrides: Any
+    arch: str, path: str, seed: int = 0, size: str = "tiny", mtp: bool = False, **overrides: Any
 ) -> str:
     """Write a seeded random fp32 checkpoint of ``arch`` + tokenizer into ``path``; returns it.
 
-    ``overrides`` go to the builder (config fields such as ``initializer_range``)."""
+    ``mtp``: add the MTP head's tensors and config fields (``mtp_archs()``). ``overrides`` go
+    to the builder (config fields such as ``initializer_range``)."""
     import torch
 
     archs = tiny_archs()
     if arch not in _BUILDERS:
         raise ValueError(f"unknown tiny architecture {arch!r}; available: {archs}")
+    if mtp and arch not in _MTP_WRITERS:
+        raise ValueError(f"tiny {arch!r} has no MTP head; these do: {mtp_archs()}")
     config, model_cls = _BUILDERS[arch](size, **overrides)
     tokenizer = build_tokenizer(config.get_text_config().vocab_size)
     eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
@@ -149,8 +170,39 @@ def make_tiny_checkpoint(
     model = model.float().eval()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    if mtp:
+        _add_mtp(Path(path), config, _MTP_WRITERS[arch], seed)
     logger.info("wrote tiny %s (%s, seed %d) to %s", arch, size, seed, path)
     return path
+
+
+def _add_mtp(folder: Path, config: Any, writer: MtpWriter, seed: int) -> None:
+    """Add the writer's ``mtp.*`` tensors to the saved weights (one file: rewritten; shards: one
+    more shard in the index) and its fields to config.json (``text_config`` where nested)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        meta = json.loads(index.read_text())
+        tensors = {}
+        for shard in sorted(set(meta["weight_map"].values())):
+            tensors.update(load_file(str(folder / shard)))
+    else:
+        tensors = load_file(str(folder / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed + 1_000_003)  # apart from the model's draws
+    extra, fields = writer(config, tensors, gen)
+    if index.is_file():
+        save_file(extra, str(folder / "model-mtp.safetensors"), metadata={"format": "pt"})
+        meta["weight_map"].update({name: "model-mtp.safetensors" for name in extra})
+        index.write_text(json.dumps(meta, indent=2))
+    else:
+        tensors.update(extra)
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg_path = folder / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    (raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw).update(fields)
+    cfg_path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,13 +211,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--size", default="tiny", choices=SIZES)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mtp", action="store_true", help="add the MTP draft head's weights")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     # Under ``python -m`` this file is ``__main__``; model modules register their builders in
     # the importable ``mambaradix.models.tiny``, so use that one.
     from mambaradix.models import tiny
 
-    tiny.make_tiny_checkpoint(args.arch, args.out, seed=args.seed, size=args.size)
+    tiny.make_tiny_checkpoint(args.arch, args.out, seed=args.seed, size=args.size, mtp=args.mtp)
 
 
 if __name__ == "__main__":

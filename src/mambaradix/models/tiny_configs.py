@@ -4,6 +4,7 @@ dimensions of ``tiny.size_dims``. Kept apart from the model files, which only ru
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from mambaradix.models.nemotron_h import _PATTERN
@@ -68,9 +69,45 @@ def _tiny_qwen3_5_moe(size: str = "tiny", **overrides: Any):
     return Qwen3_5MoeTextConfig(**{**kw, **overrides}), HFModel
 
 
-register_tiny("qwen3_next", _tiny_qwen3_next)
-register_tiny("qwen3_5_moe", _tiny_qwen3_5_moe)
-register_tiny("qwen3_5", _tiny_qwen3_5)
+_LAYER_NAME = re.compile(r"^(?:model\.(?:language_model\.)?)?layers\.(\d+)\.(.+)$")
+
+
+def _qwen_mtp(config: Any, tensors: dict, gen: Any) -> tuple[dict, dict]:
+    """The published MTP head of Qwen3-Next / Qwen3.5 (``models/mtp.py``): ``mtp.fc`` ``[H,
+    2H]``, ``mtp.pre_fc_norm_embedding`` / ``mtp.pre_fc_norm_hidden`` / ``mtp.norm`` ``[H]``
+    and ``mtp.layers.0.*`` named and shaped as the model's first full-attention layer, with the
+    MLP of model layer 0 (the MLP kind its index gives). Seeded random: linears at the
+    config's initializer range, norm offsets at 0.2 (not the zeros of an untrained model, so a
+    norm left out changes the result)."""
+    import torch
+
+    cfg = config.get_text_config()
+    attn = list(cfg.layer_types).index("full_attention")
+    hidden = cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "mtp.fc.weight": (hidden, 2 * hidden),
+        "mtp.pre_fc_norm_embedding.weight": (hidden,),
+        "mtp.pre_fc_norm_hidden.weight": (hidden,),
+        "mtp.norm.weight": (hidden,),
+    }
+    for name, t in tensors.items():
+        m = _LAYER_NAME.match(name)
+        if m is None:
+            continue
+        i, rest = int(m.group(1)), m.group(2)
+        if i == (0 if rest.startswith("mlp.") else attn):
+            shapes[f"mtp.layers.0.{rest}"] = tuple(t.shape)
+    dtype = next(iter(tensors.values())).dtype
+    out = {}
+    for name in sorted(shapes):
+        scale = 0.2 if len(shapes[name]) == 1 else cfg.initializer_range
+        out[name] = (torch.randn(shapes[name], generator=gen) * scale).to(dtype)
+    return out, {"mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False}
+
+
+register_tiny("qwen3_next", _tiny_qwen3_next, mtp=_qwen_mtp)
+register_tiny("qwen3_5_moe", _tiny_qwen3_5_moe, mtp=_qwen_mtp)
+register_tiny("qwen3_5", _tiny_qwen3_5, mtp=_qwen_mtp)
 
 
 # --------------------------------------------------------------------------- granite_hybrid
