@@ -159,6 +159,26 @@ class EngineConfig:
         "On a CUDA device, the decode batch sizes captured as CUDA graphs (a step pads to the "
         "next one), replacing the buckets --cuda-graph-max-bs gives.",
     )
+    speculative_algorithm: str = opt(
+        "",
+        "Speculative decoding: 'NGRAM' drafts each decoding request's next tokens from its own "
+        "prompt and output (prompt lookup) and verifies them in one forward; the outputs are "
+        "those of decoding without it (greedy: the same tokens; sampling: the same "
+        "distribution). 'NEXTN' / 'MTP' (the checkpoint's MTP head) are not available yet. "
+        "Needs a kernel backend that snapshots at any token (not cuda); turns overlap off.",
+        ["", "NGRAM", "NEXTN", "MTP"],
+    )
+    speculative_num_steps: int = opt(3, "Draft tokens per verify step (k).")
+    speculative_num_draft_tokens: int = opt(
+        0, "Tokens a verify step scores: k + 1 with --speculative-eagle-topk 1 (0: k + 1)."
+    )
+    speculative_eagle_topk: int = opt(1, "Draft branches per step; only 1 (a chain) is supported.")
+    speculative_ngram_min_match_window_size: int = opt(
+        1, "NGRAM: the shortest suffix of a request's tokens looked up in its earlier tokens."
+    )
+    speculative_ngram_max_match_window_size: int = opt(
+        4, "NGRAM: the longest suffix looked up (the longest that matches wins)."
+    )
     num_threads: int = opt(0, "torch intra-op threads; 0 keeps torch's default.")
     kernel_backend: str = opt(
         "auto",
@@ -185,6 +205,7 @@ class EngineConfig:
             raise ValueError("--decode-graph-max-bs must be >= 0")
         if self.cuda_graph_max_bs < 0 or any(b < 1 for b in self.cuda_graph_bs):
             raise ValueError("--cuda-graph-max-bs must be >= 0 and --cuda-graph-bs sizes >= 1")
+        self._validate_speculative()
         on_cuda = self.device.split(":", 1)[0] == "cuda"
         if not on_cuda and (self.cuda_graph_bs or self.cuda_graph_max_bs != 256):
             raise ValueError(
@@ -213,6 +234,45 @@ class EngineConfig:
                 "combined with --disable-radix-cache"
             )
         check_device(self.device)
+
+    def _validate_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if not algo:
+            for f in dataclasses.fields(self):
+                if f.name.startswith("speculative_") and getattr(self, f.name) != f.default:
+                    raise ValueError(f"{_flag(f.name)} needs --speculative-algorithm")
+            return
+        if algo in ("NEXTN", "MTP"):
+            raise ValueError(
+                f"--speculative-algorithm {algo}: drafting with the checkpoint's MTP head is "
+                "not available yet; use --speculative-algorithm NGRAM"
+            )
+        k = self.speculative_num_steps
+        if k < 1:
+            raise ValueError("--speculative-num-steps must be >= 1")
+        if self.speculative_eagle_topk != 1:
+            raise ValueError(
+                "--speculative-eagle-topk: only 1 (one chain of drafts) is supported, got "
+                f"{self.speculative_eagle_topk}"
+            )
+        if self.speculative_num_draft_tokens not in (0, k + 1):
+            raise ValueError(
+                f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 ({k + 1}) "
+                "with --speculative-eagle-topk 1"
+            )
+        lo = self.speculative_ngram_min_match_window_size
+        hi = self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            raise ValueError(
+                "--speculative-ngram-min-match-window-size must be >= 1 and <= "
+                "--speculative-ngram-max-match-window-size"
+            )
+        if self.kernel_backend == "cuda" or self.device.split(":", 1)[0] == "cuda":
+            raise ValueError(
+                "--speculative-algorithm: the cuda backend writes states only every 64 tokens "
+                "of a forward, and a verify step needs the state after each draft token; "
+                "speculative decoding runs on the cpu and torch backends"
+            )
 
 
 def check_device(device: str) -> None:

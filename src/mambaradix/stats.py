@@ -27,6 +27,8 @@ class EngineStats:
     cached_tokens: int = 0
     computed_prefill_tokens: int = 0
     generated_tokens: int = 0
+    spec_verify_ct: int = 0  # speculative verify forwards (one per request per step)
+    spec_accepted_tokens: int = 0  # tokens those verify steps emitted
     retractions: int = 0
     admission_waits: int = 0
     held_for_sharing: int = 0

@@ -50,6 +50,7 @@ class ReqCache:
     kv_alloc: int = 0
     state_node: TreeNode | None = None  # state-locked until the resume copy has run
     pending: list[int] = field(default_factory=list)  # no_buffer snapshot slots not yet inserted
+    spec_slots: list[int] = field(default_factory=list)  # a verify step's states after each draft
 
 
 @dataclass(slots=True, eq=False)
@@ -252,6 +253,30 @@ class RequestCache:
         else:
             self.state_pool.free(fresh)
 
+    # ------------------------------------------------------------------ speculative decoding
+
+    def alloc_spec_slots(self, rc: ReqCache, n: int) -> bool:
+        """``n`` scratch slots for a verify step's states after each draft token (evicting if
+        needed); False (nothing taken) when the pool cannot give them."""
+        got = self._alloc_state(n)
+        if got is None:
+            return False
+        rc.spec_slots = got
+        return True
+
+    def settle_spec(self, rc: ReqCache, kept: int) -> None:
+        """A verify step kept ``kept`` of its input tokens (the last sampled one and the
+        accepted drafts): the state after them becomes the working state. The working slot
+        holds the state after all of them; a scratch slot the state after ``kept`` when fewer
+        were kept, and then it becomes the working slot (no copy). The rest are freed."""
+        spare = rc.spec_slots
+        rc.spec_slots = []
+        if 1 <= kept <= len(spare):
+            kept_slot = spare[kept - 1]
+            spare = spare[: kept - 1] + spare[kept:] + [rc.state_slot]
+            rc.state_slot = kept_slot
+        self.state_pool.free(spare)
+
     # ------------------------------------------------------------------ end of a request
 
     def finish(
@@ -284,7 +309,7 @@ class RequestCache:
         owned = self.req_slots.table[rc.row, rc.tree_len : rc.kv_alloc]
         if owned.numel():
             self.kv_pool.free(owned.clone())
-        states = list(rc.track_slots) + rc.pending
+        states = list(rc.track_slots) + rc.pending + rc.spec_slots
         if rc.state_slot >= 0:
             states.append(rc.state_slot)
         self.state_pool.free(states)
@@ -292,7 +317,8 @@ class RequestCache:
             self.tree.unlock(rc.node)
         self.req_slots.free(rc.row)
         self.live.discard(rc)
-        rc.track_slots, rc.pending, rc.state_slot, rc.node = [], [], -1, None
+        rc.track_slots, rc.pending, rc.spec_slots = [], [], []
+        rc.state_slot, rc.node = -1, None
 
     def flush(self) -> int | None:
         """Empty the prefix cache (SGLang's ``/flush_cache``): None, and nothing freed, while
@@ -321,7 +347,7 @@ class RequestCache:
         states: list[int] = []
         for rc in self.live:
             kv.extend(self.req_slots.table[rc.row, rc.tree_len : rc.kv_alloc].tolist())
-            states.extend(rc.track_slots + rc.pending)
+            states.extend(rc.track_slots + rc.pending + rc.spec_slots)
             if rc.state_slot >= 0:
                 states.append(rc.state_slot)
         for t in self.loading.values():

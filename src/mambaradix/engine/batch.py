@@ -36,6 +36,9 @@ class RunBatch:
     # prompt logprobs: (index into forward.reqs, row offset in its segment, target token ids,
     # top-k); that request has ForwardReq.all_logits set
     prompt_rows: list[tuple[int, int, list[int], int]] = field(default_factory=list)
+    # speculative decoding: sample row -> the draft tokens its request's forward verifies
+    # (that request has ForwardReq.all_logits set: one row per input token)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -47,6 +50,8 @@ class RunResult:
     # per RunBatch.prompt_rows entry: the targets' logprobs and each one's top-k (or None)
     prompt: list[tuple[list[float], list[TopLogprobs | None]]] = field(default_factory=list)
     errors: dict[int, BaseException] | None = None  # sample row -> why sampling it raised
+    # speculative decoding: sample row -> the tokens its verify step emits and their logprobs
+    accepted: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
     grammar_ended: set[int] = field(default_factory=set)  # sample rows whose grammar ended
     seconds: float = 0.0  # the forward and its sampling, on the runner's thread
     extend_tokens: int = 0  # tokens the forward computed (prefill + decode rows)

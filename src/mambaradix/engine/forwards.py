@@ -33,6 +33,7 @@ class Entry:
     resumed: bool = False
     prompt_idx: int | None = None  # its entry in RunBatch.prompt_rows (prompt logprobs)
     prompt_first: int = 0  # the prompt position of that entry's first target token
+    draft: list[int] | None = None  # the draft tokens this forward verifies (speculation)
 
 
 @dataclass(slots=True)
@@ -125,6 +126,36 @@ class ForwardBuilder:
         )
         plan.entries.append(entry)
         req.fed_len = end
+
+    def add_verify(self, plan: BatchPlan, req: Req, draft: list[int]) -> None:
+        """Append a verify forward: the request's last token and ``draft`` in one forward, the
+        state after each token written into its scratch slots (``rc.spec_slots``, one per
+        draft token: after the last one it is the working slot's), logits for every row. The
+        caller made sure no snapshot of the cache falls inside it (``Speculation.draft``)."""
+        start = req.fed_len
+        end = start + 1 + len(draft)
+        run = plan.run
+        entry = Entry(req, end, SnapshotSpot([]), draft=draft)
+        entry.sample_row = len(run.sample_rows)
+        run.drafts[entry.sample_row] = draft
+        run.sample_rows.append(len(run.forward.reqs))
+        run.params.append(req.params)
+        run.generators.append(req.generator)
+        run.logit_states.append(req.logits_state)
+        run.grammars.append(req.grammar)
+        run.forward.reqs.append(
+            ForwardReq(
+                prefix_len=start,
+                input_ids=req.token_slice(start, start + 1) + draft,
+                kv_slots=self.cache.kv_slots(req.rc, end),
+                state_slot=req.rc.state_slot,
+                snapshots=[(n + 1, slot) for n, slot in enumerate(req.rc.spec_slots)],
+                all_logits=True,
+            )
+        )
+        plan.entries.append(entry)
+        req.fed_len = end  # until the results say how many were kept
+        self.stats.spec_verify_ct += 1
 
     def _plan_prompt_logprobs(
         self, plan: BatchPlan, entry: Entry, req: Req, start: int, end: int

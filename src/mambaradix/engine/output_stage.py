@@ -82,6 +82,8 @@ class OutputStage:
             finish_matched=req.finish_matched if finished else None,
             error=req.error if finished else None,
             queue_time=req.queue_time,
+            spec_verify_ct=req.spec_verify_ct,
+            spec_accepted=req.spec_accepted,
         )
         if req.params.return_logprob or req.params.wants_prompt_logprobs:
             self._logprob_extras(req, out, len(ids))

@@ -31,6 +31,16 @@ class RequestOutput:
     error: str | None = None  # set on the final output of a request that failed
     queue_time: float | None = None  # seconds the request waited before its first admission
     storage_tokens: int = 0  # of cached_tokens, those read back from the storage tier
+    spec_verify_ct: int = 0  # speculative verify steps so far, and the tokens they emitted
+    spec_accepted: int = 0
+
+
+def spec_meta(verify_ct: int, accepted: int) -> dict[str, int | float]:
+    """SGLang's ``spec_verify_ct`` and the mean tokens a verify step emitted (none without
+    speculation)."""
+    if not verify_ct:
+        return {}
+    return {"spec_verify_ct": verify_ct, "spec_accept_length": accepted / verify_ct}
 
 
 def cached_details(out: RequestOutput) -> dict[str, int]:
@@ -146,6 +156,7 @@ def _collect(events: Iterator[RequestOutput]) -> dict:
         "cached_tokens": max(0, last.cached_tokens),
         "cached_tokens_details": cached_details(last),
         "finish_reason": last.finish_reason,
+        **spec_meta(last.spec_verify_ct, last.spec_accepted),
     }
     if lps:
         meta["output_token_logprobs"] = lps

@@ -57,6 +57,9 @@ class Req:
     queue_time: float | None = None  # seconds from arrival to first admission
     generator: torch.Generator | None = None
     np_ids: np.ndarray | None = None
+    drafter: object = None  # engine.speculative.NgramDrafter over its tokens (speculation on)
+    spec_verify_ct: int = 0  # verify steps run (SGLang's meta_info name)
+    spec_accepted: int = 0  # tokens those steps emitted
     stream: object = None  # engine-side output sink
     detok: object = None
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from mambaradix.cache.request_cache import RequestCache
 from mambaradix.core import FinishReason
 from mambaradix.engine.batch import RunResult
-from mambaradix.engine.forwards import BatchPlan
+from mambaradix.engine.forwards import BatchPlan, Entry
 from mambaradix.engine.request import Req, ReqStatus
 from mambaradix.engine.strategies import SnapshotStrategy
 from mambaradix.stats import EngineStats
@@ -58,9 +58,48 @@ class ResultProcessor:
                 if e.prompt_first == req.params.prompt_logprob_start + len(req.prompt_lps):
                     req.prompt_lps.extend(lps)
                     req.prompt_top.extend(top)
+            if e.draft is not None:
+                self._take_verified(req, result, e)
+                continue
             self.strategy.forward_done(req, e.end, e.spot)
             if e.sample_row is not None:
                 self._take_token(req, result, e.sample_row)
+
+    def _take_verified(self, req: Req, result: RunResult, e: Entry) -> None:
+        """A verify step's tokens, one at a time through the same stop checks as decoding's
+        (a stop mid-draft drops the rest); then the state after the tokens kept becomes the
+        working state (``RequestCache.settle_spec``) before the request may finish."""
+        row = e.sample_row
+        req.futures.pop(0)
+        if result.errors and row in result.errors:
+            self.fail(req, result.errors[row])
+            return
+        emitted, lps = result.accepted[row]
+        start = e.end - 1 - len(e.draft)
+        kept, reason, error = 0, None, None
+        for tok, lp in zip(emitted, lps):
+            kept += 1
+            req.output_ids.append(tok)
+            req.output_logprobs.append(lp)
+            self.stats.generated_tokens += 1
+            try:
+                reason = self._finish_reason(req, tok)
+                if self.on_tokens(req, [tok], [lp]):
+                    reason = FinishReason.STOP
+            except Exception as exc:  # detokenization / stop strings of this request
+                error = exc
+            if reason is not None or error is not None:
+                break
+        req.fed_len = start + kept
+        self.cache.settle_spec(req.rc, kept)
+        self.strategy.forward_done(req, req.fed_len, e.spot)
+        req.spec_verify_ct += 1
+        req.spec_accepted += kept
+        self.stats.spec_accepted_tokens += kept
+        if error is not None:
+            self.fail(req, error)
+        elif reason is not None:
+            self.finish(req, reason)
 
     def _take_token(self, req: Req, result: RunResult, row: int) -> None:
         tok = result.tokens[row]

@@ -17,7 +17,8 @@ from mambaradix.cache.state_pool import StatePool
 from mambaradix.core import ForwardBatch, ForwardReq, SamplingParams, StateOps
 from mambaradix.engine.batch import FUTURE_STRIDE, RunBatch, RunResult
 from mambaradix.engine.cuda_graphs import CudaGraphs
-from mambaradix.engine.sampler import sample, top_logprobs
+from mambaradix.engine.sampler import sample, sampling_probs, top_logprobs
+from mambaradix.engine.speculative import accept_greedy, accept_sampled
 from mambaradix.engine.step_graph import DecodeGraphs
 from mambaradix.engine.structured import BatchMasks, StructuredOutput
 from mambaradix.kernels.backend import KernelBackend, reference_backend
@@ -107,7 +108,7 @@ class ModelRunner:
                 logits = self.model.forward(ctx)
             sample_rows = batch.sample_rows
             first_row: list[int] = []
-            if batch.prompt_rows:  # some requests return logits for all their new tokens
+            if batch.prompt_rows or batch.drafts:  # some return logits for all their tokens
                 pos = 0
                 for r in fb.reqs:
                     first_row.append(pos)
@@ -125,6 +126,12 @@ class ModelRunner:
                     errors = result.errors or {}
                     result.grammar_ended = masks.accept(result.tokens, errors)
                     result.errors = errors or None
+                for i, draft in batch.drafts.items():
+                    if result.errors and i in result.errors:
+                        continue
+                    j = batch.sample_rows[i]
+                    rows = logits[first_row[j] : first_row[j] + len(draft) + 1].float()
+                    self._verify(result, i, draft, rows, batch)
             for j, offset, targets, k in batch.prompt_rows:
                 start = first_row[j] + offset
                 rows = logits[start : start + len(targets)].float()
@@ -138,6 +145,28 @@ class ModelRunner:
         result.extend_tokens = sum(r.extend_len for r in fb.reqs)
         result.seconds = time.perf_counter() - t0
         return result
+
+    def _verify(
+        self, result: RunResult, i: int, draft: list[int], rows: torch.Tensor, batch: RunBatch
+    ) -> None:
+        """Sample row ``i`` verified ``draft``: ``rows`` [k + 1, V] are the target's logits
+        after each of its input tokens; the tokens acceptance emits (``engine.speculative``)
+        and their logprobs under the model's distribution replace the row's sampled token
+        (which the normal path drew from the last row, its generator draws included, so a
+        seeded request stays deterministic)."""
+        p = batch.params[i]
+        greedy, norm = argmax_logsumexp(rows)
+        if p.temperature == 0.0 or p.top_k == 1:
+            emitted = accept_greedy(draft, greedy.tolist())
+        else:
+            probs = torch.stack([sampling_probs(rows[r], p) for r in range(rows.shape[0])])
+            emitted = accept_sampled(draft, probs, batch.generators[i])
+        n = len(emitted)
+        picked = torch.tensor(emitted, dtype=torch.long, device=rows.device)
+        chosen = rows[:n].gather(1, picked[:, None])
+        lps = logprobs_of(chosen, (norm[0][:n], norm[1][:n]))[:, 0].tolist()
+        result.accepted[i] = (emitted, lps)
+        result.tokens[i], result.logprobs[i] = emitted[-1], lps[-1]
 
     def _sample(
         self,

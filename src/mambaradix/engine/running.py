@@ -13,6 +13,7 @@ from collections.abc import Callable
 from mambaradix.cache.request_cache import RequestCache
 from mambaradix.engine.forwards import BatchPlan, ForwardBuilder
 from mambaradix.engine.request import Req, ReqStatus
+from mambaradix.engine.speculative import Speculation
 from mambaradix.engine.strategies import SnapshotStrategy
 from mambaradix.stats import EngineStats
 
@@ -32,6 +33,7 @@ class RunningSet:
         *,
         context_length: int,
         settle: Callable[[], None],
+        speculation: Speculation | None = None,
     ) -> None:
         self.cache = cache
         self.strategy = strategy
@@ -39,12 +41,17 @@ class RunningSet:
         self.stats = stats
         self.context_length = context_length
         self.settle = settle
+        self.speculation = speculation
 
     def schedule(self, plan: BatchPlan, running: list[Req], budget: int) -> int:
         """One decode per decoding request (first in the batch: one KV allocation and one
         slot-row gather for all), then the next chunk of those still in prefill; returns the
         prefill budget left."""
         decodes = [r for r in running if r.seq_len - r.fed_len == 1 and self._schedulable(r)]
+        verifies = self._drafts(decodes) if self.speculation is not None else []
+        if verifies:
+            drafted = {id(r) for r, _ in verifies}
+            decodes = [r for r in decodes if id(r) not in drafted]
         if decodes:
             got = self.cache.ensure_kv_many(
                 [r.rc for r in decodes], [r.fed_len + 1 for r in decodes]
@@ -58,10 +65,28 @@ class RunningSet:
                 self.builder.add(plan, req, req.fed_len + 1, kv_slots=rows[b, : req.fed_len + 1])
                 budget -= 1
             plan.run.forward.decode_table = rows
+        for req, draft in verifies:  # after the plain decodes (the decode table's rows)
+            self.builder.add_verify(plan, req, draft)
+            budget -= 1 + len(draft)
         for req in running:
             if req.seq_len - req.fed_len > 1 and budget > 0:
                 budget -= self.builder.add_prefill(plan, req, budget)
         return budget
+
+    def _drafts(self, decodes: list[Req]) -> list[tuple[Req, list[int]]]:
+        """The decodes that verify a draft this step, with their KV and scratch state slots
+        taken; the others decode one token."""
+        out = []
+        for req in decodes:
+            draft = self.speculation.draft(req)
+            if not draft:
+                continue
+            rc = req.rc
+            if self.cache.ensure_kv(rc, req.fed_len + 1 + len(draft)) and (
+                self.cache.alloc_spec_slots(rc, len(draft))
+            ):
+                out.append((req, draft))
+        return out
 
     def _schedulable(self, req: Req) -> bool:
         """A decode whose token would be past max_new_tokens or the context is not run."""

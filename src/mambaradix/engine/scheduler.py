@@ -24,13 +24,14 @@ from concurrent.futures import Future
 from mambaradix.cache.integrity import IntegrityError
 from mambaradix.cache.request_cache import RequestCache
 from mambaradix.config import EngineConfig
-from mambaradix.core import FinishReason
+from mambaradix.core import EXTRA_BUFFER, FinishReason
 from mambaradix.engine.admission import Admission
 from mambaradix.engine.batch import Runner, future_id
 from mambaradix.engine.forwards import BatchPlan, ForwardBuilder
 from mambaradix.engine.request import Req, ReqStatus
 from mambaradix.engine.results import ResultProcessor
 from mambaradix.engine.running import RunningSet
+from mambaradix.engine.speculative import Speculation
 from mambaradix.engine.strategies import make_strategy
 from mambaradix.kernels.capabilities import BackendCapabilities
 
@@ -83,6 +84,19 @@ class Scheduler:
             lpm=cfg.schedule_policy == "lpm",
             fail=self.fail,
         )
+        speculation = None
+        if cfg.speculative_algorithm:
+            speculation = Speculation(
+                cfg.speculative_num_steps,
+                cfg.speculative_ngram_min_match_window_size,
+                cfg.speculative_ngram_max_match_window_size,
+                context_length=context_length,
+                page_size=cache.page_size,
+                track_interval=cfg.mamba_track_interval,
+                cache_enabled=cache.enabled,
+                page_snapshots=self.strategy.name == EXTRA_BUFFER,
+            )
+            self.overlap = False  # a draft needs the tokens the step before accepted
         self.running_set = RunningSet(
             cache,
             self.strategy,
@@ -90,6 +104,7 @@ class Scheduler:
             self.stats,
             context_length=context_length,
             settle=self.drain,
+            speculation=speculation,
         )
         self.results = ResultProcessor(
             cache,

@@ -116,3 +116,75 @@ def accept_sampled(
         return out
     out.append(int(torch.multinomial(p_all[k], 1, generator=generator)))
     return out
+
+
+class Speculation:
+    """The scheduler's side of speculative decoding: each decoding request's draft for this
+    step, cut so that the cache sees exactly what it sees without speculation.
+
+    A decode forward ending at a *snapshot end* (``--mamba-track-interval`` positions at whole
+    pages; with ``extra_buffer`` and pages > 1 every page end) writes a snapshot there. A verify
+    step may end anywhere in ``start + 1 .. start + 1 + k``, so a draft is cut to end before the
+    next snapshot end, and the step that reaches it is an ordinary decode: snapshots land at the
+    same positions, from the same kind of forward, as with speculation off."""
+
+    def __init__(
+        self,
+        k: int,
+        min_n: int,
+        max_n: int,
+        *,
+        context_length: int,
+        page_size: int,
+        track_interval: int,
+        cache_enabled: bool,
+        page_snapshots: bool,
+    ) -> None:
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+        self.context_length = context_length
+        self.page_size = page_size
+        self.track_interval = track_interval
+        self.cache_enabled = cache_enabled
+        self.page_snapshots = page_snapshots and page_size > 1
+
+    def draft(self, req) -> list[int]:
+        """Draft tokens for ``req`` (a decoding request, nothing in flight), or [] for an
+        ordinary decode step."""
+        p = req.params
+        if req.grammar is not None or req.logits_state is not None or p.top_logprobs:
+            return []  # per-token masks, penalties and top-k alternatives: one token a step
+        start = req.fed_len  # the position of the token this step feeds
+        room = min(
+            self.k,
+            p.max_new_tokens - req.num_outputs() - 1,  # emitted tokens: up to k + 1
+            self.context_length - start - 2,
+            self._before_snapshot(start + 1) - start - 2,
+        )
+        if room < 1:
+            return []
+        if req.drafter is None:
+            req.drafter = NgramDrafter(min_n=self.min_n, max_n=self.max_n)
+        drafter: NgramDrafter = req.drafter
+        n_known = len(drafter.tokens)
+        if n_known < req.seq_len:
+            drafter.extend(req.token_slice(n_known, req.seq_len))
+        return drafter.propose(room)
+
+    def _before_snapshot(self, first_end: int) -> int:
+        """The first decode end ``>= first_end`` that writes a snapshot (a large number when
+        none does)."""
+        if not self.cache_enabled:
+            return 1 << 62
+        page = self.page_size
+        steps = []
+        if self.page_snapshots:
+            steps.append(page)
+        interval = self.track_interval * page // _gcd(self.track_interval, page)
+        steps.append(interval)
+        return min(-(-first_end // s) * s for s in steps)
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a

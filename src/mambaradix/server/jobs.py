@@ -44,7 +44,7 @@ class Job:
         "index", "rid", "input_ids", "params", "prompt_key", "ch", "handle", "timer",
         "text_parts", "token_ids", "logprobs", "tops", "prompt_lps", "prompt_tops",
         "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "storage_tokens",
-        "finished", "finish_matched",
+        "spec_verify_ct", "spec_accepted", "finished", "finish_matched",
         "error", "pending_ids", "pending_lps", "pending_tops", "echo_text", "echo_pending",
         "splitter", "withheld", "stream_detok", "stream_state", "stream_seen", "tool_stream",
     )  # fmt: skip
@@ -77,6 +77,7 @@ class Job:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.storage_tokens = 0  # of cached_tokens, read back from the storage tier
+        self.spec_verify_ct = self.spec_accepted = 0  # speculative verify steps, their tokens
         self.finished = False
         self.finish_matched: str | int | None = None  # the stop string or token that ended it
         self.error: BaseException | None = None
@@ -130,6 +131,7 @@ class Job:
         self.prompt_tokens = out.prompt_tokens
         self.cached_tokens = max(0, out.cached_tokens)
         self.storage_tokens = out.storage_tokens
+        self.spec_verify_ct, self.spec_accepted = out.spec_verify_ct, out.spec_accepted
         if out.finished:
             self.finished = True
             self.finish_reason = "length" if self.ch.discard else out.finish_reason

@@ -57,6 +57,8 @@ _ENGINE_COUNTERS = {
     "state_copy_bytes": ("state_copy_bytes", "Bytes moved by recurrent-state slot copies."),
     "finished_requests": ("engine_finished_requests", "Requests finished by the engine."),
     "decode_graph_replays": ("decode_graph_replays", "Decode steps replayed from a recording."),
+    "spec_verify_ct": ("spec_verify_ct", "Speculative verify steps (one per request per step)."),
+    "spec_accepted_tokens": ("spec_accepted_tokens", "Tokens emitted by speculative verify steps."),
     "decode_graph_recordings": ("decode_graph_recordings", "Decode steps recorded for replay."),
     "lost_reuse_requests": (
         "lost_reuse_requests",
@@ -134,6 +136,13 @@ class EngineStatsCollector(Collector):
         for field_name, (name, help_text) in _ENGINE_COUNTERS.items():
             if hasattr(stats, field_name):
                 yield self._family(CounterMetricFamily, name, help_text, getattr(stats, field_name))
+        if stats.spec_verify_ct:
+            yield self._family(
+                GaugeMetricFamily,
+                "spec_accept_length",
+                "Mean tokens a speculative verify step emitted (accepted drafts + 1), since start.",
+                stats.spec_accepted_tokens / stats.spec_verify_ct,
+            )
 
 
 class ServerMetrics:

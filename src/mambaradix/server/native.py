@@ -32,6 +32,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 import mambaradix
+from mambaradix.engine.outputs import spec_meta
 from mambaradix.server.jobs import Choices, Job
 from mambaradix.server.native_protocol import (
     DetokenizeRequest,
@@ -81,6 +82,7 @@ class _NativeJob:
                 "storage": job.storage_tokens,
             },
             "e2e_latency": time.perf_counter() - self.t0,
+            **spec_meta(job.spec_verify_ct, job.spec_accepted),
         }
         if self.opts.return_logprob:
             decode = (lambda t: job.ch.tok.decode([t])) if self.with_text else None
