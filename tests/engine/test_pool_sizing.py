@@ -151,3 +151,18 @@ def test_too_little_memory_is_a_clear_error():
             max_running_requests=20,
             mamba_scheduler_strategy="extra_buffer",
         )
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("strategy", [NO_BUFFER, EXTRA_BUFFER])
+def test_running_cap_counts_the_verify_steps_slots(k, strategy):
+    """With speculation a running request holds k more state slots (the states after each
+    draft token of a verify step): the cap divides the running share by 1 + k or 3 + k."""
+    flags = dict(max_mamba_cache_size=200, mamba_scheduler_strategy=strategy)
+    p = plan("qwen3_5_0_8b", available=64 * GiB, **flags)
+    q = plan("qwen3_5_0_8b", available=64 * GiB, speculative_algorithm="NGRAM",
+             speculative_num_steps=k, **flags)  # fmt: skip
+    per_req = 3 if strategy == EXTRA_BUFFER else 1
+    assert p.max_running == int(200 * RUNNING_SHARE) // per_req
+    assert q.max_running == int(200 * RUNNING_SHARE) // (per_req + k)
+    print(f"k={k} {strategy}: {per_req + k} slots x {q.slot_bytes / (1 << 20):.1f} MB a request")

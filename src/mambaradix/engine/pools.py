@@ -163,6 +163,8 @@ def plan_pools(
 
     enabled = not cfg.disable_radix_cache
     strategy = cfg.mamba_scheduler_strategy
+    # speculation: a verify step holds the state after each draft token in a slot of its own
+    spec = cfg.speculative_num_steps if cfg.speculative_algorithm else 0
     if not enabled:
         # no snapshots without the cache: one slot per request whatever the strategy says
         strategy = EXTRA_BUFFER if strategy == "auto" else strategy
@@ -171,16 +173,17 @@ def plan_pools(
         reason = "--mamba-scheduler-strategy"
     else:
         want = cfg.max_running_requests or AUTO_MIN_RUNNING
-        if _running_cap(slots, state_slots_per_request(EXTRA_BUFFER)) >= min(want, MAX_RUNNING):
+        extra = state_slots_per_request(EXTRA_BUFFER) + spec
+        if _running_cap(slots, extra) >= min(want, MAX_RUNNING):
             strategy = EXTRA_BUFFER
-            reason = f"auto: {slots} slots run >= {min(want, MAX_RUNNING)} requests at 3 each"
+            reason = f"auto: {slots} slots run >= {min(want, MAX_RUNNING)} requests at {extra} each"
         else:
             strategy = NO_BUFFER
             reason = (
                 f"auto: {slots} slots of {slot_bytes / (1 << 20):.1f} MB run fewer than "
-                f"{min(want, MAX_RUNNING)} requests at 3 slots each; 1 slot each instead"
+                f"{min(want, MAX_RUNNING)} requests at {extra} slots each; {1 + spec} each instead"
             )
-    per_req = state_slots_per_request(strategy, enabled)
+    per_req = state_slots_per_request(strategy, enabled) + spec
     max_running = cfg.max_running_requests or _running_cap(slots, per_req)
     if max_running * per_req > slots:
         raise ValueError(
