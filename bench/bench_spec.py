@@ -1,0 +1,168 @@
+"""Speculative decoding at real size: what a verify step costs and what it yields.
+
+On the real-size Qwen3.5-0.8B-shaped preset (bench_real's checkpoint: random bf16 weights,
+bf16, ``--threads`` threads), batch 1 at a 512-token context, through the engine's runner
+(sampling included; the one-token decode step replayed from its step graph as the engine runs
+it):
+
+- the cost of a verify step of k + 1 tokens (k = 1..3: the last token and k drafts, the state
+  after each written to its own slot) over a one-token decode step, median of ``--reps``
+  alternated runs;
+- the tokens/s those costs give at accepted lengths 1.5, 2.0, 2.5, 3.0 (computed: accepted
+  length / verify step time at k = 3; an n-gram draft costs no forward), beside one-token
+  decoding's;
+- measured with the engine (``--speculative-algorithm NGRAM``, k = 3) against without, batch 1
+  and batch 16, 64 new tokens: tokens/s and the accept length this model shows (random weights
+  rarely repeat, so drafts are rarely kept: the measured figure is the cost side);
+- the hit rate of the shared-prefix workload (4 groups x 8 requests, 512 + 64 tokens, 16 new)
+  and of a multi-turn one (8 conversations x 3 turns, each turn the previous prompt + its
+  answer + 32 new tokens), speculation on and off.
+
+    HF_HUB_OFFLINE=1 python bench/bench_spec.py [--reps 7] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_real import checkpoint  # noqa: E402
+
+PRESET = "qwen3_5_0_8b"
+CONTEXT = 512
+
+
+def step_costs(eng, reps: int) -> dict[int, float]:
+    """Seconds of a runner step at batch 1: key 0 a one-token decode, k a verify of k + 1."""
+    from mambaradix.core import ForwardBatch, ForwardReq, SamplingParams, StateOps
+    from mambaradix.engine.batch import RunBatch
+
+    runner, kv, st = eng.runner, eng.kv_pool, eng.state_pool
+    vocab = eng.model.vocab_size
+    page = kv.page_size
+    slots = st.alloc(4)
+    kv_slots = kv.alloc(-(-(CONTEXT + 8) // page) * page)
+    prompt = [(i * 7919) % (vocab - 10) + 5 for i in range(CONTEXT)]
+    greedy = SamplingParams(temperature=0.0)
+    batch_id = [1 << 20]
+
+    def run(reqs, drafts=None) -> float:
+        batch_id[0] += 1
+        batch = RunBatch(batch_id[0], ForwardBatch(reqs, StateOps()), sample_rows=[0],
+                         params=[greedy], generators=[None], logit_states=[None],
+                         grammars=[None], drafts=drafts or {})  # fmt: skip
+        t0 = time.perf_counter()
+        runner.submit(batch).result()
+        return time.perf_counter() - t0
+
+    run([ForwardReq(0, prompt, kv_slots[:CONTEXT], slots[0], all_logits=False)])
+    times: dict[int, list[float]] = {k: [] for k in range(4)}
+    for _ in range(reps + 2):  # the first two rounds warm up (step graph recorded)
+        for k in range(4):
+            if k == 0:
+                req = ForwardReq(CONTEXT - 1, prompt[-1:], kv_slots[:CONTEXT], slots[0])
+                times[k].append(run([req]))
+                continue
+            draft = [11 + i for i in range(k)]
+            snaps = [(n + 1, slots[1 + n]) for n in range(k)]
+            req = ForwardReq(CONTEXT - 1, prompt[-1:] + draft, kv_slots[: CONTEXT + k],
+                             slots[0], snaps, all_logits=True)  # fmt: skip
+            times[k].append(run([req], {0: draft}))
+    st.free(slots)
+    kv.free(kv_slots)
+    return {k: statistics.median(v[2:]) for k, v in times.items()}
+
+
+def decode_rate(eng, batch: int, new: int) -> tuple[float, float]:
+    """Output tok/s of ``batch`` requests of 128 random tokens and ``new`` new tokens each, and
+    the mean accept length (1.0 without speculation)."""
+    vocab = eng.model.vocab_size
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(5, vocab - 5) for _ in range(128)] for _ in range(batch)]
+    p = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
+    before = eng.stats()
+    t0 = time.perf_counter()
+    eng.generate(input_ids=prompts, sampling_params=[p] * batch)
+    seconds = time.perf_counter() - t0
+    after = eng.stats()
+    verify = after.spec_verify_ct - before.spec_verify_ct
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    return batch * new / seconds, accepted / verify if verify else 1.0
+
+
+def workloads(vocab: int) -> dict[str, list[list[list[int]]]]:
+    """Rounds of prompts: the shared-prefix workload in one round; multi-turn in three, each
+    turn's prompt built from the previous prompt (answers are filled in as they arrive)."""
+    rng = random.Random(3)
+    tok = lambda k: [rng.randrange(5, vocab - 5) for _ in range(k)]  # noqa: E731
+    systems = [tok(512) for _ in range(4)]
+    gsp = [[systems[g] + tok(64) for g in range(4) for _ in range(8)]]
+    return {"gsp": gsp, "multi-turn": [[tok(256) for _ in range(8)]]}
+
+
+def hit_rate(eng, name: str, rounds: list[list[list[int]]]) -> float:
+    p = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    prompt_tokens = cached = 0
+    prompts = rounds[0]
+    turns = 3 if name == "multi-turn" else 1
+    rng = random.Random(9)
+    for _ in range(turns):
+        outs = eng.generate(input_ids=prompts, sampling_params=[p] * len(prompts))
+        for o in outs:
+            prompt_tokens += o["meta_info"]["prompt_tokens"]
+            cached += o["meta_info"]["cached_tokens"]
+        prompts = [pr + o["output_ids"] + [rng.randrange(5, 400) for _ in range(32)]
+                   for pr, o in zip(prompts, outs)]  # fmt: skip
+    return cached / prompt_tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--new", type=int, default=64)
+    args = ap.parse_args()
+    from mambaradix.engine.engine import Engine
+
+    folder = str(checkpoint(PRESET))
+    kw = dict(model_path=folder, num_threads=args.threads, dtype="bfloat16")
+    with Engine(disable_radix_cache=True, **kw) as eng:
+        costs = step_costs(eng, args.reps)
+    base = costs[0]
+    for k in (1, 2, 3):
+        print(f"verify k={k} ({k + 1} tokens): {costs[k] * 1e3:.1f} ms = {costs[k] / base:.3f}x "
+              f"the one-token decode step ({base * 1e3:.1f} ms)")  # fmt: skip
+    print(f"decode alone: {1 / base:.2f} tok/s")
+    for length in (1.5, 2.0, 2.5, 3.0):
+        print(f"computed at accept length {length}: {length / costs[3]:.2f} tok/s "
+              f"({length / costs[3] * base:.2f}x decode)")  # fmt: skip
+    spec = dict(speculative_algorithm="NGRAM", speculative_num_steps=3)
+    for batch in (1, 16):
+        rates = {}
+        for name, flags in (("off", {}), ("NGRAM", spec)):
+            with Engine(disable_radix_cache=True, **kw, **flags) as eng:
+                rates[name] = decode_rate(eng, batch, args.new)
+        (off, _), (on, length) = rates["off"], rates["NGRAM"]
+        print(f"measured batch {batch}: {on:.2f} tok/s with NGRAM (accept length {length:.3f}) "
+              f"vs {off:.2f} without = {on / off:.3f}x")  # fmt: skip
+    import json
+
+    vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+    for name, rounds in workloads(vocab).items():
+        rates = []
+        for flags in ({}, spec):  # overlap off on both sides (speculation turns it off)
+            with Engine(disable_overlap_schedule=True, **kw, **flags) as eng:
+                rates.append(hit_rate(eng, name, rounds))
+        print(f"hit rate {name}: {rates[1]:.4f} with NGRAM vs {rates[0]:.4f} without")
+
+
+if __name__ == "__main__":
+    main()
