@@ -116,8 +116,15 @@ def test_stops_mid_draft_equal_decoding_without_speculation(tiny):
     assert any(len(w["output_ids"]) < 20 for w in want)  # the stops did stop requests
 
 
-def test_hits_of_sequential_requests_equal(tiny):
-    name, model, tok = tiny
+@pytest.mark.parametrize(
+    "arch",
+    ["lfm2", pytest.param("qwen3_next", marks=pytest.mark.slow),
+     pytest.param("granite_hybrid", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_hits_of_sequential_requests_equal(arch):
+    """(One architecture by default: ~20 s each.)"""
+    path = resolve_model_path(f"tiny:{arch}")
+    name, model, tok = arch, load_model(path), load_tokenizer(path)
     prompts = _prompts(model.vocab_size, n=8, seed=2)
     prompts += [p + [5, 6, 7] for p in prompts[:4]]  # follow-ups of earlier requests
     p = dict(temperature=0.0, max_new_tokens=24, ignore_eos=True)
