@@ -125,47 +125,71 @@ def hit_rate(eng, name: str, rounds: list[list[list[int]]]) -> float:
     return cached / prompt_tokens
 
 
+def part(args) -> None:
+    """One measurement in this process (a fresh one: an engine's OpenMP pool outlives it)."""
+    from mambaradix.engine.engine import Engine
+
+    folder = str(checkpoint(PRESET))
+    kw = dict(model_path=folder, num_threads=args.threads, dtype="bfloat16")
+    spec = dict(speculative_algorithm="NGRAM", speculative_num_steps=3) if args.spec else {}
+    if args.part == "steps":
+        with Engine(disable_radix_cache=True, **kw) as eng:
+            costs = step_costs(eng, args.reps)
+        base = costs[0]
+        for k in (1, 2, 3):
+            ratio = costs[k] / base
+            print(f"verify k={k} ({k + 1} tokens): {costs[k] * 1e3:.1f} ms = {ratio:.3f}x "
+                  f"the one-token decode step ({base * 1e3:.1f} ms)")  # fmt: skip
+        print(f"decode alone: {1 / base:.2f} tok/s")
+        for length in (1.5, 2.0, 2.5, 3.0):
+            print(f"computed at accept length {length}: {length / costs[3]:.2f} tok/s "
+                  f"({length / costs[3] * base:.2f}x decode)")  # fmt: skip
+    elif args.part == "decode":
+        with Engine(disable_radix_cache=True, **kw, **spec) as eng:
+            rate, length = decode_rate(eng, args.batch, args.new)
+        print(f"measured batch {args.batch} {'NGRAM' if spec else 'off'}: {rate:.2f} tok/s "
+              f"(accept length {length:.3f})")  # fmt: skip
+    else:
+        import json
+
+        vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+        name = args.part
+        # overlap off on both sides (speculation turns it off)
+        with Engine(disable_overlap_schedule=True, **kw, **spec) as eng:
+            rate = hit_rate(eng, name, workloads(vocab)[name])
+        print(f"hit rate {name} {'NGRAM' if spec else 'off'}: {rate:.4f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--steps-only", action="store_true", help="only the step costs")
+    ap.add_argument("--part", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--spec", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from mambaradix.engine.engine import Engine
+    if args.part:
+        part(args)
+        return
+    import subprocess
 
-    folder = str(checkpoint(PRESET))
-    kw = dict(model_path=folder, num_threads=args.threads, dtype="bfloat16")
-    with Engine(disable_radix_cache=True, **kw) as eng:
-        costs = step_costs(eng, args.reps)
-    base = costs[0]
-    for k in (1, 2, 3):
-        print(f"verify k={k} ({k + 1} tokens): {costs[k] * 1e3:.1f} ms = {costs[k] / base:.3f}x "
-              f"the one-token decode step ({base * 1e3:.1f} ms)")  # fmt: skip
-    print(f"decode alone: {1 / base:.2f} tok/s")
-    for length in (1.5, 2.0, 2.5, 3.0):
-        print(f"computed at accept length {length}: {length / costs[3]:.2f} tok/s "
-              f"({length / costs[3] * base:.2f}x decode)")  # fmt: skip
+    def fresh(*extra: str) -> None:
+        cmd = [sys.executable, __file__, "--threads", str(args.threads), "--reps",
+               str(args.reps), "--new", str(args.new), *extra]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        print(out.stdout.strip(), flush=True)
+
+    fresh("--part", "steps")
     if args.steps_only:
         return
-    spec = dict(speculative_algorithm="NGRAM", speculative_num_steps=3)
     for batch in (1, 16):
-        rates = {}
-        for name, flags in (("off", {}), ("NGRAM", spec)):
-            with Engine(disable_radix_cache=True, **kw, **flags) as eng:
-                rates[name] = decode_rate(eng, batch, args.new)
-        (off, _), (on, length) = rates["off"], rates["NGRAM"]
-        print(f"measured batch {batch}: {on:.2f} tok/s with NGRAM (accept length {length:.3f}) "
-              f"vs {off:.2f} without = {on / off:.3f}x")  # fmt: skip
-    import json
-
-    vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
-    for name, rounds in workloads(vocab).items():
-        rates = []
-        for flags in ({}, spec):  # overlap off on both sides (speculation turns it off)
-            with Engine(disable_overlap_schedule=True, **kw, **flags) as eng:
-                rates.append(hit_rate(eng, name, rounds))
-        print(f"hit rate {name}: {rates[1]:.4f} with NGRAM vs {rates[0]:.4f} without")
+        for spec in ((), ("--spec",), (), ("--spec",)):  # alternated, twice
+            fresh("--part", "decode", "--batch", str(batch), *spec)
+    for name in ("gsp", "multi-turn"):
+        for spec in ((), ("--spec",)):
+            fresh("--part", name, *spec)
 
 
 if __name__ == "__main__":
