@@ -169,7 +169,7 @@ def test_stop_token_only_when_complete(compiler, tok):
 
 
 def test_rollback(compiler, tok):
-    m = compiler.matcher(GrammarSpec("regex", "abc"), max_rollback_tokens=8)
+    m = compiler.matcher(GrammarSpec("regex", "abc"))
     ids = [tok.convert_tokens_to_ids(c) for c in "abc"]
     assert m.accept(ids[0]) and m.accept(ids[1])
     assert not m.accept(ids[0])

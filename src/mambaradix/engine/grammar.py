@@ -227,12 +227,10 @@ class GrammarCompiler:
             return len(self._cache)
 
     # ------------------------------------------------------------------ matching
-    def matcher(
-        self, grammar: GrammarSpec | xgr.CompiledGrammar, *, max_rollback_tokens: int = 0
-    ) -> GrammarMatcher:
+    def matcher(self, grammar: GrammarSpec | xgr.CompiledGrammar) -> GrammarMatcher:
         """A fresh per-request matcher (compiling ``grammar`` if given as a spec)."""
         compiled = self.compile(grammar) if isinstance(grammar, GrammarSpec) else grammar
-        return GrammarMatcher(compiled, self.vocab_size, max_rollback_tokens)
+        return GrammarMatcher(compiled, self.vocab_size)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         """An int32 bitmask of ``rows`` x ceil(vocab_size / 32) (bit set = token allowed)."""
@@ -335,11 +333,8 @@ class GrammarMatcher:
     into a shared bitmask and ``GrammarCompiler.apply_masks``), sample, ``accept(token)``;
     finish the request when ``is_terminated()``. Not thread-safe (one request, one thread)."""
 
-    def __init__(
-        self, compiled: xgr.CompiledGrammar, vocab_size: int, max_rollback_tokens: int = 0
-    ) -> None:
-        # xgrammar >= 0.2 keeps unlimited rollback history (the argument is deprecated there)
-        del max_rollback_tokens
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+        # (xgrammar >= 0.2 keeps unlimited rollback history)
         self._m = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self.stop_token_ids = list(self._m.stop_token_ids)
@@ -377,7 +372,7 @@ class GrammarMatcher:
         return bool(self._m.is_completed())
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens (up to ``max_rollback_tokens``)."""
+        """Undo the last ``num_tokens`` accepted tokens."""
         self._m.rollback(num_tokens)
 
     def reset(self) -> None:

@@ -1,5 +1,5 @@
-"""Per-request logits processing before sampling: penalties, ``logit_bias``, ``min_tokens``,
-and a list of pluggable processors (the seam a grammar mask uses).
+"""Per-request logits processing before sampling: penalties, ``logit_bias``, ``min_tokens``
+(grammar masks are applied to the batch's rows by ``engine.structured``).
 
 A ``RequestLogits`` belongs to one request. It is read and updated only on the runner's
 thread: batches run there strictly in order, so when a batch samples for a request, every
@@ -9,28 +9,14 @@ retracted request keeps its state (its sampled tokens do not change).
 Order on a row of raw logits: repetition penalty (prompt and output tokens: positive logits
 divided, negative multiplied), frequency and presence penalties (output tokens), logit bias,
 the ``min_tokens`` mask of EOS and stop tokens (unless nothing else is left: a grammar
-mask, applied to the row before, may allow only EOS), then each processor.
+mask, applied to the row before, may allow only EOS).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from mambaradix.core import SamplingParams
-
-
-class LogitsProcessor(Protocol):
-    """A per-request step of logits processing (e.g. a grammar's token mask)."""
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """Return the processed fp32 row ``[V]`` (may modify ``logits`` in place)."""
-        ...
-
-    def accept(self, token: int) -> None:
-        """The token sampled from the processed row."""
-        ...
 
 
 class RequestLogits:
@@ -47,7 +33,6 @@ class RequestLogits:
         self.presence = params.presence_penalty
         self.min_tokens = params.min_tokens
         self.num_outputs = 0
-        self.processors: list[LogitsProcessor] = []
         bias = sorted(params.logit_bias.items())
         self.bias_ids = torch.tensor([t for t, _ in bias], dtype=torch.long)
         self.bias_values = torch.tensor([b for _, b in bias], dtype=torch.float32)
@@ -82,8 +67,6 @@ class RequestLogits:
             row[self.stop_ids] = float("-inf")
             if not torch.isfinite(row).any():  # a grammar that may only end here: it ends
                 row[self.stop_ids] = kept
-        for proc in self.processors:
-            row = proc(row)
         return row
 
     def accept(self, token: int) -> None:
@@ -92,5 +75,3 @@ class RequestLogits:
             self.counts[token] += 1.0
         if self.seen is not None:
             self.seen[token] = True
-        for proc in self.processors:
-            proc.accept(token)
