@@ -319,7 +319,7 @@ class ForwardBatch:
 
     reqs: list[ForwardReq]
     state_ops: StateOps = field(default_factory=StateOps)
-    # Optional [D, L]: the KV slot rows of the first D requests, all decodes, as the scheduler
+    # Optional [Td, L]: the KV slot rows of the first Td requests, all decodes, as the scheduler
     # gathered them in one go (request i's slots are row i's first seq_len entries; entries past
     # them are any valid slot). Saves rebuilding the decode slot table request by request.
     decode_table: torch.Tensor | None = None

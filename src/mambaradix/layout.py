@@ -6,7 +6,7 @@ A forward splits its requests into *decodes* (one new token) and *prefills* (mor
 has its own record, with the packed rows it owns, its working state slots and its snapshot
 slots as tensors on the forward's device, so no layer builds an index or copies to the device::
 
-    rows  0 .. D-1         D .. T-1           (decodes first when the scheduler orders them so)
+    rows  0 .. Td-1        Td .. T-1          (decodes first when the scheduler orders them so)
           decode rows      prefill segments, varlen: cu_seqlens = [0, n_0, n_0+n_1, ...]
                            snapshot k: the state after snapshot_offsets[k] tokens of segment
                            snapshot_seqs[k], written into snapshot_slots[k]

@@ -12,6 +12,11 @@ also write the state after that many new tokens into the snapshot slot. Prefill 
 prefill part of the batch (``layout.prefill``: varlen segments, ``cu_seqlens``), decode ops
 the decode part (``layout.decode``: one token per request).
 
+Shapes use one vocabulary: ``T`` tokens of the forward, ``Tp`` the prefills' tokens, ``Td`` the
+decodes' (one token each, so ``Td`` is also the number of decodes), ``Dh`` / ``Dv`` an attention
+head's key / value size, ``Dk`` / ``Dv`` a Gated DeltaNet head's. ``D`` is only Mamba2's skip
+parameter ``[H]`` (its published name, like ``A``, ``B``, ``C``).
+
 ``capabilities`` tells the planner what the backend can do (``BackendCapabilities``). The
 ``torch`` backend is the reference: every other backend passes the contract tests against it
 (``tests/models/test_backend_contract.py``; ``docs/backends.md``).
@@ -76,19 +81,19 @@ class KernelBackend(ABC):
     @abstractmethod
     def store_kv(self, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor,
                  layout: ForwardLayout) -> None:  # fmt: skip
-        """Write the new tokens' ``k``/``v`` ``[T, Hkv, D]`` at ``layout.out_kv_slots``."""
+        """Write the new tokens' ``k``/``v`` ``[T, Hkv, Dh]`` at ``layout.out_kv_slots``."""
 
     @abstractmethod
     def paged_attention_prefill(self, q: Tensor, k_pool: Tensor, v_pool: Tensor,
                                 layout: ForwardLayout, scale: float) -> Tensor:  # fmt: skip
-        """Causal attention of the prefill queries ``q`` ``[Tp, Hq, D]`` (segments as in
+        """Causal attention of the prefill queries ``q`` ``[Tp, Hq, Dh]`` (segments as in
         ``layout.prefill``) over each segment's keys ``kv_slots[p]`` (already stored).
         Returns ``[Tp, Hq, Dv]``."""
 
     @abstractmethod
     def paged_attention_decode(self, q: Tensor, k_pool: Tensor, v_pool: Tensor,
                                layout: ForwardLayout, scale: float) -> Tensor:  # fmt: skip
-        """One query per decode ``q`` ``[D, Hq, D]`` over ``kv_table[i, :seq_lens[i]]``."""
+        """One query per decode ``q`` ``[Td, Hq, Dh]`` over ``kv_table[i, :seq_lens[i]]``."""
 
     # ------------------------------------------------------------ causal depthwise conv
     @abstractmethod
@@ -101,7 +106,7 @@ class KernelBackend(ABC):
     @abstractmethod
     def conv1d_decode(self, x: Tensor, weight: Tensor, bias: Tensor | None, conv_pool: Tensor,
                       layout: ForwardLayout, activation: str | None) -> Tensor:  # fmt: skip
-        """One conv step for the decodes ``x`` ``[D, C]``, states updated in the pool."""
+        """One conv step for the decodes ``x`` ``[Td, C]``, states updated in the pool."""
 
     # ------------------------------------------------------------ Gated DeltaNet
     @abstractmethod
@@ -117,9 +122,9 @@ class KernelBackend(ABC):
                    layout: ForwardLayout, conv_weight: Tensor, conv_bias: Tensor | None,
                    A_log: Tensor, dt_bias: Tensor, num_k_heads: int, activation: str | None,
                    norm: GatedNorm | None = None) -> Tensor:  # fmt: skip
-        """One fused decode step of the decodes (``x`` ``[D, conv_dim]`` = q|k|v before the
-        conv, ``a`` / ``b`` ``[D, Hv]`` raw gates): conv, gates, delta rule; both states
-        updated in the pool. Returns ``[D, Hv, Dv]``; with ``norm`` (gate ``[D, Hv * Dv]``,
+        """One fused decode step of the decodes (``x`` ``[Td, conv_dim]`` = q|k|v before the
+        conv, ``a`` / ``b`` ``[Td, Hv]`` raw gates): conv, gates, delta rule; both states
+        updated in the pool. Returns ``[Td, Hv, Dv]``; with ``norm`` (gate ``[Td, Hv * Dv]``,
         ``group_size`` Dv), the layer's output norm of it (``rms_norm_gated`` per head)."""
 
     # ------------------------------------------------------------ Mamba2
@@ -135,7 +140,7 @@ class KernelBackend(ABC):
     def mamba2_decode(self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                       D: Tensor | None, ssm_pool: Tensor,
                       layout: ForwardLayout) -> Tensor:  # fmt: skip
-        """One scan step of the decodes; returns ``[D, H, P]`` fp32."""
+        """One scan step of the decodes; returns ``[Td, H, P]`` fp32."""
 
     @abstractmethod
     def mamba2_mixer_decode(self, xbc: Tensor, dt_raw: Tensor, conv_pool: Tensor,
@@ -144,10 +149,10 @@ class KernelBackend(ABC):
                             dt_bias: Tensor, dt_limit: tuple[float, float], D: Tensor | None,
                             shape: tuple[int, int, int, int],
                             norm: GatedNorm | None = None) -> Tensor:  # fmt: skip
-        """One fused decode step of the decodes (``xbc`` ``[D, C]`` before the conv, ``dt_raw``
-        ``[D, H]`` before softplus; ``shape`` = ``(H, P, G, N)``): conv, dt, scan; both states
-        updated in the pool. Returns ``[D, H, P]`` in ``xbc``'s dtype; with ``norm`` (gate
-        ``[D, H * P]``), the mixer's output norm of it ``[D, H * P]`` (``rms_norm_gate_first``
+        """One fused decode step of the decodes (``xbc`` ``[Td, C]`` before the conv, ``dt_raw``
+        ``[Td, H]`` before softplus; ``shape`` = ``(H, P, G, N)``): conv, dt, scan; both states
+        updated in the pool. Returns ``[Td, H, P]`` in ``xbc``'s dtype; with ``norm`` (gate
+        ``[Td, H * P]``), the mixer's output norm of it ``[Td, H * P]`` (``rms_norm_gate_first``
         per group)."""
 
     # ------------------------------------------------------------ per-token ops
@@ -182,7 +187,7 @@ class KernelBackend(ABC):
     @abstractmethod
     def rms_norm_rope(self, x: Tensor, weight: Tensor, eps: float, zero_centered: bool,
                       cos: Tensor, sin: Tensor) -> Tensor:  # fmt: skip
-        """Per-head RMSNorm of ``x`` ``[T, H, D]`` then rotate-half RoPE of its first
+        """Per-head RMSNorm of ``x`` ``[T, H, Dh]`` then rotate-half RoPE of its first
         ``cos.shape[-1]`` dims."""
 
     @abstractmethod

@@ -72,9 +72,9 @@ class PrefillIndex:
 
 @dataclass(slots=True)
 class DecodeIndex:
-    state_slots: Tensor  # int32 [D]
-    kv_table: Tensor | None  # int32 [D, L]
-    seq_lens: Tensor  # int32 [D]
+    state_slots: Tensor  # int32 [Td]
+    kv_table: Tensor | None  # int32 [Td, L]
+    seq_lens: Tensor  # int32 [Td]
 
 
 class CudaPlan(TorchPlan):

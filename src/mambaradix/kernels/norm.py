@@ -63,7 +63,7 @@ def rms_norm_gated(
 @dataclass(frozen=True, slots=True)
 class GatedNorm:
     """A recurrent mixer's gated output norm, handed to its decode op to finish there (the
-    backend may fold it into the same kernel): ``gate`` rows ``[D, features]`` (a row-strided
+    backend may fold it into the same kernel): ``gate`` rows ``[Td, features]`` (a row-strided
     view of the input projection is fine), the norm's ``weight`` and ``eps``, and
     ``group_size``, the features normalised together. Which norm it is belongs to the op: Gated
     DeltaNet normalises each value head and then gates (``rms_norm_gated``; ``weight``

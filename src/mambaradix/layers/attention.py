@@ -20,7 +20,7 @@ def pooled_attention(
 ) -> torch.Tensor:
     """Write the new tokens' K/V into attention layer ``attn_layer`` of the pool and attend.
 
-    ``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` for all packed new tokens (RoPE applied).
+    ``q`` ``[T, Hq, Dh]``, ``k``/``v`` ``[T, Hkv, Dh]`` for all packed new tokens (RoPE applied).
     Returns ``[T, Hq, Dv]``.
     """
     layout = ctx.layout

@@ -40,7 +40,7 @@ ATTN_MERGE = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 
 class GatedAttention(KernelUser, nn.Module):
     """Full attention whose output is gated by ``sigmoid(gate)``; ``q_proj`` yields, per head,
-    the query and the gate (``[H, 2*D]``). q/k get a zero-centred RMSNorm over the head dim,
+    the query and the gate (``[H, 2*Dh]``). q/k get a zero-centred RMSNorm over the head dim,
     then rotate-half RoPE with the model's ``(cos, sin)``, in one op (``rms_norm_rope``)."""
 
     def __init__(self, cfg: Any, attn_layer: int) -> None:
