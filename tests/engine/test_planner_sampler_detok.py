@@ -12,7 +12,7 @@ from mambaradix.engine.detokenizer import DetokState, IncrementalDetokenizer, fi
 from mambaradix.engine.planner import (
     admission_targets,
     common_prefix_len,
-    plan_segment,
+    plan_forward,
     snapshot_alignment,
 )
 from mambaradix.engine.sampler import sample
@@ -39,18 +39,18 @@ def test_admission_targets():
 
 
 @pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer"])
-def test_plan_segment(strategy):
+def test_plan_forward(strategy):
     # one wanted position inside the chunk
-    seg = plan_segment(0, 512, 1000, [256], 64, strategy)
+    seg = plan_forward(0, 512, 1000, [256], 64, strategy)
     if strategy == "no_buffer":
         assert (seg.end, seg.snapshot) == (256, 256)  # cut: the copy happens at the boundary
     else:
         assert (seg.end, seg.snapshot) == (512, 256)  # tracked inside the forward
     # a non-final chunk snapshots its aligned end; the final chunk does not
-    assert plan_segment(0, 500, 1000, [], 64, strategy).snapshot == 448
-    assert plan_segment(512, 1000, 1000, [], 64, strategy).snapshot is None
+    assert plan_forward(0, 500, 1000, [], 64, strategy).snapshot == 448
+    assert plan_forward(512, 1000, 1000, [], 64, strategy).snapshot is None
     # two wanted positions: the forward ends at the first
-    seg = plan_segment(0, 512, 1000, [128, 320], 64, strategy)
+    seg = plan_forward(0, 512, 1000, [128, 320], 64, strategy)
     assert (seg.end, seg.snapshot) == (128, 128)
 
 

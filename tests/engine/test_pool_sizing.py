@@ -15,7 +15,7 @@ from mambaradix.engine.pools import (
     RUNNING_SHARE,
     GiB,
     model_weight_bytes,
-    plan_pools,
+    size_pools,
 )
 from mambaradix.models.published import get_published
 from mambaradix.models.registry import get_model_class
@@ -37,9 +37,9 @@ def shaped(name: str) -> torch.nn.Module:
     return _SHAPES[name]
 
 
-def plan(name: str, available: int | None = None, **flags):
+def sizing(name: str, available: int | None = None, **flags):
     model = shaped(name)
-    return plan_pools(
+    return size_pools(
         EngineConfig(**flags),
         model.kv_spec.bytes_per_token(),
         model.state_spec,
@@ -70,22 +70,22 @@ def test_budget_split_by_the_memory_ratio():
     """slots = budget x r / (1 + r) // slot bytes; tokens = budget / (1 + r) // KV bytes."""
     model = shaped("qwen3_5_0_8b")
     slot, kv = model.state_spec.slot_bytes(), model.kv_spec.bytes_per_token()
-    p = plan("qwen3_5_0_8b", available=20 * GiB, page_size=16)
+    p = sizing("qwen3_5_0_8b", available=20 * GiB, page_size=16)
     budget = 0.5 * 20 * GiB
     assert p.budget_bytes == budget
     assert p.state_slots == int(budget * 0.5 / 1.5 // slot)
     want_tokens = int(budget / 1.5 // kv)
     assert p.kv_tokens == want_tokens - want_tokens % 16  # whole pages
-    q = plan("qwen3_5_0_8b", available=20 * GiB, mamba_full_memory_ratio=1.0)
+    q = sizing("qwen3_5_0_8b", available=20 * GiB, mamba_full_memory_ratio=1.0)
     assert q.state_slots == int(budget / 2 // slot)
-    r = plan("qwen3_5_0_8b", available=1, mem_budget_gb=3.0)  # the budget flag wins
+    r = sizing("qwen3_5_0_8b", available=1, mem_budget_gb=3.0)  # the budget flag wins
     assert r.budget_bytes == 3 * GiB
 
 
 @pytest.mark.parametrize("slots", [127, 128])
 def test_auto_strategy_rule(slots):
     """extra_buffer iff 75% of the slots hold AUTO_MIN_RUNNING requests at 3 slots each."""
-    p = plan("qwen3_5_0_8b", available=64 * GiB, max_mamba_cache_size=slots)
+    p = sizing("qwen3_5_0_8b", available=64 * GiB, max_mamba_cache_size=slots)
     fits = int(slots * RUNNING_SHARE) // 3 >= AUTO_MIN_RUNNING
     assert fits == (slots >= 128)
     assert p.strategy == (EXTRA_BUFFER if fits else NO_BUFFER)
@@ -102,7 +102,7 @@ def test_default_on_a_24_gb_machine_runs_32_requests_with_room_for_snapshots(nam
     """A 0.35B-3B model on a 24 GB machine (1 GB left to the system, the weights in bf16):
     the defaults run at least 32 requests and keep a quarter of the slots for snapshots."""
     weights = model_weight_bytes(shaped(name))
-    p = plan(name, available=24 * GiB - weights - 1 * GiB)
+    p = sizing(name, available=24 * GiB - weights - 1 * GiB)
     per_req = 3 if p.strategy == EXTRA_BUFFER else 1
     assert p.max_running >= 32, p.describe()
     assert p.state_slots - p.max_running * per_req >= (1 - RUNNING_SHARE) * p.state_slots - 1
@@ -111,7 +111,7 @@ def test_default_on_a_24_gb_machine_runs_32_requests_with_room_for_snapshots(nam
 
 
 def test_explicit_sizes_win():
-    p = plan(
+    p = sizing(
         "qwen3_5_0_8b",
         available=64 * GiB,
         max_mamba_cache_size=40,
@@ -129,22 +129,22 @@ def test_explicit_sizes_win():
 
 def test_too_little_memory_is_a_clear_error():
     with pytest.raises(ValueError, match="--mem-fraction-static.*--max-mamba-cache-size"):
-        plan("qwen3_5_0_8b", available=200 * MiB)  # 100 MB budget: not 16 slots of 18.6 MB
+        sizing("qwen3_5_0_8b", available=200 * MiB)  # 100 MB budget: not 16 slots of 18.6 MB
     with pytest.raises(ValueError, match="--max-total-tokens"):
         # 30 MB budget, one explicit slot: not the 4,096-token minimum of 12 KB each
-        plan("qwen3_5_0_8b", available=60 * MiB, max_mamba_cache_size=1)
+        sizing("qwen3_5_0_8b", available=60 * MiB, max_mamba_cache_size=1)
     # explicit slots fit the budget, but what they leave does not hold the KV minimum: an
     # error, not pools larger than the budget
-    p = plan("qwen3_5_0_8b", available=64 * GiB, mem_budget_gb=0.5)
+    p = sizing("qwen3_5_0_8b", available=64 * GiB, mem_budget_gb=0.5)
     slots = int((p.budget_bytes - 2048 * p.kv_bytes_per_token) // p.slot_bytes)
     assert slots * p.slot_bytes < p.budget_bytes
     with pytest.raises(ValueError, match="--max-mamba-cache-size .* leaves .* lower it"):
-        plan("qwen3_5_0_8b", available=64 * GiB, mem_budget_gb=0.5, max_mamba_cache_size=slots)
-    fits = plan("qwen3_5_0_8b", available=64 * GiB, mem_budget_gb=0.5,
+        sizing("qwen3_5_0_8b", available=64 * GiB, mem_budget_gb=0.5, max_mamba_cache_size=slots)
+    fits = sizing("qwen3_5_0_8b", available=64 * GiB, mem_budget_gb=0.5,
                 max_mamba_cache_size=slots - 3)  # fmt: skip
     assert fits.pool_bytes <= fits.budget_bytes
     with pytest.raises(ValueError, match="--max-running-requests 20 needs 60 state slots"):
-        plan(
+        sizing(
             "qwen3_5_0_8b",
             available=64 * GiB,
             max_mamba_cache_size=40,
@@ -159,8 +159,8 @@ def test_running_cap_counts_the_verify_steps_slots(k, strategy):
     """With speculation a running request holds k more state slots (the states after each
     draft token of a verify step): the cap divides the running share by 1 + k or 3 + k."""
     flags = dict(max_mamba_cache_size=200, mamba_scheduler_strategy=strategy)
-    p = plan("qwen3_5_0_8b", available=64 * GiB, **flags)
-    q = plan("qwen3_5_0_8b", available=64 * GiB, speculative_algorithm="NGRAM",
+    p = sizing("qwen3_5_0_8b", available=64 * GiB, **flags)
+    q = sizing("qwen3_5_0_8b", available=64 * GiB, speculative_algorithm="NGRAM",
              speculative_num_steps=k, **flags)  # fmt: skip
     per_req = 3 if strategy == EXTRA_BUFFER else 1
     assert p.max_running == int(200 * RUNNING_SHARE) // per_req

@@ -14,7 +14,7 @@ from fake_model import expected_greedy
 from strided_backend import strided_backend
 
 from mambaradix.engine.outputs import EngineDeadError, RequestError
-from mambaradix.engine.planner import Segment, plan_segment
+from mambaradix.engine.planner import Segment, plan_forward
 from mambaradix.kernels.capabilities import BackendCapabilities
 
 STRIDE = 64
@@ -23,7 +23,7 @@ PARAMS = {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True, "return_l
 
 def test_planner_ends_the_forward_at_a_snapshot_off_the_stride():
     caps = BackendCapabilities(snapshot_stride=STRIDE)
-    plan = lambda start, end, wanted, c=caps: plan_segment(  # noqa: E731
+    plan = lambda start, end, wanted, c=caps: plan_forward(  # noqa: E731
         start, end, 10_000, wanted, 64, "extra_buffer", c
     )
     assert plan(0, 300, [128]) == Segment(300, 128)  # offset 128: inside

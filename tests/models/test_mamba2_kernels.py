@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.models.granitemoehybrid import modeling_granitemoehybrid as hf_granite
 
-from mambaradix.kernels.mamba2 import ChunkPlan, mamba2_chunk_scan, mamba2_step, process_dt
+from mambaradix.kernels.mamba2 import ChunkLayout, mamba2_chunk_scan, mamba2_step, process_dt
 
 ATOL = 1e-4
 
@@ -53,7 +53,7 @@ def test_varlen_chunk_scan_matches_transformers_per_sequence(G: int) -> None:
     x, dt_raw, dt_bias, A, B, C, D = _inputs(T, H, P, G, N)
     init = torch.randn(len(lens), H, P, N) * 0.3
     snaps = [[1], [10, 37], [], [64, 99, 3], [2]]
-    plan = ChunkPlan.build(lens, snaps, chunk_size=16)
+    plan = ChunkLayout.build(lens, snaps, chunk_size=16)
     dt = process_dt(dt_raw, dt_bias)
     y, final, snap_states = mamba2_chunk_scan(x, dt, A, B, C, D, init, plan)
     assert y.shape == (T, H, P) and final.shape == (len(lens), H, P, N)
@@ -76,7 +76,7 @@ def test_chunk_scan_initial_state_matters() -> None:
     """Negative control: a different start state must change the outputs."""
     H, P, G, N = 2, 4, 1, 8
     x, dt_raw, dt_bias, A, B, C, D = _inputs(20, H, P, G, N, seed=1)
-    plan = ChunkPlan.build([20], None, chunk_size=8)
+    plan = ChunkLayout.build([20], None, chunk_size=8)
     dt = process_dt(dt_raw, dt_bias)
     y0, _, _ = mamba2_chunk_scan(x, dt, A, B, C, D, torch.zeros(1, H, P, N), plan)
     y1, _, _ = mamba2_chunk_scan(x, dt, A, B, C, D, torch.ones(1, H, P, N), plan)
@@ -108,7 +108,7 @@ def test_step_matches_transformers_and_scan(G: int) -> None:
     torch.testing.assert_close(new, ref_state, atol=ATOL, rtol=1e-4)
 
     # the same single tokens through the chunked scan
-    plan = ChunkPlan.build([1] * S, None, chunk_size=16)
+    plan = ChunkLayout.build([1] * S, None, chunk_size=16)
     y2, new2, _ = mamba2_chunk_scan(x, dt, A, B, C, D, state, plan)
     torch.testing.assert_close(y2, y, atol=ATOL, rtol=1e-4)
     torch.testing.assert_close(new2, new, atol=ATOL, rtol=1e-4)
@@ -147,7 +147,7 @@ def test_chunk_scan_matches_naive_recurrence_with_strong_decay() -> None:
     dt = process_dt(dt_raw, dt_bias + 1.0)
     h0 = torch.randn(1, H, P, N)
     offsets = [7, 64, 101, 149]
-    plan = ChunkPlan.build([L], [offsets], chunk_size=32)
+    plan = ChunkLayout.build([L], [offsets], chunk_size=32)
     y, final, snaps = mamba2_chunk_scan(x, dt, A, B, C, D, h0, plan)
     ref_y, ref_states = _naive(x, dt, A, B, C, D, h0[0])
     torch.testing.assert_close(y.double(), ref_y, atol=1e-4, rtol=1e-4)

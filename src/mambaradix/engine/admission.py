@@ -15,7 +15,7 @@ import torch
 
 from mambaradix.cache.radix import MatchResult
 from mambaradix.cache.request_cache import RequestCache
-from mambaradix.engine.forwards import BatchPlan, ForwardBuilder
+from mambaradix.engine.forwards import ForwardBuilder, ScheduledBatch
 from mambaradix.engine.planner import admission_targets
 from mambaradix.engine.request import Req, ReqStatus
 from mambaradix.engine.sharing import held_for_sharing, shared_with_queue
@@ -44,8 +44,10 @@ class Admission:
         self.fail = fail
         self.s_per_token = 0.0  # measured forward seconds per computed token (0: unknown)
 
-    def admit(self, plan: BatchPlan, budget: int, waiting: list[Req], running: list[Req]) -> int:
-        """Admit what fits into ``plan`` (moving requests from ``waiting`` to ``running``);
+    def admit(
+        self, batch: ScheduledBatch, budget: int, waiting: list[Req], running: list[Req]
+    ) -> int:
+        """Admit what fits into ``batch`` (moving requests from ``waiting`` to ``running``);
         returns the prefill budget left."""
         if not waiting:
             return budget
@@ -76,7 +78,7 @@ class Admission:
                 hold = held_for_sharing(req, m.prefix_len, running, align)
                 if hold is not None:
                     if hold.new_target:
-                        hold.req.plan.add_share_target(hold.position)
+                        hold.req.snapshot_plan.add_share_target(hold.position)
                     self.stats.held_for_sharing += 1
                     continue
             queue_branch = (
@@ -101,13 +103,13 @@ class Admission:
                 break
             req.rc, ops = got
             self.stats.resumes += m.prefix_len > 0
-            plan.state_ops.extend(ops)
+            batch.state_ops.extend(ops)
             waiting.remove(req)
             running.append(req)
             req.status = ReqStatus.RUNNING
             req.fed_len = m.prefix_len
-            req.plan.share_targets = [queue_branch] if queue_branch > m.prefix_len else []
-            req.plan.wanted = wanted
+            req.snapshot_plan.share_targets = [queue_branch] if queue_branch > m.prefix_len else []
+            req.snapshot_plan.wanted = wanted
             if req.cached_tokens < 0:
                 req.cached_tokens = m.prefix_len
                 self.stats.prompt_tokens += len(req.prompt_ids)
@@ -123,8 +125,8 @@ class Admission:
             req.loading = None
             if req.queue_time is None:
                 req.queue_time = time.monotonic() - req.arrival
-            taken = self.builder.add_prefill(plan, req, budget)
-            plan.entries[-1].resumed = m.prefix_len > 0
+            taken = self.builder.add_prefill(batch, req, budget)
+            batch.entries[-1].resumed = m.prefix_len > 0
             budget -= taken
         return budget
 

@@ -57,7 +57,7 @@ class Engine:
         parts = wire(cfg, model, tokenizer)
         self.model, self.tokenizer = model, tokenizer
         self.context_length = parts.context_length
-        self.pool_plan = parts.pool_plan
+        self.pool_sizing = parts.pool_sizing
         self.kv_pool, self.state_pool = parts.kv_pool, parts.state_pool
         self.cache, self.runner, self.structured = parts.cache, parts.runner, parts.structured
         self.backend = parts.backend
@@ -80,7 +80,7 @@ class Engine:
             type(model).__name__,
             model.kv_spec.dtype,
             self.kernel_backend,
-            parts.pool_plan.describe(),
+            parts.pool_sizing.describe(),
         )
 
     # ------------------------------------------------------------------ public API

@@ -37,14 +37,17 @@ class Entry:
 
 
 @dataclass(slots=True)
-class BatchPlan:
+class ScheduledBatch:
+    """A batch the scheduler is building: what the runner runs (``run``) and, per request,
+    what to do with its results (``entries``, ``copies``)."""
+
     run: RunBatch
     entries: list[Entry]
     copies: list[tuple[Req, int, int]] = field(default_factory=list)  # no_buffer (req, pos, slot)
 
     @staticmethod
-    def new(batch_id: int) -> BatchPlan:
-        return BatchPlan(RunBatch(batch_id, ForwardBatch([], StateOps())), [])
+    def new(batch_id: int) -> ScheduledBatch:
+        return ScheduledBatch(RunBatch(batch_id, ForwardBatch([], StateOps())), [])
 
     @property
     def state_ops(self) -> StateOps:
@@ -69,7 +72,7 @@ class ForwardBuilder:
         self.chunk = chunk if chunk > 0 else 1 << 62
         self.track_interval = track_interval
 
-    def add_prefill(self, plan: BatchPlan, req: Req, budget: int) -> int:
+    def add_prefill(self, batch: ScheduledBatch, req: Req, budget: int) -> int:
         """Schedule the request's next prompt chunk; returns the tokens it takes (0: none)."""
         start = req.fed_len
         chunk_end = min(req.seq_len, start + self.chunk, start + budget)
@@ -77,17 +80,17 @@ class ForwardBuilder:
             seg_end, snap = chunk_end, None
         else:
             floor = max(start, req.rc.tree_len)
-            wanted = [w for w in req.plan.wanted if w > floor]
+            wanted = [w for w in req.snapshot_plan.wanted if w > floor]
             seg = self.strategy.plan_forward(start, chunk_end, req.seq_len, wanted)
             seg_end, snap = seg.end, seg.snapshot
         if not self.cache.ensure_kv(req.rc, seg_end):
             return 0
-        self.add(plan, req, seg_end, snap)
+        self.add(batch, req, seg_end, snap)
         return seg_end - start
 
     def add(
         self,
-        plan: BatchPlan,
+        batch: ScheduledBatch,
         req: Req,
         end: int,
         snap: int | None = None,
@@ -101,7 +104,7 @@ class ForwardBuilder:
             if end % self.track_interval == 0 and end % self.cache.page_size == 0:
                 snap = end
         entry = Entry(req, end, self.strategy.snapshot(req, start, end, snap))
-        run = plan.run
+        run = batch.run
         if end == req.seq_len:
             entry.sample_row = len(run.sample_rows)
             run.sample_rows.append(len(run.forward.reqs))
@@ -111,7 +114,7 @@ class ForwardBuilder:
             run.grammars.append(req.grammar)
         all_logits = False
         if req.params.wants_prompt_logprobs and start < len(req.prompt_ids):
-            all_logits = self._plan_prompt_logprobs(plan, entry, req, start, end)
+            all_logits = self._add_prompt_logprobs(batch, entry, req, start, end)
         if start < len(req.prompt_ids) or end - start > 1:
             self.stats.computed_prefill_tokens += end - start
         run.forward.reqs.append(
@@ -124,17 +127,17 @@ class ForwardBuilder:
                 all_logits=all_logits,
             )
         )
-        plan.entries.append(entry)
+        batch.entries.append(entry)
         req.fed_len = end
 
-    def add_verify(self, plan: BatchPlan, req: Req, draft: list[int]) -> None:
+    def add_verify(self, batch: ScheduledBatch, req: Req, draft: list[int]) -> None:
         """Append a verify forward: the request's last token and ``draft`` in one forward, the
         state after each token written into its scratch slots (``rc.spec_slots``, one per
         draft token: after the last one it is the working slot's), logits for every row. The
         caller made sure no snapshot of the cache falls inside it (``Speculation.draft``)."""
         start = req.fed_len
         end = start + 1 + len(draft)
-        run = plan.run
+        run = batch.run
         entry = Entry(req, end, SnapshotSpot([]), draft=draft)
         entry.sample_row = len(run.sample_rows)
         run.drafts[entry.sample_row] = draft
@@ -153,12 +156,12 @@ class ForwardBuilder:
                 all_logits=True,
             )
         )
-        plan.entries.append(entry)
+        batch.entries.append(entry)
         req.fed_len = end  # until the results say how many were kept
         self.stats.spec_verify_ct += 1
 
-    def _plan_prompt_logprobs(
-        self, plan: BatchPlan, entry: Entry, req: Req, start: int, end: int
+    def _add_prompt_logprobs(
+        self, batch: ScheduledBatch, entry: Entry, req: Req, start: int, end: int
     ) -> bool:
         """Ask the runner for the logprobs of the prompt tokens this segment predicts (row p
         predicts token p + 1) that the request still lacks; True if there are any."""
@@ -167,9 +170,9 @@ class ForwardBuilder:
         last = min(end, len(req.prompt_ids) - 1)
         if first > last:
             return False
-        entry.prompt_idx, entry.prompt_first = len(plan.run.prompt_rows), first
+        entry.prompt_idx, entry.prompt_first = len(batch.run.prompt_rows), first
         targets = req.prompt_ids[first : last + 1]
-        index = len(plan.run.forward.reqs)
+        index = len(batch.run.forward.reqs)
         top_k = req.params.prompt_top_logprobs
-        plan.run.prompt_rows.append((index, first - 1 - start, targets, top_k))
+        batch.run.prompt_rows.append((index, first - 1 - start, targets, top_k))
         return True

@@ -62,7 +62,7 @@ def admission_targets(
     return sorted(w for w in wanted if w > prefix_len)
 
 
-def plan_segment(
+def plan_forward(
     start: int,
     chunk_end: int,
     seq_len: int,

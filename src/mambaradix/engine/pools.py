@@ -36,7 +36,7 @@ FALLBACK_AVAILABLE = 4 * GiB  # when the platform does not say how much memory i
 
 
 @dataclass(frozen=True, slots=True)
-class PoolPlan:
+class PoolSizing:
     """What the engine allocates, and why (``describe`` is the start-up log block)."""
 
     kv_tokens: int
@@ -105,13 +105,13 @@ def _running_cap(slots: int, per_req: int) -> int:
     return max(1, min(MAX_RUNNING, int(slots * RUNNING_SHARE) // per_req))
 
 
-def plan_pools(
+def size_pools(
     cfg: EngineConfig,
     kv_bytes_per_token: int,
     state_spec: StateSpec,
     weight_bytes: int = 0,
     available: int | None = None,
-) -> PoolPlan:
+) -> PoolSizing:
     """Pool sizes, running cap and strategy for ``cfg`` (explicit flags win).
 
     ``available`` is the free memory after loading (measured when None). Raises ValueError
@@ -190,7 +190,7 @@ def plan_pools(
             f"--max-running-requests {max_running} needs {max_running * per_req} state slots "
             f"but the pool has {slots}; raise --max-mamba-cache-size or lower it"
         )
-    return PoolPlan(
+    return PoolSizing(
         kv_tokens=tokens,
         state_slots=slots,
         max_running=max_running,

@@ -11,7 +11,7 @@ import torch
 
 from mambaradix.cache.request_cache import ReqCache
 from mambaradix.core import FinishReason, SamplingParams
-from mambaradix.engine.strategies import ReqPlan
+from mambaradix.engine.strategies import SnapshotPlan
 
 
 class ReqStatus(enum.Enum):
@@ -49,7 +49,7 @@ class Req:
     loading: object = None  # cache.request_cache.LoadTicket this waiting request waits on
     storage_probed: bool = False  # the storage tier was asked for this request's prefix
     ram_prefix: int = 0  # prefix the RAM tree offered before a load
-    plan: ReqPlan = field(default_factory=ReqPlan)  # snapshot planning (engine.strategies)
+    snapshot_plan: SnapshotPlan = field(default_factory=SnapshotPlan)  # (engine.strategies)
     inflight: int = 0  # batches containing this request not yet processed
     finish_reason: FinishReason | None = None
     finish_matched: str | int | None = None  # stop string or stop token

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from mambaradix.cache.request_cache import RequestCache
 from mambaradix.core import FinishReason
 from mambaradix.engine.batch import RunResult
-from mambaradix.engine.forwards import BatchPlan, Entry
+from mambaradix.engine.forwards import Entry, ScheduledBatch
 from mambaradix.engine.request import Req, ReqStatus
 from mambaradix.engine.strategies import SnapshotStrategy
 from mambaradix.stats import EngineStats
@@ -44,9 +44,9 @@ class ResultProcessor:
         self.finish = finish
         self.fail = fail
 
-    def process(self, plan: BatchPlan, result: RunResult) -> None:
-        self.strategy.copies_done(plan.copies)
-        for e in plan.entries:
+    def process(self, batch: ScheduledBatch, result: RunResult) -> None:
+        self.strategy.copies_done(batch.copies)
+        for e in batch.entries:
             req = e.req
             req.inflight -= 1
             if req.rc is None or req.status is ReqStatus.FINISHED:

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 
 from mambaradix.cache.request_cache import RequestCache
-from mambaradix.engine.forwards import BatchPlan, ForwardBuilder
+from mambaradix.engine.forwards import ForwardBuilder, ScheduledBatch
 from mambaradix.engine.request import Req, ReqStatus
 from mambaradix.engine.speculative import Speculation
 from mambaradix.engine.strategies import SnapshotStrategy
@@ -43,7 +43,7 @@ class RunningSet:
         self.settle = settle
         self.speculation = speculation
 
-    def schedule(self, plan: BatchPlan, running: list[Req], budget: int) -> int:
+    def schedule(self, batch: ScheduledBatch, running: list[Req], budget: int) -> int:
         """One decode per decoding request (first in the batch: one KV allocation and one
         slot-row gather for all), then the next chunk of those still in prefill; returns the
         prefill budget left."""
@@ -62,15 +62,15 @@ class RunningSet:
                 [r.rc for r in decodes], max(r.fed_len + 1 for r in decodes)
             )
             for b, req in enumerate(decodes):
-                self.builder.add(plan, req, req.fed_len + 1, kv_slots=rows[b, : req.fed_len + 1])
+                self.builder.add(batch, req, req.fed_len + 1, kv_slots=rows[b, : req.fed_len + 1])
                 budget -= 1
-            plan.run.forward.decode_table = rows
+            batch.run.forward.decode_table = rows
         for req, draft in verifies:  # after the plain decodes (the decode table's rows)
-            self.builder.add_verify(plan, req, draft)
+            self.builder.add_verify(batch, req, draft)
             budget -= 1 + len(draft)
         for req in running:
             if req.seq_len - req.fed_len > 1 and budget > 0:
-                budget -= self.builder.add_prefill(plan, req, budget)
+                budget -= self.builder.add_prefill(batch, req, budget)
         return budget
 
     def _drafts(self, decodes: list[Req]) -> list[tuple[Req, list[int]]]:

@@ -27,7 +27,7 @@ from mambaradix.config import EngineConfig
 from mambaradix.core import EXTRA_BUFFER, FinishReason
 from mambaradix.engine.admission import Admission
 from mambaradix.engine.batch import Runner, future_id
-from mambaradix.engine.forwards import BatchPlan, ForwardBuilder
+from mambaradix.engine.forwards import ForwardBuilder, ScheduledBatch
 from mambaradix.engine.request import Req, ReqStatus
 from mambaradix.engine.results import ResultProcessor
 from mambaradix.engine.running import RunningSet
@@ -119,7 +119,7 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.finishing: list[Req] = []
-        self.inflight: tuple[BatchPlan, Future] | None = None
+        self.inflight: tuple[ScheduledBatch, Future] | None = None
         self.batch_id = 0
 
     @property
@@ -158,15 +158,15 @@ class Scheduler:
         self._end_early(req, FinishReason.ERROR)
 
     def step(self) -> None:
-        plan = self._schedule()
+        batch = self._schedule()
         if self.overlap:
-            fut = self.runner.submit(plan.run) if plan else None
+            fut = self.runner.submit(batch.run) if batch else None
             self._drain()
-            if plan:
-                self.inflight = (plan, fut)
-        elif plan:
-            self._process(plan, self.runner.submit(plan.run).result())
-        if plan is None and self.inflight is None and self.cache.loading:
+            if batch:
+                self.inflight = (batch, fut)
+        elif batch:
+            self._process(batch, self.runner.submit(batch.run).result())
+        if batch is None and self.inflight is None and self.cache.loading:
             self.cache.poll_loads(wait=0.005)  # only loads pending: wait for one, don't spin
         self._release_finished()
 
@@ -190,39 +190,39 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one batch
 
-    def _schedule(self) -> BatchPlan | None:
+    def _schedule(self) -> ScheduledBatch | None:
         self.running_set.make_room_for_decodes(self.running, self.waiting)
         self.batch_id += 1
-        plan = BatchPlan.new(self.batch_id)
-        plan.copies = self.strategy.start_batch(plan.state_ops)
-        budget = self.running_set.schedule(plan, self.running, self.cfg.max_prefill_tokens)
-        self.admission.admit(plan, budget, self.waiting, self.running)
-        if not plan.entries and not plan.copies:
+        batch = ScheduledBatch.new(self.batch_id)
+        batch.copies = self.strategy.start_batch(batch.state_ops)
+        budget = self.running_set.schedule(batch, self.running, self.cfg.max_prefill_tokens)
+        self.admission.admit(batch, budget, self.waiting, self.running)
+        if not batch.entries and not batch.copies:
             if self.running and not self.inflight:  # nothing fits: make room, try next step
                 self.running_set.retract_newest(self.running, self.waiting)
             return None
         if self.cache.pending_writes:  # loads collected: their data lands before anything reads
-            plan.state_ops.writes[:0] = self.cache.take_writes()
-        for e in plan.entries:
+            batch.state_ops.writes[:0] = self.cache.take_writes()
+        for e in batch.entries:
             e.req.inflight += 1
             if e.sample_row is not None:
-                e.req.futures.append(future_id(plan.run.batch_id, e.sample_row))
+                e.req.futures.append(future_id(batch.run.batch_id, e.sample_row))
         self.stats.forwards += 1
-        return plan
+        return batch
 
     def _drain(self) -> None:
         if self.inflight is None:
             return
-        plan, fut = self.inflight
+        batch, fut = self.inflight
         self.inflight = None
-        self._process(plan, fut.result())
+        self._process(batch, fut.result())
 
-    def _process(self, plan: BatchPlan, result: object) -> None:
+    def _process(self, batch: ScheduledBatch, result: object) -> None:
         if getattr(result, "extend_tokens", 0) >= 64:  # prefill-sized: what a token costs
             cost = result.seconds / result.extend_tokens
             old = self.admission.s_per_token
             self.admission.s_per_token = cost if old <= 0 else 0.8 * old + 0.2 * cost
-        self.results.process(plan, result)
+        self.results.process(batch, result)
 
     # ------------------------------------------------------------------ the end of a request
 

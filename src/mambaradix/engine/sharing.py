@@ -30,7 +30,7 @@ def shared_with_queue(req: Req, waiting: list[Req], prefix_len: int, align: int)
 class Hold:
     """Why a waiting request is held: ``req`` will snapshot ``position``, a prefix both share.
     ``new_target``: that position is not yet one of ``req``'s targets; the caller adds it
-    (``ReqPlan.add_share_target``)."""
+    (``SnapshotPlan.add_share_target``)."""
 
     req: Req
     position: int
@@ -45,7 +45,7 @@ def held_for_sharing(req: Req, prefix_len: int, running: list[Req], align: int) 
     n_req = len(req.prompt_ids) + len(req.output_ids)
     ids = None
     for r in running:
-        for t in r.plan.share_targets:
+        for t in r.snapshot_plan.share_targets:
             if prefix_len < t < n_req:
                 ids = req.prefix_ids() if ids is None else ids
                 if (ids[:t] == r.prefix_ids()[:t]).all():
@@ -54,9 +54,9 @@ def held_for_sharing(req: Req, prefix_len: int, running: list[Req], align: int) 
         if r.fed_len >= n_r - 1 or r.prompt_ids[0] != req.prompt_ids[0]:
             continue  # not in prefill any more, or nothing shared
         ids = req.prefix_ids() if ids is None else ids
-        lcp = req.plan.lcp_cache.get(r.rid)
+        lcp = req.snapshot_plan.lcp_cache.get(r.rid)
         if lcp is None:
-            lcp = req.plan.lcp_cache[r.rid] = common_prefix_len(ids, r.prefix_ids())
+            lcp = req.snapshot_plan.lcp_cache[r.rid] = common_prefix_len(ids, r.prefix_ids())
         p = align_down(min(lcp, n_req - 1, n_r - 1), align)
         if p > prefix_len and p > r.fed_len and p > r.rc.tree_len:
             return Hold(r, p, new_target=True)

@@ -15,9 +15,9 @@ A key is recorded on its second step in a row (a batch that lasts one step, as b
 while requests join and finish, is not worth a recording, which costs about one more step).
 A shape (the key) is the batch size, the capacity of the KV slot table (a power of two that
 covers every request's length; the recorded table is that wide and each step's rows are
-written into it) and the structure of the backend's per-forward plans (``replay_key``: for
-the cascade decode attention, each shared-prefix piece's length, groups and width; the
-plans' tensors are written in like the layout's). What a replay runs:
+written into it) and the structure of the backend's per-forward tensors (``replay_key``: for
+the cascade decode attention plan, each shared-prefix piece's length, groups and width; those
+tensors are written in like the layout's). What a replay runs:
 
 - every native call (``kernels.native.recording``: the ctypes boundary), with the recorded
   arguments, so over the recorded buffers;
@@ -189,11 +189,11 @@ class DecodeGraphs:
         shape = self.key(layout)
         if shape is None:
             return None
-        plans = self.backend.replay_key(layout, self._kv_heads)
-        if plans is None:
+        structure = self.backend.replay_key(layout, self._kv_heads)
+        if structure is None:
             self.stats["python"] += 1
             return None
-        key = (*shape, plans)
+        key = (*shape, structure)
         previous, self._previous = self._previous, key
         graph = self._graphs.get(key)
         if graph is not None:
@@ -214,9 +214,9 @@ class DecodeGraphs:
             table = dec.kv_table.new_zeros(dec.kv_table.shape[0], key[1])
             table[:, : dec.kv_table.shape[1]] = dec.kv_table
             dec.kv_table = table
-            self.backend.prepare(layout)  # its plans over the recorded table
+            self.backend.prepare(layout)  # its per-forward tensors over the recorded table
             if self.backend.replay_key(layout, self._kv_heads) != key[2]:
-                return self.model.forward(ctx)  # (a plan cannot change with the width)
+                return self.model.forward(ctx)  # (an attention plan cannot change with the width)
         t0 = time.perf_counter()
         with native.recording() as calls, _Recorder(calls) as recorder:
             logits = self.model.forward(ctx)
@@ -245,7 +245,7 @@ class DecodeGraphs:
 
     def _static_spans_with(self, layout: ForwardLayout) -> set[tuple[int, int]]:
         """The memory of the tensors that outlive every step: the model's and the pools' (read
-        once), the recorded layout's and the backend's plans for it."""
+        once), the recorded layout's and the backend's per-forward tensors for it."""
         if self._static_spans is None:
             tensors = [*self.model.parameters(), *self.model.buffers()]
             for module in self.model.modules():

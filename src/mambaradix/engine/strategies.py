@@ -14,10 +14,10 @@ forward end         the copy ran: insert it into the tree       donate the track
                                                                 to the tree (no copy)
 finish              the working slot is donated at a page end   ... or the last page-
                                                                 boundary tracking slot
-abort, retraction   drop the planning state                     drop the planning state
+abort, retraction   drop the snapshot plan                      drop the snapshot plan
 ==================  ==========================================  ==========================
 
-The planning state of one request is one record, ``ReqPlan``, on ``Req.plan``.
+One request's snapshot plan is one record, ``SnapshotPlan``, on ``Req.snapshot_plan``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from mambaradix.cache.request_cache import RequestCache
 from mambaradix.core import EXTRA_BUFFER, NO_BUFFER
-from mambaradix.engine.planner import Segment, plan_segment, snapshot_alignment
+from mambaradix.engine.planner import Segment, plan_forward, snapshot_alignment
 from mambaradix.kernels.capabilities import BackendCapabilities
 from mambaradix.stats import EngineStats
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
-class ReqPlan:
+class SnapshotPlan:
     """Where one request will snapshot, and what it has written where."""
 
     wanted: list[int] = field(default_factory=list)  # snapshot positions it aims for, sorted
@@ -107,7 +107,7 @@ class SnapshotStrategy:
         return self.align
 
     def plan_forward(self, start: int, chunk_end: int, seq_len: int, wanted: list[int]) -> Segment:
-        return plan_segment(
+        return plan_forward(
             start, chunk_end, seq_len, wanted, self.align, self.name, self.capabilities
         )
 
@@ -131,16 +131,16 @@ class SnapshotStrategy:
     def finish_track(self, req: Req) -> tuple[int, int] | None:
         """The tracking slot ``RequestCache.finish`` may donate when the request ends between
         pages."""
-        return req.plan.page_track
+        return req.snapshot_plan.page_track
 
     def end(self, req: Req) -> None:
         """Finish, abort or failure: drop what the request planned."""
-        req.plan.drop_planned()
+        req.snapshot_plan.drop_planned()
 
     def retract(self, req: Req) -> None:
         """The request's cache entries are in the tree and it waits again: start over."""
         self.end(req)
-        req.plan.reset()
+        req.snapshot_plan.reset()
 
 
 class NoBuffer(SnapshotStrategy):
@@ -152,23 +152,24 @@ class NoBuffer(SnapshotStrategy):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._copies: list[Req] = []  # requests with ``plan.copy_at`` set, in recording order
+        # requests with ``snapshot_plan.copy_at`` set, in recording order
+        self._copies: list[Req] = []
 
     def pending_copies(self) -> dict[Req, int]:
         """Copies recorded for the next batch: request -> position."""
-        return {r: r.plan.copy_at for r in self._copies}
+        return {r: r.snapshot_plan.copy_at for r in self._copies}
 
     def start_batch(self, ops: StateOps) -> list[tuple[Req, int, int]]:
         copies = []
         for req in self._copies:
-            pos, req.plan.copy_at = req.plan.copy_at, None
+            pos, req.snapshot_plan.copy_at = req.snapshot_plan.copy_at, None
             slot = self.cache.alloc_snapshot_slot(req.rc)
             if slot is not None:
                 ops.add_copy(req.rc.state_slot, slot)
                 copies.append((req, pos, slot))
                 self.stats.snapshot_copies += 1
             else:  # skipped: nobody may wait for it
-                req.plan.drop_share_targets(pos)
+                req.snapshot_plan.drop_share_targets(pos)
         self._copies = []
         return copies
 
@@ -176,21 +177,21 @@ class NoBuffer(SnapshotStrategy):
         for req, pos, slot in copies:
             if req.rc is not None and slot in req.rc.pending:
                 self.cache.insert_snapshot(req.rc, req.tokens(), pos, slot)
-                req.plan.drop_share_targets(pos)
+                req.snapshot_plan.drop_share_targets(pos)
 
     def snapshot(self, req: Req, start: int, end: int, snap: int | None) -> SnapshotSpot:
         if snap is not None:
-            if req.plan.copy_at is None:
+            if req.snapshot_plan.copy_at is None:
                 self._copies.append(req)
-            req.plan.copy_at = snap
+            req.snapshot_plan.copy_at = snap
         return SnapshotSpot([])
 
     def forward_done(self, req: Req, end: int, spot: SnapshotSpot) -> None:
         # a target at the forward's end waits for its copy (next batch)
-        req.plan.drop_share_targets(end - 1)
+        req.snapshot_plan.drop_share_targets(end - 1)
 
     def end(self, req: Req) -> None:
-        if req.plan.copy_at is not None:
+        if req.snapshot_plan.copy_at is not None:
             self._copies.remove(req)
         super().end(req)
 
@@ -210,7 +211,7 @@ class ExtraBuffer(SnapshotStrategy):
         return self.cache.page_size
 
     def snapshot(self, req: Req, start: int, end: int, snap: int | None) -> SnapshotSpot:
-        plan, rc = req.plan, req.rc
+        plan, rc = req.snapshot_plan, req.rc
         if snap is not None:
             idx = plan.track_next
             plan.track_next ^= 1
@@ -226,7 +227,7 @@ class ExtraBuffer(SnapshotStrategy):
         return SnapshotSpot([])
 
     def forward_done(self, req: Req, end: int, spot: SnapshotSpot) -> None:
-        plan = req.plan
+        plan = req.snapshot_plan
         if spot.track is not None:
             self.cache.donate_track(req.rc, spot.track[1], req.tokens(), spot.track[0])
         if spot.page_track is not None and spot.page_track[2] == plan.track_epoch:

@@ -19,7 +19,7 @@ from mambaradix.cache.state_pool import StatePool
 from mambaradix.config import EngineConfig
 from mambaradix.engine.cpu_runtime import keep_freed_memory
 from mambaradix.engine.cuda_graphs import default_batch_sizes
-from mambaradix.engine.pools import PoolPlan, model_weight_bytes, plan_pools
+from mambaradix.engine.pools import PoolSizing, model_weight_bytes, size_pools
 from mambaradix.engine.request import Req
 from mambaradix.engine.runner import ModelRunner
 from mambaradix.engine.scheduler import Scheduler
@@ -37,7 +37,7 @@ class EngineParts:
     model: torch.nn.Module
     tokenizer: Any
     context_length: int
-    pool_plan: PoolPlan
+    pool_sizing: PoolSizing
     kv_pool: KVPool
     state_pool: StatePool
     stats: EngineStats  # the scheduler and the cache count into it
@@ -90,21 +90,21 @@ def cuda_graph_sizes(cfg: EngineConfig) -> list[int]:
 def wire(cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any) -> EngineParts:
     """Every part but the scheduler, the runner warmed up."""
     model_ctx = int(getattr(model, "max_position_embeddings", 0) or 1 << 20)
-    plan = plan_pools(
+    sizing = size_pools(
         cfg, model.kv_spec.bytes_per_token(), model.state_spec, model_weight_bytes(model)
     )
     graph_sizes = cuda_graph_sizes(cfg)
     scratch = 1 if graph_sizes else 0  # the padding rows' slots of captured steps
-    kv_pool = KVPool(model.kv_spec, plan.kv_tokens, cfg.page_size, cfg.device, scratch)
-    state_pool = StatePool(model.state_spec, plan.state_slots, cfg.device, scratch)
-    context_length = min(cfg.context_length or model_ctx, plan.kv_tokens)
+    kv_pool = KVPool(model.kv_spec, sizing.kv_tokens, cfg.page_size, cfg.device, scratch)
+    state_pool = StatePool(model.state_spec, sizing.state_slots, cfg.device, scratch)
+    context_length = min(cfg.context_length or model_ctx, sizing.kv_tokens)
     stats = EngineStats()
     cache = RequestCache(
         kv_pool,
         state_pool,
-        ReqSlots(plan.max_running, context_length + cfg.page_size),
+        ReqSlots(sizing.max_running, context_length + cfg.page_size),
         enabled=not cfg.disable_radix_cache,
-        strategy=plan.strategy,
+        strategy=sizing.strategy,
         stats=stats,
         storage=make_storage_tier(cfg, model, kv_pool, state_pool),
     )
@@ -126,7 +126,7 @@ def wire(cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any) -> EnginePar
         runner.warmup(cfg.max_prefill_tokens, min(per_request, context_length))
     return EngineParts(
         config=cfg, model=model, tokenizer=tokenizer, context_length=context_length,
-        pool_plan=plan, kv_pool=kv_pool, state_pool=state_pool, stats=stats, cache=cache,
+        pool_sizing=sizing, kv_pool=kv_pool, state_pool=state_pool, stats=stats, cache=cache,
         backend=backend, structured=structured, runner=runner, eos_ids=eos_ids,
     )  # fmt: skip
 
@@ -142,7 +142,7 @@ def make_scheduler(
         parts.runner,
         eos_token_ids=parts.eos_ids,
         context_length=parts.context_length,
-        max_running=parts.pool_plan.max_running,
+        max_running=parts.pool_sizing.max_running,
         on_tokens=on_tokens,
         on_finish=on_finish,
         capabilities=parts.backend.capabilities,  # where the backend can snapshot

@@ -2,7 +2,7 @@
 
 A backend is an object the engine owns (two engines in one process may use different ones). The
 model is bound to it once (``HybridCausalLM.use_backend``); the runner calls ``prepare(layout)``
-once per forward, where the backend builds its own per-forward tensors (index plans, device
+once per forward, where the backend builds its own per-forward tensors (index tensors, device
 copies) into ``layout.meta``. Layers then call the ops below with their activations and pools;
 every op reads the batch's structure from the layout, never rebuilds it.
 
@@ -64,17 +64,18 @@ class KernelBackend(ABC):
 
     def replay_key(self, layout: ForwardLayout, num_kv_heads: int) -> Hashable | None:
         """Whether a decode forward over ``layout`` (prepared) may be recorded and replayed
-        (``engine.step_graph``), and with which recording: the backend builds now every plan
-        it would build inside the forward (none may be built while a step is recorded) and
-        returns the structure of those plans that shapes the forward (two steps with the same
-        key and batch replay one recording), or None where it cannot be replayed.
+        (``engine.step_graph``), and with which recording: the backend builds now every
+        per-forward tensor it would build inside the forward (none may be built while a step is
+        recorded) and returns the structure of those tensors that shapes the forward (the
+        reference: its decode attention plan's; two steps with the same key and batch replay
+        one recording), or None where it cannot be replayed.
         ``num_kv_heads``: the KV pool's heads (0 without attention). Default: None."""
         return None
 
     def write_replay_inputs(self, recorded: ForwardLayout, layout: ForwardLayout) -> None:
-        """Copy the plans' tensors ``replay_key`` built for ``layout`` into those it built for
-        ``recorded`` (a step of the same key), before that recording is replayed. Default:
-        nothing (no plans)."""
+        """Copy the per-forward tensors ``replay_key`` built for ``layout`` into those it built
+        for ``recorded`` (a step of the same key), before that recording is replayed. Default:
+        nothing (none built)."""
         return None
 
     # ------------------------------------------------------------ attention over the KV pool

@@ -500,9 +500,9 @@ def mamba2_step(
 @dataclass(slots=True, frozen=True)
 class ScanSegments:
     """A forward's prefill segments as the native prefill kernels take them, built once per
-    forward (``CpuBackend``'s plan) and shared by every layer: int64 state slots ``[S]`` and
-    ``cu_seqlens`` ``[S+1]``, and the snapshots as (segment, offset, slot), sorted by segment,
-    then offset (the order the kernels walk them in)."""
+    forward (in ``CpuBackend``'s per-forward index) and shared by every layer: int64 state slots
+    ``[S]`` and ``cu_seqlens`` ``[S+1]``, and the snapshots as (segment, offset, slot), sorted by
+    segment, then offset (the order the kernels walk them in)."""
 
     slots: torch.Tensor
     cu: torch.Tensor

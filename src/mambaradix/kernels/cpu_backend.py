@@ -53,7 +53,7 @@ class CpuBackend(TorchBackend):
 
     def _segments(self, layout) -> cpu.ScanSegments:
         """The prefill segments as the native prefill kernels take them, once per forward."""
-        return self._plan(layout).get(
+        return self._index(layout).get(
             ("scan_segments",), lambda: cpu.ScanSegments.of(layout.prefill)
         )
 

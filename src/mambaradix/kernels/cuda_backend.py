@@ -8,7 +8,7 @@ on the GPU (docs/backends.md).
 - projections and norms: torch (cuBLAS and fused elementwise kernels).
 
 ``prepare`` builds every index tensor the kernels take (int32 ``cu_seqlens``, state slots,
-snapshot indices, the prefills' KV slot table) once per forward (``CudaPlan``); the layers' ops
+snapshot indices, the prefills' KV slot table) once per forward (``CudaIndex``); the layers' ops
 never copy between host and device nor read a device value.
 
 Snapshots inside a prefill come from the chunked kernels' chunk-boundary states, so
@@ -30,7 +30,7 @@ import torch
 from mambaradix.kernels import gated_delta
 from mambaradix.kernels.backend import register_backend
 from mambaradix.kernels.capabilities import BackendCapabilities
-from mambaradix.kernels.torch_backend import TorchBackend, TorchPlan, _copy_decode_snapshots
+from mambaradix.kernels.torch_backend import TorchBackend, TorchIndex, _copy_decode_snapshots
 from mambaradix.layout import ForwardLayout
 
 Tensor = torch.Tensor
@@ -77,7 +77,7 @@ class DecodeIndex:
     seq_lens: Tensor  # int32 [Td]
 
 
-class CudaPlan(TorchPlan):
+class CudaIndex(TorchIndex):
     """The per-forward index tensors of the Triton kernels (and the reference's memo, for the
     ops this backend takes from it)."""
 
@@ -145,21 +145,21 @@ class CudaBackend(TorchBackend):
         ]  # fmt: skip
 
     def prepare(self, layout: ForwardLayout) -> None:
-        layout.meta = CudaPlan(layout, self)
+        layout.meta = CudaIndex(layout, self)
 
-    def _cuda_plan(self, layout: ForwardLayout) -> CudaPlan:
-        plan = layout.meta
-        if not isinstance(plan, CudaPlan) or plan.backend is not self:
+    def _cuda_index(self, layout: ForwardLayout) -> CudaIndex:
+        index = layout.meta
+        if not isinstance(index, CudaIndex) or index.backend is not self:
             self.prepare(layout)  # a layout no runner prepared (a test driving a model)
-            plan = layout.meta
-        return plan
+            index = layout.meta
+        return index
 
     # ------------------------------------------------------------------ attention
 
     def paged_attention_prefill(self, q, k_pool, v_pool, layout, scale) -> Tensor:
         from mambaradix.kernels.triton import attention
 
-        idx = self._cuda_plan(layout).prefill
+        idx = self._cuda_index(layout).prefill
         return attention.paged_attention_prefill(
             q, k_pool, v_pool, idx.cu_seqlens, idx.prefix_lens, idx.kv_table, scale, idx.max_len
         )
@@ -167,7 +167,7 @@ class CudaBackend(TorchBackend):
     def paged_attention_decode(self, q, k_pool, v_pool, layout, scale) -> Tensor:
         from mambaradix.kernels.triton import attention
 
-        idx = self._cuda_plan(layout).decode
+        idx = self._cuda_index(layout).decode
         return attention.paged_attention_decode(
             q, k_pool, v_pool, idx.kv_table, idx.seq_lens, scale
         )
@@ -180,7 +180,7 @@ class CudaBackend(TorchBackend):
     def conv1d_prefill(self, x, weight, bias, conv_pool, layout, activation) -> Tensor:
         from mambaradix.kernels.triton import conv
 
-        idx = self._cuda_plan(layout).prefill
+        idx = self._cuda_index(layout).prefill
         return conv.conv1d_prefill(
             x, weight, bias, conv_pool, idx.cu_seqlens, idx.state_slots, idx.snap_seqs,
             idx.snap_offsets, idx.snap_slots, activation,
@@ -189,7 +189,7 @@ class CudaBackend(TorchBackend):
     def conv1d_decode(self, x, weight, bias, conv_pool, layout, activation) -> Tensor:
         from mambaradix.kernels.triton import conv
 
-        idx = self._cuda_plan(layout).decode
+        idx = self._cuda_index(layout).decode
         y = conv.conv1d_decode(x, weight, bias, conv_pool, idx.state_slots, activation)
         _copy_decode_snapshots(conv_pool, layout.decode)
         return y
@@ -199,7 +199,7 @@ class CudaBackend(TorchBackend):
     def gdn_prefill(self, q, k, v, g, beta, ssm_pool, layout) -> Tensor:
         from mambaradix.kernels.triton import gdn
 
-        seg, idx = layout.prefill, self._cuda_plan(layout).prefill
+        seg, idx = layout.prefill, self._cuda_index(layout).prefill
         return gdn.gdn_prefill(
             q, k, v, g, beta, ssm_pool, idx.cu_seqlens, seg.state_slots, idx.snap_chunks,
             seg.snapshot_slots, idx.gdn_chunks,
@@ -210,7 +210,7 @@ class CudaBackend(TorchBackend):
         """The conv step, the gates, fla-core's delta step on the pool, the output norm."""
         from mambaradix.kernels.triton import conv, gdn
 
-        dec, idx = layout.decode, self._cuda_plan(layout).decode
+        dec, idx = layout.decode, self._cuda_index(layout).decode
         hv, dk, dv = ssm_pool.shape[1:]
         n = x.shape[0]
         mixed = conv.conv1d_decode(x, conv_weight, conv_bias, conv_pool, idx.state_slots,
@@ -232,7 +232,7 @@ class CudaBackend(TorchBackend):
     def mamba2_prefill(self, x, dt, A, B, C, D, ssm_pool, layout) -> Tensor:
         from mambaradix.kernels.triton import mamba2 as triton_mamba2
 
-        idx = self._cuda_plan(layout).prefill
+        idx = self._cuda_index(layout).prefill
         return triton_mamba2.mamba2_prefill(
             x, dt, A, B, C, D, ssm_pool, idx.cu_seqlens, idx.state_slots, idx.snap_seqs,
             idx.snap_offsets, idx.snap_slots,
@@ -241,7 +241,7 @@ class CudaBackend(TorchBackend):
     def mamba2_decode(self, x, dt, A, B, C, D, ssm_pool, layout) -> Tensor:
         from mambaradix.kernels.triton import mamba2 as triton_mamba2
 
-        idx = self._cuda_plan(layout).decode
+        idx = self._cuda_index(layout).decode
         y = triton_mamba2.mamba2_decode(x, dt, A, B, C, D, ssm_pool, idx.state_slots)
         _copy_decode_snapshots(ssm_pool, layout.decode)
         return y

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ChunkPlan", "mamba2_chunk_scan", "mamba2_step", "process_dt", "split_xbc"]
+__all__ = ["ChunkLayout", "mamba2_chunk_scan", "mamba2_step", "process_dt", "split_xbc"]
 
 
 def process_dt(
@@ -48,7 +48,7 @@ def split_xbc(
 
 
 @dataclass(slots=True)
-class ChunkPlan:
+class ChunkLayout:
     """Where every token and chunk of a varlen chunked scan lives.
 
     ``token_rows[t]`` is token t's row in the padded ``[num_chunks * chunk_size]`` buffer;
@@ -72,7 +72,7 @@ class ChunkPlan:
         snap_offsets: list[list[int]] | None,
         chunk_size: int,
         device: torch.device | str = "cpu",
-    ) -> ChunkPlan:
+    ) -> ChunkLayout:
         """``snap_offsets[i]``: offsets n (1 <= n <= seq_lens[i]) whose state sequence i wants."""
         rows: list[torch.Tensor] = []
         per_seq_chunks: list[list[int]] = []
@@ -134,25 +134,25 @@ def mamba2_chunk_scan(
     C: torch.Tensor,
     D: torch.Tensor | None,
     init_states: torch.Tensor,
-    plan: ChunkPlan,
+    chunks: ChunkLayout,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Varlen chunked selective scan over packed sequences.
 
     Args: ``x [T,H,P]``, ``dt [T,H]`` (already processed, see ``process_dt``), ``A [H]``,
     ``B, C [T,G,N]``, ``D [H]`` or None, ``init_states [S,H,P,N]`` (state before each
-    sequence), ``plan`` from ``ChunkPlan.build`` for the same sequences.
+    sequence), ``chunks`` from ``ChunkLayout.build`` for the same sequences.
 
     Returns ``(y [T,H,P] float32, final_states [S,H,P,N] float32, snapshots [K,H,P,N])`` where
-    snapshot k is the state after the offset the plan listed k-th.
+    snapshot k is the state after the offset ``chunks`` listed k-th.
     """
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     hpg = H // G
     S = init_states.shape[0]
-    Q, NC = plan.chunk_size, plan.num_chunks
+    Q, NC = chunks.chunk_size, chunks.num_chunks
     dev = x.device
     xf, dtf = x.float(), dt.float()
-    rows = plan.token_rows
+    rows = chunks.token_rows
 
     def padded(src: torch.Tensor) -> torch.Tensor:
         out = torch.zeros((NC * Q, *src.shape[1:]), dtype=torch.float32, device=dev)
@@ -185,7 +185,7 @@ def mamba2_chunk_scan(
     # 3. inter-chunk recurrence, batched across sequences: start state of every chunk
     start = torch.empty((NC, H, P, N), dtype=torch.float32, device=dev)
     cur = init_states.float().clone()
-    for chunk_ids, seq_ids in zip(plan.chunk_order, plan.seq_of):
+    for chunk_ids, seq_ids in zip(chunks.chunk_order, chunks.seq_of):
         h = cur.index_select(0, seq_ids)
         start.index_copy_(0, chunk_ids, h)
         h = h * chunk_decay.index_select(0, chunk_ids)[:, :, None, None]
@@ -202,9 +202,9 @@ def mamba2_chunk_scan(
     if D is not None:
         y = y + xf * D.float()[None, :, None]
 
-    if plan.snap_chunks:
+    if chunks.snap_chunks:
         snaps = torch.stack(
-            [cur[s] if c < 0 else start[c] for c, s in zip(plan.snap_chunks, plan.snap_seq)]
+            [cur[s] if c < 0 else start[c] for c, s in zip(chunks.snap_chunks, chunks.snap_seq)]
         )
     else:
         snaps = torch.empty((0, H, P, N), dtype=torch.float32, device=dev)

@@ -1,11 +1,12 @@
 """The ``torch`` backend: the reference every other backend is tested against (CPU or any
 device torch runs on).
 
-Its per-forward plan (``TorchPlan``, built in ``prepare``) holds the index tensors the reference
-kernels need beyond the layout: equal-chunk-count buckets of prefill segments for the chunked
-delta rule, the Mamba2 chunk plan, the rows of every final and snapshot conv state, the shared
-prefixes of prefills and the decode attention plan. Parts that depend on a layer's shape (conv
-width, KV heads) are built by the first layer that asks and reused by every later layer.
+Its per-forward index (``TorchIndex``, built in ``prepare``) holds the index tensors the
+reference kernels need beyond the layout: equal-chunk-count buckets of prefill segments for the
+chunked delta rule, the Mamba2 chunk layout, the rows of every final and snapshot conv state,
+the shared prefixes of prefills and the decode attention plan. Parts that depend on a layer's
+shape (conv width, KV heads) are built by the first layer that asks and reused by every later
+layer.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ class GdnBucket:
     snapshots: list[int]  # which snapshot each states_at entry is
 
 
-class TorchPlan:
-    """Per-forward index plans of the reference kernels, each built once on first use."""
+class TorchIndex:
+    """Per-forward index tensors of the reference kernels, each built once on first use."""
 
     __slots__ = ("layout", "backend", "_memo")
 
@@ -68,19 +69,19 @@ class TorchBackend(KernelBackend):
     moe_unpad = staticmethod(moe.moe_unpad)
 
     def prepare(self, layout: ForwardLayout) -> None:
-        layout.meta = TorchPlan(layout, self)
+        layout.meta = TorchIndex(layout, self)
 
     def gated_mlp(self, x, gate_up, down, act) -> Tensor:
         """The composition: this backend's ``linear``, the activation, the product, ``linear``."""
         gate, up = self.linear(x, gate_up, None).chunk(2, dim=-1)
         return self.linear(activation(act)(gate) * up, down, None)
 
-    def _plan(self, layout: ForwardLayout) -> TorchPlan:
-        plan = layout.meta
-        if not isinstance(plan, TorchPlan) or plan.backend is not self:
+    def _index(self, layout: ForwardLayout) -> TorchIndex:
+        index = layout.meta
+        if not isinstance(index, TorchIndex) or index.backend is not self:
             self.prepare(layout)  # a layout no runner prepared (a test driving a model)
-            plan = layout.meta
-        return plan
+            index = layout.meta
+        return index
 
     # ------------------------------------------------------------------ attention
 
@@ -92,7 +93,7 @@ class TorchBackend(KernelBackend):
         seg, cu = layout.prefill, layout.prefill.cu_list
         out = q.new_empty(q.shape[0], q.shape[1], v_pool.shape[-1])
         grouped: set[int] = set()
-        groups = self._plan(layout).get(("prefill_groups",), lambda: _prefill_groups(seg))
+        groups = self._index(layout).get(("prefill_groups",), lambda: _prefill_groups(seg))
         for members, shared_len in groups:
             outs = attention.attention_prefill_shared(
                 [q[cu[p] : cu[p + 1]] for p in members],
@@ -120,7 +121,7 @@ class TorchBackend(KernelBackend):
         return self.attention_decode(q, k_pool, v_pool, dec.kv_table, dec.seq_lens, scale, plan)
 
     def _decode_attention_plan(self, layout, heads: int) -> attention_plan.DecodePlan:
-        return self._plan(layout).get(("decode_plan", heads), lambda: _decode_plan(layout, heads))
+        return self._index(layout).get(("decode_plan", heads), lambda: _decode_plan(layout, heads))
 
     def replay_key(self, layout, num_kv_heads):
         """The decode attention plan's structure: for each shared-prefix piece its prefix
@@ -139,10 +140,10 @@ class TorchBackend(KernelBackend):
         return (*((p.plen, p.n, p.width) for p in plan.pieces), members)
 
     def write_replay_inputs(self, recorded, layout) -> None:
-        for key, plan in self._plan(layout)._memo.items():
+        for key, plan in self._index(layout)._memo.items():
             if key[0] != "decode_plan":
                 continue
-            into = self._plan(recorded)._memo[key]
+            into = self._index(recorded)._memo[key]
             pairs = [(into.begin, plan.begin), (into.shared_row, plan.shared_row),
                      (into.shared_members, plan.shared_members)]  # fmt: skip
             for a, b in zip(into.pieces, plan.pieces):
@@ -167,7 +168,7 @@ class TorchBackend(KernelBackend):
         k1 = init.shape[-1]
         if k1 == 0:
             return
-        rows, dest = self._plan(layout).get(("conv_rows", k1), lambda: _conv_rows(seg, k1))
+        rows, dest = self._index(layout).get(("conv_rows", k1), lambda: _conv_rows(seg, k1))
         carried = init.to(x.dtype).transpose(1, 2).reshape(-1, init.shape[1])
         src = torch.cat([carried, x])
         states = src.index_select(0, rows).view(-1, k1, x.shape[1]).transpose(1, 2)
@@ -188,7 +189,7 @@ class TorchBackend(KernelBackend):
         final = torch.empty_like(init)
         out = v.new_empty(v.shape)
         snaps: list[Tensor | None] = [None] * seg.num_snapshots
-        buckets = self._plan(layout).get(("gdn_buckets",), lambda: _gdn_buckets(seg, self.device))
+        buckets = self._index(layout).get(("gdn_buckets",), lambda: _gdn_buckets(seg, self.device))
         for b in buckets:
             o, new_state, picked = gated_delta.chunk_gated_delta_rule(
                 _take(q, b.rows), _take(k, b.rows), _take(v, b.rows), _take(g, b.rows),
@@ -221,9 +222,11 @@ class TorchBackend(KernelBackend):
 
     def mamba2_prefill(self, x, dt, A, B, C, D, ssm_pool, layout) -> Tensor:
         seg = layout.prefill
-        plan = self._plan(layout).get(("mamba2_plan",), lambda: _mamba2_plan(seg, self.device))
+        chunks = self._index(layout).get(
+            ("mamba2_chunks",), lambda: _mamba2_chunks(seg, self.device)
+        )
         init = ssm_pool.index_select(0, seg.state_slots)
-        y, final, snaps = mamba2.mamba2_chunk_scan(x, dt, A, B, C, D, init, plan)
+        y, final, snaps = mamba2.mamba2_chunk_scan(x, dt, A, B, C, D, init, chunks)
         ssm_pool.index_copy_(0, seg.state_slots, final.to(ssm_pool.dtype))
         if seg.num_snapshots:
             ssm_pool.index_copy_(0, seg.snapshot_slots, snaps.to(ssm_pool.dtype))
@@ -251,7 +254,7 @@ class TorchBackend(KernelBackend):
         )
 
 
-# --------------------------------------------------------------------------- plans
+# --------------------------------------------------------------------------- index tensors
 
 
 def _copy_decode_snapshots(pool: Tensor, dec: DecodeRows) -> None:
@@ -322,9 +325,9 @@ def _take(x: Tensor, rows: Tensor) -> Tensor:
     return padded.index_select(0, rows.reshape(-1)).view(*rows.shape, *x.shape[1:])
 
 
-def _mamba2_plan(seg: PrefillSegments, device: torch.device) -> mamba2.ChunkPlan:
+def _mamba2_chunks(seg: PrefillSegments, device: torch.device) -> mamba2.ChunkLayout:
     offsets = [seg.snapshot_offsets_of(p) for p in range(len(seg.lens))]
-    return mamba2.ChunkPlan.build(seg.lens, offsets, CHUNK_SIZE, device)
+    return mamba2.ChunkLayout.build(seg.lens, offsets, CHUNK_SIZE, device)
 
 
 def _prefill_groups(seg: PrefillSegments) -> list[tuple[list[int], int]]:

@@ -58,7 +58,7 @@ from mambaradix.server.serving import (
     sse_response,
 )
 from mambaradix.server.structured import grammar_of
-from mambaradix.server.tools import ToolPlan, plan_tools, template_messages
+from mambaradix.server.tools import ToolCalling, resolve_tools, template_messages
 from mambaradix.server.validation import validate_body
 
 logger = logging.getLogger(__name__)
@@ -265,17 +265,17 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
         tok = engine.tokenizer
         size = sum(len(str(getattr(m, "content", None) or "")) for m in req.messages)
         template = srv.chat_template or getattr(tok, "chat_template", None)
-        plan = plan_tools(req, srv.cfg.tool_call_parser, template)
-        text, kwargs = await _off_loop(size, _render_chat, srv, tok, req, plan)
+        calling = resolve_tools(req, srv.cfg.tool_call_parser, template)
+        text, kwargs = await _off_loop(size, _render_chat, srv, tok, req, calling)
         ids = await _off_loop(len(text), lambda: tok.encode(text, add_special_tokens=False))
         params = openai_params(
             req, srv.max_tokens_for(len(ids), req.requested_max_tokens()), srv.vocab_size
         )
-        # a forced tool call (the plan refuses one beside a constraint field), else the fields'
-        params.grammar = plan.grammar if plan and plan.grammar else grammar_of(req)
+        # a forced tool call (resolve_tools refuses one beside a constraint field), else the fields'
+        params.grammar = calling.grammar if calling and calling.grammar else grammar_of(req)
         params.return_logprob = bool(req.logprobs)
         params.top_logprobs = req.top_logprobs or 0
-        ch = Choices(True, req, tok, srv.table, logprobs=bool(req.logprobs), tools=plan)
+        ch = Choices(True, req, tok, srv.table, logprobs=bool(req.logprobs), tools=calling)
         parser = srv.cfg.reasoning_parser
         if parser and req.separate_reasoning is not False:
             ch.in_reasoning = starts_in_reasoning(parser, text, kwargs)
@@ -290,15 +290,15 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
 
 
 def _render_chat(
-    srv: _Server, tok: Any, req: ChatCompletionRequest, plan: ToolPlan | None = None
+    srv: _Server, tok: Any, req: ChatCompletionRequest, calling: ToolCalling | None = None
 ) -> tuple[str, dict]:
-    """The prompt text from the chat template (with the plan's tools); a 400 when there is no
+    """The prompt text from the chat template (with the request's tools); a 400 when there is no
     template or the template refuses the conversation (its raise_exception, a missing
     variable)."""
     messages, kwargs = req.template_args()
     messages = template_messages(req, messages)
-    if plan is not None:
-        kwargs["tools"] = plan.tools
+    if calling is not None:
+        kwargs["tools"] = calling.tools
     template = srv.chat_template or getattr(tok, "chat_template", None)
     if not template:
         raise APIError(

@@ -36,7 +36,7 @@ class Choices:
     discard: bool = False  # max_tokens 0: the one token the engine generates is not reported
     in_reasoning: bool | None = None  # reasoning parser on: whether replies start in reasoning
     stream_reasoning: bool = True
-    tools: Any = None  # server.tools.ToolPlan: replies are parsed into tool calls
+    tools: Any = None  # server.tools.ToolCalling: replies are parsed into tool calls
 
 
 class Job:
@@ -214,19 +214,19 @@ class Job:
 
     def _tool_calls(self, msg: dict[str, Any]) -> str | None:
         """Move the calls in a finished reply's content to ``tool_calls``; the finish reason."""
-        plan = self.ch.tools
-        content, calls = plan.parser.parse(msg["content"] or "", plan.tools)
+        calling = self.ch.tools
+        content, calls = calling.parser.parse(msg["content"] or "", calling.tools)
         if not calls:
             return self.finish_reason
         msg["content"] = content if content.strip() else None
-        msg["tool_calls"] = [c.to_openai() for c in (calls if plan.parallel else calls[:1])]
+        msg["tool_calls"] = [c.to_openai() for c in (calls if calling.parallel else calls[:1])]
         return "tool_calls" if self.finish_reason == "stop" else self.finish_reason
 
     def _stream_tools(self, content: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
         """A streamed content piece through the tool-call parser: plain text, call deltas."""
-        plan = self.ch.tools
+        calling = self.ch.tools
         if self.tool_stream is None:
-            self.tool_stream = plan.parser.stream(plan.tools)
+            self.tool_stream = calling.parser.stream(calling.tools)
         deltas = self.tool_stream.feed(content) if content else []
         if finished:
             deltas += self.tool_stream.finish()
@@ -234,7 +234,7 @@ class Job:
         calls = [
             d.to_openai()
             for d in deltas
-            if not isinstance(d, ContentDelta) and (plan.parallel or d.index == 0)
+            if not isinstance(d, ContentDelta) and (calling.parallel or d.index == 0)
         ]
         return text, calls
 

@@ -8,9 +8,9 @@ request:
   (``strict`` true or false: the schema is enforced either way);
 - SGLang's ``regex``, ``json_schema`` (a schema, as a JSON string or an object) and ``ebnf``: on
   ``/generate``'s ``sampling_params`` and as extra body fields of the OpenAI routes;
-- on the chat route, ``tool_choice`` required / named: one forced call, whose grammar the tool
-  plan builds (``server.tools.plan``: each tool's parameters through ``schema_spec``); it refuses
-  a forced call together with any field above (``constraints``).
+- on the chat route, ``tool_choice`` required / named: one forced call, whose grammar
+  ``resolve_tools`` builds (``server.tools.resolve``: each tool's parameters through
+  ``schema_spec``); it refuses a forced call together with any field above (``constraints``).
 
 Every schema, regex and grammar is built once here (``engine.grammar.validate_spec``: no
 tokenizer, cheap), so a bad one is a 400 before the request reaches the engine; the engine

@@ -122,18 +122,18 @@ def gdn_prefill(
             prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE),
         )
     num_chunks = chunks.indices.shape[0]
-    plan = {"cu_seqlens": cu_seqlens, "chunk_indices": chunks.indices, "chunk_size": CHUNK_SIZE}
+    chunking = {"cu_seqlens": cu_seqlens, "chunk_indices": chunks.indices, "chunk_size": CHUNK_SIZE}
     q, _ = l2norm_fwd(q.unsqueeze(0).contiguous())
     k, _ = l2norm_fwd(k.unsqueeze(0).contiguous())
     v, g, beta = (x.unsqueeze(0).contiguous() for x in (v, g, beta))
-    g = chunk_local_cumsum(g, scale=RCP_LN2, **plan)  # log2 of the decay within each chunk, fp32
-    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, **plan)
+    g = chunk_local_cumsum(g, scale=RCP_LN2, **chunking)  # log2 of the decay in each chunk, fp32
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, **chunking)
 
     snapshots = snap_slots.shape[0] > 0
     state_dtype = torch.promote_types(k.dtype, ssm_pool.dtype) if snapshots else k.dtype
     h0 = ssm_pool.index_select(0, state_slots)
     h, v_new, final = _pass_states(k, w, u, g, h0, cu_seqlens, chunks, state_dtype, num_chunks)
-    o = chunk_fwd_o(q=q, k=k, v=v_new, h=h.to(k.dtype), g=g, scale=k.shape[-1] ** -0.5, **plan)
+    o = chunk_fwd_o(q=q, k=k, v=v_new, h=h.to(k.dtype), g=g, scale=k.shape[-1] ** -0.5, **chunking)
 
     if snapshots:
         flat = h[0]

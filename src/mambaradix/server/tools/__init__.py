@@ -4,8 +4,8 @@ grammar, the history for the template) and the reply's side (the model's text pa
 
 Modules, by concern:
 
-- `plan.py` (request): `plan_tools(req, flag, template) -> ToolPlan | None` checks `tools` /
-  `tool_choice` and picks the parser and a forced call's grammar (400s naming the field);
+- `resolve.py` (request): `resolve_tools(req, flag, template) -> ToolCalling | None` checks
+  `tools` / `tool_choice` and picks the parser and a forced call's grammar (400s naming the field);
   `template_messages` / `messages_for_template` put the history in the template's shape.
 - `constrain.py` (request): `call_grammar`, one call in a parser's format over the tools'
   parameter schemas (the `GrammarSpec` of `tool_choice` required / named).
@@ -54,13 +54,13 @@ from mambaradix.server.tools.base import (
     tool_schemas,
 )
 from mambaradix.server.tools.formats import coerce
-from mambaradix.server.tools.plan import (
-    ToolPlan,
+from mambaradix.server.tools.registry import TOOL_PARSERS, detect_tool_parser, get_tool_parser
+from mambaradix.server.tools.resolve import (
+    ToolCalling,
     messages_for_template,
-    plan_tools,
+    resolve_tools,
     template_messages,
 )
-from mambaradix.server.tools.registry import TOOL_PARSERS, detect_tool_parser, get_tool_parser
 
 __all__ = [
     "ContentDelta",
@@ -68,14 +68,14 @@ __all__ = [
     "ToolCall",
     "ToolCallDelta",
     "ToolParser",
-    "ToolPlan",
+    "ToolCalling",
     "ToolStream",
     "TOOL_PARSERS",
     "coerce",
     "detect_tool_parser",
     "get_tool_parser",
     "messages_for_template",
-    "plan_tools",
+    "resolve_tools",
     "template_messages",
     "tool_schemas",
 ]

@@ -1,5 +1,5 @@
 """Tool calling on the chat route: a request's ``tools`` / ``tool_choice`` / history checked
-and resolved to what the template, the engine and the reply need (``ToolPlan``).
+and resolved to what the template, the engine and the reply need (``ToolCalling``).
 
 - The parser: ``--tool-call-parser`` or the one the chat template's markers name
   (``server.tools.detect_tool_parser``); ``tools`` with neither is a 400.
@@ -32,7 +32,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass(slots=True)
-class ToolPlan:
+class ToolCalling:
     """What one chat request does with tools."""
 
     parser: ToolParser
@@ -79,8 +79,10 @@ def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]
     return out
 
 
-def plan_tools(req: ChatCompletionRequest, flag: str, template: str | None) -> ToolPlan | None:
-    """The request's tool plan; None when the reply is plain text (no tools, or ``none``)."""
+def resolve_tools(
+    req: ChatCompletionRequest, flag: str, template: str | None
+) -> ToolCalling | None:
+    """The request's tool calling; None when the reply is plain text (no tools, or ``none``)."""
     choice = req.tool_choice
     if not req.tools:
         if choice in ("required",) or isinstance(choice, NamedToolChoice):
@@ -110,7 +112,7 @@ def plan_tools(req: ChatCompletionRequest, flag: str, template: str | None) -> T
             param="tools",
         )
     grammar = call_grammar(name, schemas, forced) if force else None
-    return ToolPlan(get_tool_parser(name), tools, grammar, req.parallel_tool_calls is not False)
+    return ToolCalling(get_tool_parser(name), tools, grammar, req.parallel_tool_calls is not False)
 
 
 def _check_tools(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
