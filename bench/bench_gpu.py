@@ -22,7 +22,6 @@ import gc
 import json
 import os
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_real import (  # noqa: E402
+    engine_decode,
     large_tokenizer,
     published_tokenizer_config,
     weight_figures,
@@ -126,31 +126,6 @@ def engine_prefill(eng, n: int, vocab: int) -> float:
     eng.generate(input_ids=ids(0), sampling_params=p)
     return n / min(timed(lambda k=k: eng.generate(input_ids=ids(k), sampling_params=p))
                    for k in (1, 2))  # fmt: skip
-
-
-def engine_decode(eng, batch: int, vocab: int, steps: int) -> float:
-    """Decode tok/s at ``batch`` (128-token prompts, cache off), from the outputs' arrival
-    times once every request of the batch decodes."""
-    from mambaradix.core import SamplingParams
-
-    ids = [[(i * 31 + b * 977) % (vocab - 10) + 5 for i in range(128)] for b in range(batch)]
-    p = SamplingParams(temperature=0.0, max_new_tokens=steps + 1, ignore_eos=True)
-    handles = eng.submit_many(ids, [p] * batch)
-    arrivals: list[list[tuple[float, int]]] = [[] for _ in handles]
-
-    def watch(i: int) -> None:
-        for out in handles[i].events():
-            arrivals[i].append((time.perf_counter(), len(out.new_token_ids)))
-
-    threads = [threading.Thread(target=watch, args=(i,)) for i in range(batch)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    start = max(next(t for t, n in a if n) for a in arrivals)
-    end = max(a[-1][0] for a in arrivals)
-    tokens = sum(n for a in arrivals for t, n in a if t > start)
-    return tokens / max(end - start, 1e-9)
 
 
 def decode_syncs(eng, vocab: int, steps: int = 8) -> float:
@@ -258,7 +233,7 @@ def run_preset(preset: str, args, out: Path, limits: dict, deadline: float) -> N
     for b in args.batches:
         if time.perf_counter() > deadline:
             break
-        decode[b] = engine_decode(eng, b, vocab, args.steps)
+        decode[b] = engine_decode(eng, b, vocab, args.steps, 0)
     syncs = decode_syncs(eng, vocab)
     eng.shutdown()
     del eng
@@ -270,7 +245,7 @@ def run_preset(preset: str, args, out: Path, limits: dict, deadline: float) -> N
         for b in args.batches:
             if time.perf_counter() > deadline:
                 break
-            eager[b] = engine_decode(eng, b, vocab, args.steps)
+            eager[b] = engine_decode(eng, b, vocab, args.steps, 0)
         eng.shutdown()
         del eng
         gc.collect()

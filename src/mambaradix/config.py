@@ -147,7 +147,8 @@ class EngineConfig:
     )
     disable_cuda_graph: bool = opt(
         False,
-        "On a CUDA device, run every decode step eagerly instead of replaying its CUDA graph.",
+        "Run every decode step eagerly instead of replaying its CUDA graph (on a CPU device: "
+        "its recorded step, as --disable-decode-graph).",
     )
     cuda_graph_max_bs: int = opt(
         256,

@@ -183,3 +183,13 @@ def test_stale_padding_rows_are_caught(small_qwen3_5):
         if step == 1:
             differs = any(not torch.equal(a[:-1], b[:-1]) for a, b in zip(pools, eager_pools))
     assert differs
+
+
+def test_disable_cuda_graph_turns_off_the_cpu_step_graphs_too():
+    """SGLang's flag is not ignored on a CPU device: it disables the recorded decode steps."""
+    from mambaradix.engine.engine import Engine
+
+    with Engine(model_path="tiny:qwen3_next", skip_warmup=True) as on:
+        assert on.runner.graphs is not None
+    with Engine(model_path="tiny:qwen3_next", skip_warmup=True, disable_cuda_graph=True) as off:
+        assert off.runner.graphs is None

@@ -114,7 +114,9 @@ def wire(cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any) -> EnginePar
     structured = StructuredOutput(tokenizer, model.vocab_size, eos_ids)
     runner = ModelRunner(
         model, kv_pool, state_pool, cfg.device, backend, structured,
-        decode_graph_max_bs=0 if cfg.disable_decode_graph else cfg.decode_graph_max_bs,
+        decode_graph_max_bs=0
+        if cfg.disable_decode_graph or cfg.disable_cuda_graph
+        else cfg.decode_graph_max_bs,
         cuda_graph_bs=graph_sizes,
     )  # fmt: skip
     if cfg.device == "cpu":  # before the warm-up, whose heap growth is then kept

@@ -147,19 +147,12 @@ class CudaBackend(TorchBackend):
     def prepare(self, layout: ForwardLayout) -> None:
         layout.meta = CudaIndex(layout, self)
 
-    def _cuda_index(self, layout: ForwardLayout) -> CudaIndex:
-        index = layout.meta
-        if not isinstance(index, CudaIndex) or index.backend is not self:
-            self.prepare(layout)  # a layout no runner prepared (a test driving a model)
-            index = layout.meta
-        return index
-
     # ------------------------------------------------------------------ attention
 
     def paged_attention_prefill(self, q, k_pool, v_pool, layout, scale) -> Tensor:
         from mambaradix.kernels.triton import attention
 
-        idx = self._cuda_index(layout).prefill
+        idx = self._index(layout).prefill
         return attention.paged_attention_prefill(
             q, k_pool, v_pool, idx.cu_seqlens, idx.prefix_lens, idx.kv_table, scale, idx.max_len
         )
@@ -167,7 +160,7 @@ class CudaBackend(TorchBackend):
     def paged_attention_decode(self, q, k_pool, v_pool, layout, scale) -> Tensor:
         from mambaradix.kernels.triton import attention
 
-        idx = self._cuda_index(layout).decode
+        idx = self._index(layout).decode
         return attention.paged_attention_decode(
             q, k_pool, v_pool, idx.kv_table, idx.seq_lens, scale
         )
@@ -180,7 +173,7 @@ class CudaBackend(TorchBackend):
     def conv1d_prefill(self, x, weight, bias, conv_pool, layout, activation) -> Tensor:
         from mambaradix.kernels.triton import conv
 
-        idx = self._cuda_index(layout).prefill
+        idx = self._index(layout).prefill
         return conv.conv1d_prefill(
             x, weight, bias, conv_pool, idx.cu_seqlens, idx.state_slots, idx.snap_seqs,
             idx.snap_offsets, idx.snap_slots, activation,
@@ -189,7 +182,7 @@ class CudaBackend(TorchBackend):
     def conv1d_decode(self, x, weight, bias, conv_pool, layout, activation) -> Tensor:
         from mambaradix.kernels.triton import conv
 
-        idx = self._cuda_index(layout).decode
+        idx = self._index(layout).decode
         y = conv.conv1d_decode(x, weight, bias, conv_pool, idx.state_slots, activation)
         _copy_decode_snapshots(conv_pool, layout.decode)
         return y
@@ -199,7 +192,7 @@ class CudaBackend(TorchBackend):
     def gdn_prefill(self, q, k, v, g, beta, ssm_pool, layout) -> Tensor:
         from mambaradix.kernels.triton import gdn
 
-        seg, idx = layout.prefill, self._cuda_index(layout).prefill
+        seg, idx = layout.prefill, self._index(layout).prefill
         return gdn.gdn_prefill(
             q, k, v, g, beta, ssm_pool, idx.cu_seqlens, seg.state_slots, idx.snap_chunks,
             seg.snapshot_slots, idx.gdn_chunks,
@@ -210,7 +203,7 @@ class CudaBackend(TorchBackend):
         """The conv step, the gates, fla-core's delta step on the pool, the output norm."""
         from mambaradix.kernels.triton import conv, gdn
 
-        dec, idx = layout.decode, self._cuda_index(layout).decode
+        dec, idx = layout.decode, self._index(layout).decode
         hv, dk, dv = ssm_pool.shape[1:]
         n = x.shape[0]
         mixed = conv.conv1d_decode(x, conv_weight, conv_bias, conv_pool, idx.state_slots,
@@ -232,7 +225,7 @@ class CudaBackend(TorchBackend):
     def mamba2_prefill(self, x, dt, A, B, C, D, ssm_pool, layout) -> Tensor:
         from mambaradix.kernels.triton import mamba2 as triton_mamba2
 
-        idx = self._cuda_index(layout).prefill
+        idx = self._index(layout).prefill
         return triton_mamba2.mamba2_prefill(
             x, dt, A, B, C, D, ssm_pool, idx.cu_seqlens, idx.state_slots, idx.snap_seqs,
             idx.snap_offsets, idx.snap_slots,
@@ -241,7 +234,7 @@ class CudaBackend(TorchBackend):
     def mamba2_decode(self, x, dt, A, B, C, D, ssm_pool, layout) -> Tensor:
         from mambaradix.kernels.triton import mamba2 as triton_mamba2
 
-        idx = self._cuda_index(layout).decode
+        idx = self._index(layout).decode
         y = triton_mamba2.mamba2_decode(x, dt, A, B, C, D, ssm_pool, idx.state_slots)
         _copy_decode_snapshots(ssm_pool, layout.decode)
         return y
