@@ -162,11 +162,13 @@ class EngineConfig:
     )
     speculative_algorithm: str = opt(
         "",
-        "Speculative decoding: 'NGRAM' drafts each decoding request's next tokens from its own "
-        "prompt and output (prompt lookup) and verifies them in one forward; the outputs are "
-        "those of decoding without it (greedy: the same tokens; sampling: the same "
-        "distribution). 'NEXTN' / 'MTP' (the checkpoint's MTP head) are not available yet. "
-        "Needs a kernel backend that snapshots at any token (not cuda); turns overlap off.",
+        "Speculative decoding: each decoding request's next k tokens are drafted and verified "
+        "in one forward; the outputs are those of decoding without it (greedy: the same "
+        "tokens; sampling: the same distribution). 'NGRAM' drafts from the request's own "
+        "prompt and output (prompt lookup); 'NEXTN' / 'MTP' (one name) chain the "
+        "checkpoint's multi-token-prediction head (Qwen3-Next / Qwen3.5 checkpoints with "
+        "mtp.* weights). Needs a kernel backend that snapshots at any token (not cuda); turns "
+        "overlap off.",
         ["", "NGRAM", "NEXTN", "MTP"],
     )
     speculative_num_steps: int = opt(3, "Draft tokens per verify step (k).")
@@ -243,11 +245,6 @@ class EngineConfig:
                 if f.name.startswith("speculative_") and getattr(self, f.name) != f.default:
                     raise ValueError(f"{_flag(f.name)} needs --speculative-algorithm")
             return
-        if algo in ("NEXTN", "MTP"):
-            raise ValueError(
-                f"--speculative-algorithm {algo}: drafting with the checkpoint's MTP head is "
-                "not available yet; use --speculative-algorithm NGRAM"
-            )
         k = self.speculative_num_steps
         if k < 1:
             raise ValueError("--speculative-num-steps must be >= 1")

@@ -255,7 +255,12 @@ def test_head_loads_with_its_own_kv_layer(ckpts, mtp_model, arch):
     assert model.kv_spec.num_layers == plain.kv_spec.num_layers + 1
     assert replace(model.kv_spec, num_layers=plain.kv_spec.num_layers) == plain.kv_spec
     assert attn.attn_layer == model.num_attn_layers == plain.kv_spec.num_layers
-    assert model.state_spec == plain.state_spec
+    # the state spec gains one layer, the head's (the last hidden state, [H] in the model's
+    # dtype), after the model's recurrent layers
+    assert model.state_spec.layers[:-1] == plain.state_spec.layers
+    head = model.state_spec.layers[-1]
+    assert head.conv_shape == (model.mtp.hidden_size,) and head.temporal_shape is None
+    assert head.conv_dtype == model.dtype and model.mtp.state_layer == len(plain.state_spec.layers)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -17,6 +17,7 @@ from mambaradix.cache.state_pool import StatePool
 from mambaradix.core import ForwardBatch, ForwardReq, SamplingParams, StateOps
 from mambaradix.engine.batch import FUTURE_STRIDE, RunBatch, RunResult
 from mambaradix.engine.cuda_graphs import CudaGraphs
+from mambaradix.engine.mtp_draft import DraftHead
 from mambaradix.engine.sampler import sample, sampling_probs, top_logprobs
 from mambaradix.engine.speculative import accept_greedy, accept_sampled
 from mambaradix.engine.step_graph import DecodeGraphs
@@ -51,6 +52,7 @@ class ModelRunner:
         structured: StructuredOutput | None = None,
         decode_graph_max_bs: int = 0,
         cuda_graph_bs: list[int] | None = None,
+        draft_head: bool = False,
     ) -> None:
         self.model = model
         self.structured = structured  # grammar masks of structured-output rows
@@ -65,6 +67,10 @@ class ModelRunner:
         self._carry: dict = {}  # ForwardLayout.carry: kept from one forward to the next
         self._executor: ThreadPoolExecutor | None = None
         self._num_threads = torch.get_num_threads()
+        # speculative decoding's drafts from the model's MTP head, chained before each verify
+        self.draft_head = (
+            DraftHead(model, kv_pool, state_pool, self.backend, device) if draft_head else None
+        )
         # decode steps captured once and replayed: CUDA graphs of these batch sizes where
         # given (engine.cuda_graphs), else on CPU steps of up to decode_graph_max_bs requests
         # recorded (engine.step_graph; 0: never)
@@ -95,6 +101,8 @@ class ModelRunner:
             if any(t < 0 for t in r.input_ids):
                 r.input_ids = self._resolve(r.input_ids)
         self.state_pool.apply(fb.state_ops)
+        if self.draft_head is not None:
+            self.draft_head.fill(batch)
         result = RunResult(batch.batch_id, [], [])
         masks = self.structured.start(batch) if self.structured and any(batch.grammars) else None
         if fb.reqs:

@@ -31,7 +31,7 @@ from mambaradix.engine.forwards import ForwardBuilder, ScheduledBatch
 from mambaradix.engine.request import Req, ReqStatus
 from mambaradix.engine.results import ResultProcessor
 from mambaradix.engine.running import RunningSet
-from mambaradix.engine.speculative import Speculation
+from mambaradix.engine.speculative import DRAFT_HEAD_ALGORITHMS, Speculation
 from mambaradix.engine.strategies import make_strategy
 from mambaradix.kernels.capabilities import BackendCapabilities
 
@@ -93,8 +93,8 @@ class Scheduler:
                 context_length=context_length,
                 page_size=cache.page_size,
                 track_interval=cfg.mamba_track_interval,
-                cache_enabled=cache.enabled,
                 page_snapshots=self.strategy.name == EXTRA_BUFFER,
+                draft_head=cfg.speculative_algorithm in DRAFT_HEAD_ALGORITHMS,
             )
             self.overlap = False  # a draft needs the tokens the step before accepted
         self.running_set = RunningSet(

@@ -24,6 +24,9 @@ import torch
 
 Tensor = torch.Tensor
 
+NGRAM = "NGRAM"
+DRAFT_HEAD_ALGORITHMS = ("NEXTN", "MTP")  # one algorithm, SGLang's two names
+
 
 class NgramDrafter:
     """Draft tokens looked up in a request's own tokens (prompt and output): the tokens that
@@ -126,7 +129,13 @@ class Speculation:
     pages; with ``extra_buffer`` and pages > 1 every page end) writes a snapshot there. A verify
     step may end anywhere in ``start + 1 .. start + 1 + k``, so a draft is cut to end before the
     next snapshot end, and the step that reaches it is an ordinary decode: snapshots land at the
-    same positions, from the same kind of forward, as with speculation off."""
+    same positions, from the same kind of forward, as with speculation off. Drafts are cut
+    at the same positions with the cache off, so a step's shape (and with it the random draws
+    of a seeded request) never depends on the cache.
+
+    ``draft_head``: the tokens come from the model's MTP head, which the runner chains before
+    the verify forward (``engine.mtp_draft``): ``draft`` only decides how many (zeros stand in
+    for them); else they are looked up in the request's own tokens (``NgramDrafter``)."""
 
     def __init__(
         self,
@@ -137,14 +146,14 @@ class Speculation:
         context_length: int,
         page_size: int,
         track_interval: int,
-        cache_enabled: bool,
         page_snapshots: bool,
+        draft_head: bool = False,
     ) -> None:
         self.k, self.min_n, self.max_n = k, min_n, max_n
+        self.draft_head = draft_head
         self.context_length = context_length
         self.page_size = page_size
         self.track_interval = track_interval
-        self.cache_enabled = cache_enabled
         self.page_snapshots = page_snapshots and page_size > 1
 
     def draft(self, req) -> list[int]:
@@ -162,6 +171,8 @@ class Speculation:
         )
         if room < 1:
             return []
+        if self.draft_head:
+            return [0] * room
         if req.drafter is None:
             req.drafter = NgramDrafter(min_n=self.min_n, max_n=self.max_n)
         drafter: NgramDrafter = req.drafter
@@ -171,10 +182,7 @@ class Speculation:
         return drafter.propose(room)
 
     def _before_snapshot(self, first_end: int) -> int:
-        """The first decode end ``>= first_end`` that writes a snapshot (a large number when
-        none does)."""
-        if not self.cache_enabled:
-            return 1 << 62
+        """The first decode end ``>= first_end`` that writes a snapshot when the cache is on."""
         page = self.page_size
         steps = []
         if self.page_snapshots:

@@ -23,6 +23,7 @@ from mambaradix.engine.pools import PoolSizing, model_weight_bytes, size_pools
 from mambaradix.engine.request import Req
 from mambaradix.engine.runner import ModelRunner
 from mambaradix.engine.scheduler import Scheduler
+from mambaradix.engine.speculative import DRAFT_HEAD_ALGORITHMS
 from mambaradix.engine.storage_setup import make_storage_tier
 from mambaradix.engine.structured import StructuredOutput
 from mambaradix.kernels.backend import KernelBackend, choose_backend
@@ -55,7 +56,11 @@ def load(cfg: EngineConfig) -> tuple[torch.nn.Module, Any]:
     path = resolve_model_path(cfg.model_path)
     t0 = time.perf_counter()
     model = load_model(
-        path, dtype=cfg.dtype, device=cfg.device, ssm_dtype=DTYPES[cfg.mamba_ssm_dtype]
+        path,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        ssm_dtype=DTYPES[cfg.mamba_ssm_dtype],
+        mtp=cfg.speculative_algorithm in DRAFT_HEAD_ALGORITHMS,
     )
     logger.info("loaded the weights in %.2f s", time.perf_counter() - t0)
     return model, load_tokenizer(path)
@@ -118,6 +123,7 @@ def wire(cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any) -> EnginePar
         if cfg.disable_decode_graph or cfg.disable_cuda_graph
         else cfg.decode_graph_max_bs,
         cuda_graph_bs=graph_sizes,
+        draft_head=cfg.speculative_algorithm in DRAFT_HEAD_ALGORITHMS,
     )  # fmt: skip
     if cfg.device == "cpu":  # before the warm-up, whose heap growth is then kept
         keep_freed_memory()

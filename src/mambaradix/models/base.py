@@ -17,10 +17,12 @@ vocab]`` for every new token when the ``all_logits`` argument is true. Layers ca
 the backend the model is bound to (``use_backend``).
 
 Speculative decoding with a model's MTP head (``models/mtp.py``, loaded with
-``load_model(..., mtp=True)``): the target forward with ``return_hidden=True`` also returns the
-final-normed hidden state of every row; ``draft(ctx, hidden, next_ids)`` runs the head over a
-layout (the target's own, or a chained step's) and returns its hidden states and logits. The
-head's attention layers come after the model's in the KV pool (``kv_spec`` counts them).
+``load_model(..., mtp=True)``): every forward also runs the head's rows of its new tokens and
+keeps the last hidden state in the head's state layer (``MtpHead.extend``); ``return_hidden=True``
+also returns the final-normed hidden state of every row; ``draft(ctx, hidden, ids)`` runs the
+head over a layout (a chained draft step's) and returns its hidden states and logits. The
+head's attention layers come after the model's in the KV pool (``kv_spec`` counts them), its
+state layer after the model's recurrent layers (``state_spec``).
 """
 
 from __future__ import annotations
@@ -79,6 +81,14 @@ class HybridCausalLM(torch.nn.Module):
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
         x = self.body(x, ctx)
+        if self.mtp is not None:  # every row's hidden state feeds the head
+            hidden = self.final_norm(x)
+            self.mtp.extend(ctx, hidden, self.embedding(layout.input_ids))
+            rows = hidden
+            if not all_logits and layout.logit_rows is not None:
+                rows = hidden.index_select(0, layout.logit_rows)
+            logits = self.project(rows)
+            return (logits, hidden) if return_hidden else logits
         rows = x
         if not all_logits and layout.logit_rows is not None:
             rows = x.index_select(0, layout.logit_rows)
@@ -106,9 +116,9 @@ class HybridCausalLM(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One step of the multi-token-prediction head (``models/mtp.py``; the model loaded
         with ``load_model(..., mtp=True)``) over the layout's rows: row i at position
-        ``positions[i]`` with ``hidden[i]`` (the target's final-normed hidden state there,
-        ``forward(..., return_hidden=True)``, or the previous step's ``hidden_out``) and
-        ``next_ids[i]``, the token known to follow it. Writes the head's K/V at the layout's
+        ``positions[i]`` pairs token ``next_ids[i]`` with ``hidden[i]``, the hidden state of the
+        token before it (the target's final-normed one, ``forward(..., return_hidden=True)``,
+        or the previous step's ``hidden_out``). Writes the head's K/V at the layout's
         ``out_kv_slots`` in its own attention layer(s) of the KV pool. Returns ``(hidden_out
         [T, hidden_size], logits)``: the next step's ``hidden`` for every row, and fp32 logits
         of the token after ``next_ids`` at the logit rows (every row with ``all_logits``).

@@ -158,9 +158,11 @@ class Qwen3NextForCausalLM(HybridCausalLM):
                              cfg.hidden_size, cfg.rms_norm_eps)
                 for j in range(n_mtp)
             ]  # fmt: skip
-            self.mtp = MtpHead(cfg, layers, self.rotary)
-        gdn = [layer.linear_attn for layer in self.layers if layer.mixer_kind == "gdn"]
-        self._init_memory(n_attn + n_mtp, cfg.num_key_value_heads, head_dim, gdn)
+            self.mtp = MtpHead(cfg, layers, self.rotary, state_layer=n_state)
+        state_layers = [layer.linear_attn for layer in self.layers if layer.mixer_kind == "gdn"]
+        if self.mtp is not None:
+            state_layers.append(self.mtp)  # its state: the last hidden state
+        self._init_memory(n_attn + n_mtp, cfg.num_key_value_heads, head_dim, state_layers)
 
     def _make_mlp(self, cfg: Any, i: int) -> nn.Module:
         num_experts = getattr(cfg, "num_experts", 0) or 0

@@ -1,0 +1,95 @@
+"""Draft tokens from the checkpoint's MTP head (``--speculative-algorithm NEXTN`` / ``MTP``).
+
+The scheduler decides which decoding requests verify a draft this step and how many tokens
+each drafts (``Speculation.draft``: zeros stand in for the tokens); the runner calls
+``DraftHead.fill`` before the verify forward, which chains the head for those requests:
+
+    step 0     row (h_{c-1}, t_c)     at position c      -> argmax: d_1
+    step s     row (o_{s-1}, d_s)     at position c + s  -> argmax: d_{s+1}
+
+where t_c is the request's last token (the one the verify feeds first), h_{c-1} the target's
+hidden state before it (the head's state layer, at the working slot: ``MtpHead.extend`` keeps
+it there) and o_{s-1} the head's own output of the step before. Each step writes the head's K/V
+into the slot of its position, which is the verify's slot of the same token: the verify forward
+then rewrites the head's K/V of every token it feeds from the target's hidden states, so what
+the cache keeps never holds a draft step's K/V. Draft steps touch neither the state pool nor the
+target's KV layers, and run no deferred state operation (the forward after them does, once).
+
+A draft is the head's argmax at each step (a point mass: ``accept_sampled`` with no draft
+distribution), so it depends only on the request's tokens: cache on or off, the same drafts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mambaradix.core import ForwardReq
+from mambaradix.engine.batch import RunBatch
+from mambaradix.kernels.backend import KernelBackend
+from mambaradix.layout import ForwardContext, ForwardLayout
+
+
+class DraftHead:
+    """Contract: ``fill(batch)`` replaces the stand-in tokens of every draft in ``batch.drafts``
+    (in place, so the scheduler's entries see them) and the verify forward's input ids with the
+    head's chained argmax tokens. Counts its forwards in ``forwards`` and rows in ``rows``."""
+
+    def __init__(
+        self, model: torch.nn.Module, kv_pool: object, state_pool: object, backend: KernelBackend,
+        device: str | torch.device,
+    ) -> None:  # fmt: skip
+        if getattr(model, "mtp", None) is None:
+            raise ValueError(
+                "--speculative-algorithm NEXTN / MTP drafts with the model's MTP head, but the "
+                "model was loaded without it (load_model(..., mtp=True))"
+            )
+        self.model = model
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.backend = backend
+        self.device = device
+        self.forwards = 0
+        self.rows = 0
+
+    @torch.inference_mode()
+    def fill(self, batch: RunBatch) -> None:
+        if not batch.drafts:
+            return
+        fb = batch.forward
+        drafts = list(batch.drafts.values())
+        verifies = [fb.reqs[batch.sample_rows[i]] for i in batch.drafts]
+        pool = self.state_pool.conv[self.model.mtp.state_layer]
+        slots = torch.tensor([r.state_slot for r in verifies], dtype=torch.long, device=pool.device)
+        hidden = pool.index_select(0, slots)
+        tokens = [r.input_ids[0] for r in verifies]
+        active = list(range(len(verifies)))
+        step = 0
+        while active:
+            reqs = [
+                ForwardReq(
+                    prefix_len=verifies[a].prefix_len + step,
+                    input_ids=[tokens[a]],
+                    kv_slots=verifies[a].kv_slots,
+                    state_slot=verifies[a].state_slot,
+                )
+                for a in active
+            ]
+            layout = ForwardLayout.build(reqs, self.device)
+            self.backend.prepare(layout)
+            ctx = ForwardContext(layout, self.kv_pool, self.state_pool)
+            out, logits = self.model.draft(ctx, hidden, layout.input_ids, step=step)
+            self.forwards += 1
+            self.rows += len(active)
+            picked = logits.argmax(dim=-1).tolist()
+            keep = []
+            for row, a in enumerate(active):
+                drafts[a][step] = tokens[a] = picked[row]
+                if step + 1 < len(drafts[a]):
+                    keep.append(row)
+            if len(keep) < len(active):
+                out = out[keep]
+                active = [active[row] for row in keep]
+            hidden = out
+            step += 1
+        for req, draft in zip(verifies, drafts):
+            req.input_ids[1:] = draft
