@@ -182,6 +182,13 @@ class EngineConfig:
     speculative_ngram_max_match_window_size: int = opt(
         4, "NGRAM: the longest suffix looked up (the longest that matches wins)."
     )
+    speculative_token_map: str = opt(
+        "",
+        "NEXTN / MTP: a JSON file listing the token ids the head drafts from (a hot "
+        "vocabulary, as SGLang's FR-Spec token maps): a draft step computes those logits only, "
+        "reading that many rows of lm_head instead of the whole vocabulary. Outputs stay "
+        "those of decoding without speculation; only which drafts are possible changes.",
+    )
     num_threads: int = opt(0, "torch intra-op threads; 0 keeps torch's default.")
     kernel_backend: str = opt(
         "auto",
@@ -258,6 +265,8 @@ class EngineConfig:
                 f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 ({k + 1}) "
                 "with --speculative-eagle-topk 1"
             )
+        if self.speculative_token_map and algo not in ("NEXTN", "MTP"):
+            raise ValueError("--speculative-token-map is for --speculative-algorithm NEXTN / MTP")
         lo = self.speculative_ngram_min_match_window_size
         hi = self.speculative_ngram_max_match_window_size
         if not 1 <= lo <= hi:

@@ -20,6 +20,7 @@ engine, on a tiny dense Qwen3.5 with MTP weights in the published layout (fp32).
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -101,11 +102,12 @@ def _run(model, tok, waves, flags, params=GREEDY):
         return outs, eng.stats()
 
 
-def reference_draft(model, tokens: list[int], k: int) -> list[torch.Tensor]:
+def reference_draft(model, tokens: list[int], k: int, ids=None) -> list[torch.Tensor]:
     """The head's logits of each of ``k`` chained steps after ``tokens``, computed afresh: the
     target's prefill of all of them, the head's rows over the whole sequence (row q: token q
     and the target's hidden state at q - 1, zeros for token 0), then single steps on the
-    head's own outputs, each fed its argmax."""
+    head's own outputs, each fed its argmax (over the token ids ``ids`` only, if given: then
+    the logits returned are of those tokens)."""
     n = len(tokens)
     kv, st = KVPool(model.kv_spec, n + k + 8), StatePool(model.state_spec, 2)
     slots, (slot,) = kv.alloc(n + k), st.alloc(1)
@@ -114,22 +116,29 @@ def reference_draft(model, tokens: list[int], k: int) -> list[torch.Tensor]:
     _, hidden = model(ctx, return_hidden=True)
     before = torch.cat([hidden.new_zeros(1, hidden.shape[1]), hidden[:-1]])
     out, logits = model.draft(ctx, before, torch.tensor(tokens))
-    steps = [logits[-1]]
+    pick = (lambda x: x) if ids is None else (lambda x: x[ids])  # noqa: E731
+    steps = [pick(logits[-1])]
     for s in range(1, k):
-        token = int(steps[-1].argmax())
+        token = int(steps[-1].argmax()) if ids is None else ids[int(steps[-1].argmax())]
         step_ctx = ForwardContext.build([ForwardReq(n - 1 + s, [token], slots, slot)], kv, st)
         out, logits = model.draft(step_ctx, out[-1:], torch.tensor([token]), step=s)
-        steps.append(logits[-1])
+        steps.append(pick(logits[-1]))
     return steps
 
 
-def draft_mismatches(model, drafts) -> int:
+def draft_mismatches(model, drafts, ids=None) -> int:
     """How many recorded drafts differ from the fresh computation by more than a near tie (a
-    chain is compared up to its first near tie, after which the two may fork)."""
+    chain is compared up to its first near tie, after which the two may fork). ``ids``: the
+    token map the drafts were made over."""
     model.use_backend(create_backend("cpu"))
     bad = 0
     for tokens, draft in drafts:
-        for token, logits in zip(draft, reference_draft(model, tokens, len(draft))):
+        for token, logits in zip(draft, reference_draft(model, tokens, len(draft), ids)):
+            if ids is not None:
+                if token not in ids:
+                    bad += 1
+                    break
+                token = ids.index(token)
             best = int(logits.argmax())
             if token == best:
                 continue
@@ -255,3 +264,43 @@ def test_mtp_without_the_heads_weights_or_support_is_refused(models, tmp_path):
         Engine(model_path="tiny:granite_hybrid", speculative_algorithm="NEXTN", skip_warmup=True)
     with pytest.raises(ValueError, match="loaded without it"):
         Engine(model=plain, tokenizer=tok, speculative_algorithm="MTP", skip_warmup=True, **POOLS)
+
+
+def test_a_token_map_drafts_from_its_tokens_only(models, monkeypatch, tmp_path):
+    """``--speculative-token-map``: every draft token is in the map and is the argmax of the
+    head's logits over the map's tokens; the outputs stay those without speculation."""
+    model, plain, tok = models
+    ids = list(range(3, model.vocab_size, 3))[::-1]  # a third of the vocabulary, any order
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(ids))
+    waves = _waves(model.vocab_size, seed=4)
+    ref, _ = _run(plain, tok, waves, CONFIGS[1])
+    rec = Recorder(monkeypatch)
+    flags = dict(CONFIGS[1], speculative_algorithm="MTP", speculative_token_map=str(path))
+    got, _ = _run(model, tok, waves, flags)
+    assert [g["output_ids"] for g in got] == [r["output_ids"] for r in ref]
+    assert rec.drafts and all(t in ids for _, d in rec.drafts for t in d)
+    assert draft_mismatches(model, rec.drafts, ids) == 0
+
+
+@pytest.mark.parametrize(
+    "name, text, match",
+    [
+        ("map.pt", "[1, 2]", "pickled files are not read"),
+        ("map.json", "{}", "non-empty JSON list"),
+        ("map.json", "[1, 2.5]", "non-empty JSON list"),
+        ("map.json", "[1, 99999999]", "outside the vocabulary"),
+        ("map.json", "[4, 4]", "repeat"),
+        ("map.json", "[4", "cannot read"),
+    ],
+)
+def test_a_bad_token_map_is_refused_at_start(models, tmp_path, name, text, match):
+    model, _, tok = models
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        Engine(model=model, tokenizer=tok, speculative_algorithm="MTP", skip_warmup=True,
+               speculative_token_map=str(path), **POOLS)  # fmt: skip
+    with pytest.raises(ValueError, match="NEXTN / MTP"):
+        Engine(model=model, tokenizer=tok, speculative_algorithm="NGRAM",
+               speculative_token_map=str(path), **POOLS)  # fmt: skip

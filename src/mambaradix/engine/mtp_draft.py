@@ -17,26 +17,34 @@ target's KV layers, and run no deferred state operation (the forward after them 
 
 A draft is the head's argmax at each step (a point mass: ``accept_sampled`` with no draft
 distribution), so it depends only on the request's tokens: cache on or off, the same drafts.
+With a token map (``--speculative-token-map``) the argmax is over the listed tokens only: a
+draft step then reads those rows of ``lm_head``, the largest part of the head's weights at
+real vocabularies (248k rows against one decoder layer for Qwen3.5).
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 
 from mambaradix.core import ForwardReq
 from mambaradix.engine.batch import RunBatch
 from mambaradix.kernels.backend import KernelBackend
+from mambaradix.layers.ops import Linear
 from mambaradix.layout import ForwardContext, ForwardLayout
 
 
 class DraftHead:
     """Contract: ``fill(batch)`` replaces the stand-in tokens of every draft in ``batch.drafts``
     (in place, so the scheduler's entries see them) and the verify forward's input ids with the
-    head's chained argmax tokens. Counts its forwards in ``forwards`` and rows in ``rows``."""
+    head's chained argmax tokens. Counts its forwards in ``forwards`` and rows in ``rows``.
+    ``token_map``: the path of a JSON list of token ids to draft from (all tokens: "")."""
 
     def __init__(
         self, model: torch.nn.Module, kv_pool: object, state_pool: object, backend: KernelBackend,
-        device: str | torch.device,
+        device: str | torch.device, token_map: str = "",
     ) -> None:  # fmt: skip
         if getattr(model, "mtp", None) is None:
             raise ValueError(
@@ -50,6 +58,16 @@ class DraftHead:
         self.device = device
         self.forwards = 0
         self.rows = 0
+        self.token_ids: torch.Tensor | None = None  # the token map: row i drafts token_ids[i]
+        self.head: Linear | None = None  # those rows of lm_head
+        if token_map:
+            self.token_ids = read_token_map(token_map, model.vocab_size).to(device)
+            weight = model.lm_head.weight
+            self.head = Linear(weight.shape[1], len(self.token_ids), bias=False)
+            self.head.weight = torch.nn.Parameter(
+                weight.detach().index_select(0, self.token_ids).contiguous(), requires_grad=False
+            )
+            self.head.bind_ops(backend)
 
     @torch.inference_mode()
     def fill(self, batch: RunBatch) -> None:
@@ -77,10 +95,13 @@ class DraftHead:
             layout = ForwardLayout.build(reqs, self.device)
             self.backend.prepare(layout)
             ctx = ForwardContext(layout, self.kv_pool, self.state_pool)
-            out, logits = self.model.draft(ctx, hidden, layout.input_ids, step=step)
+            out, logits = self.model.draft(ctx, hidden, layout.input_ids, step=step, head=self.head)
             self.forwards += 1
             self.rows += len(active)
-            picked = logits.argmax(dim=-1).tolist()
+            best = logits.argmax(dim=-1)
+            if self.token_ids is not None:
+                best = self.token_ids.index_select(0, best)
+            picked = best.tolist()
             keep = []
             for row, a in enumerate(active):
                 drafts[a][step] = tokens[a] = picked[row]
@@ -93,3 +114,26 @@ class DraftHead:
             step += 1
         for req, draft in zip(verifies, drafts):
             req.input_ids[1:] = draft
+
+
+def read_token_map(path: str, vocab_size: int) -> torch.Tensor:
+    """The token ids a ``--speculative-token-map`` file lists (a JSON array of distinct ints
+    in ``[0, vocab_size)``), checked: a ValueError names the flag and what is wrong."""
+    flag = f"--speculative-token-map {path}"
+    if Path(path).suffix in (".pt", ".pth", ".bin", ".pkl"):
+        raise ValueError(
+            f"{flag}: pickled files are not read; give a JSON list of token ids (e.g. python -c "
+            "\"import json, torch; json.dump(torch.load('map.pt').tolist(), open('map.json', 'w'))\")"
+        )
+    try:
+        ids = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag}: cannot read a JSON list of token ids ({e})") from None
+    if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+        raise ValueError(f"{flag}: expected a non-empty JSON list of integer token ids")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{flag}: token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{flag}: token ids repeat")
+    return torch.tensor(ids, dtype=torch.long)

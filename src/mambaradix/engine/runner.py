@@ -53,6 +53,7 @@ class ModelRunner:
         decode_graph_max_bs: int = 0,
         cuda_graph_bs: list[int] | None = None,
         draft_head: bool = False,
+        token_map: str = "",
     ) -> None:
         self.model = model
         self.structured = structured  # grammar masks of structured-output rows
@@ -69,7 +70,9 @@ class ModelRunner:
         self._num_threads = torch.get_num_threads()
         # speculative decoding's drafts from the model's MTP head, chained before each verify
         self.draft_head = (
-            DraftHead(model, kv_pool, state_pool, self.backend, device) if draft_head else None
+            DraftHead(model, kv_pool, state_pool, self.backend, device, token_map)
+            if draft_head
+            else None
         )
         # decode steps captured once and replayed: CUDA graphs of these batch sizes where
         # given (engine.cuda_graphs), else on CPU steps of up to decode_graph_max_bs requests

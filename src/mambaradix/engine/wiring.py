@@ -124,6 +124,7 @@ def wire(cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any) -> EnginePar
         else cfg.decode_graph_max_bs,
         cuda_graph_bs=graph_sizes,
         draft_head=cfg.speculative_algorithm in DRAFT_HEAD_ALGORITHMS,
+        token_map=cfg.speculative_token_map,
     )  # fmt: skip
     if cfg.device == "cpu":  # before the warm-up, whose heap growth is then kept
         keep_freed_memory()

@@ -98,9 +98,12 @@ class HybridCausalLM(torch.nn.Module):
             return logits
         return logits, normed if rows is x else self.final_norm(x)
 
-    def project(self, normed: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of final-normed hidden states (``lm_head``, Granite's scaling)."""
-        logits = self.lm_head(normed).float()
+    def project(
+        self, normed: torch.Tensor, head: torch.nn.Module | None = None
+    ) -> torch.Tensor:
+        """fp32 logits of final-normed hidden states (``lm_head``, or ``head``: some of its
+        rows; Granite's scaling)."""
+        logits = (head or self.lm_head)(normed).float()
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
         return logits
@@ -113,6 +116,7 @@ class HybridCausalLM(torch.nn.Module):
         next_ids: torch.Tensor,
         all_logits: bool = False,
         step: int = 0,
+        head: torch.nn.Module | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One step of the multi-token-prediction head (``models/mtp.py``; the model loaded
         with ``load_model(..., mtp=True)``) over the layout's rows: row i at position
@@ -122,7 +126,8 @@ class HybridCausalLM(torch.nn.Module):
         ``out_kv_slots`` in its own attention layer(s) of the KV pool. Returns ``(hidden_out
         [T, hidden_size], logits)``: the next step's ``hidden`` for every row, and fp32 logits
         of the token after ``next_ids`` at the logit rows (every row with ``all_logits``).
-        ``step`` picks the head's layer (``step % num_mtp_layers``) when it has several."""
+        ``step`` picks the head's layer (``step % num_mtp_layers``) when it has several;
+        ``head``: the logits of only some tokens (a module holding those rows of ``lm_head``)."""
         if self.mtp is None:
             raise ValueError(
                 f"{type(self).__name__} was loaded without its MTP head; load it with "
@@ -133,7 +138,7 @@ class HybridCausalLM(torch.nn.Module):
         rows = out
         if not all_logits and layout.logit_rows is not None:
             rows = out.index_select(0, layout.logit_rows)
-        return out, self.project(rows)
+        return out, self.project(rows, head)
 
     def use_backend(self, backend: KernelBackend) -> None:
         """Bind every module that calls kernel ops to ``backend`` (the engine's)."""
