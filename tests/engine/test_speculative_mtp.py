@@ -64,12 +64,12 @@ def models(ckpt):
     return load_model(path, mtp=True), load_model(path), load_tokenizer(path)
 
 
-def _waves(vocab: int, seed: int = 0) -> list[list[list[int]]]:
+def _waves(vocab: int, seed: int = 0, shared_len: int = 37) -> list[list[list[int]]]:
     """Two waves: prompts, some sharing a prefix; then follow-ups of the first wave's prompts
     (cache hits on the second wave's requests)."""
     rng = random.Random(seed)
     tok = lambda k: [rng.randrange(3, vocab) for _ in range(k)]  # noqa: E731
-    shared = tok(37)
+    shared = tok(shared_len)
     first = [(shared if i % 2 else []) + tok(rng.randrange(3, 50)) for i in range(6)]
     second = [p + tok(rng.randrange(1, 12)) for p in first[:4]]
     return [first, second]
@@ -304,3 +304,19 @@ def test_a_bad_token_map_is_refused_at_start(models, tmp_path, name, text, match
     with pytest.raises(ValueError, match="NEXTN / MTP"):
         Engine(model=model, tokenizer=tok, speculative_algorithm="NGRAM",
                speculative_token_map=str(path), **POOLS)  # fmt: skip
+
+
+def test_drafts_after_a_restart_from_storage_are_the_sequences_own(models, monkeypatch, tmp_path):
+    """The head's K/V and hidden state travel through the storage tier: a new engine on the
+    same directory resumes the second wave's prefixes from storage and its drafts equal the
+    fresh computation."""
+    model, _, tok = models
+    waves = _waves(model.vocab_size, seed=5, shared_len=100)  # past a 64-token storage block
+    flags = dict(speculative_algorithm="MTP", enable_hierarchical_cache=True,
+                 hicache_storage_dir=str(tmp_path), hicache_write_policy="write_through",
+                 mamba_scheduler_strategy="no_buffer", page_size=1)  # fmt: skip
+    _run(model, tok, waves[:1], flags)
+    rec = Recorder(monkeypatch)
+    _, stats = _run(model, tok, waves[1:], flags)
+    assert stats.storage_hit_tokens > 0 and rec.drafts
+    assert draft_mismatches(model, rec.drafts) == 0

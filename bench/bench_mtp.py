@@ -1,0 +1,148 @@
+"""Speculative decoding with the MTP head at real size: what its steps cost and what they yield.
+
+On the real-size Qwen3.5-0.8B-shaped preset (bench_real's checkpoint) with an MTP layer of the
+published shape added (``mtp.*``: seeded random, bf16), ``--threads`` threads, batch 1 at a
+512-token context, through the engine's runner with ``--speculative-algorithm MTP``:
+
+- the one-token decode step (replayed from its step graph, as the engine runs it; it includes
+  the head's row of the new token, ``MtpHead.extend``), the verify step of k + 1 tokens
+  (k = 1..3) without its draft steps, and one draft step (the head's chained step, timed inside
+  ``DraftHead.fill``), with the whole vocabulary and with a token map of ``--map-size`` ids
+  (``--speculative-token-map``; random weights have no frequent tokens: ids 0..n-1);
+- the tokens/s those costs give at accepted lengths 1.5 .. 3.0 (computed: accepted length /
+  (k draft steps + the verify step) at k = 3), beside one-token decoding's;
+- measured with the engine against without, batch 1 and 16, 64 new tokens (random weights
+  accept almost no draft: the measured figure is the cost side);
+- the hit rate of bench_spec's shared-prefix and multi-turn workloads, MTP on and off.
+
+    HF_HUB_OFFLINE=1 python bench/bench_mtp.py [--reps 7] [--threads 2] [--map-size 32768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_real import CACHE, checkpoint  # noqa: E402
+from bench_spec import PRESET, decode_rate, hit_rate, step_costs, workloads  # noqa: E402
+
+
+def mtp_checkpoint() -> Path:
+    """bench_real's preset with the published MTP head's tensors added (built once)."""
+    from transformers import AutoConfig
+
+    from mambaradix.models.tiny import _add_mtp
+    from mambaradix.models.tiny_configs import _qwen_mtp
+
+    folder = CACHE / f"real-{PRESET}-mtp-v1"
+    if (folder / "config.json").is_file():
+        return folder
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(checkpoint(PRESET), tmp)
+    _add_mtp(tmp, AutoConfig.from_pretrained(tmp), _qwen_mtp, seed=0)
+    tmp.rename(folder)
+    return folder
+
+
+def token_map(size: int) -> str:
+    path = CACHE / f"token-map-{size}.json"
+    if not path.is_file():
+        path.write_text(json.dumps(list(range(size))))
+    return str(path)
+
+
+def part(args) -> None:
+    """One measurement in this process (a fresh one: an engine's OpenMP pool outlives it)."""
+    from mambaradix.engine.engine import Engine
+
+    folder = str(mtp_checkpoint())
+    kw = dict(model_path=folder, num_threads=args.threads, dtype="bfloat16")
+    spec = dict(speculative_algorithm="MTP", speculative_num_steps=3) if args.spec else {}
+    if args.map:
+        spec["speculative_token_map"] = token_map(args.map_size)
+    label = ("MTP" + (f", map {args.map_size}" if args.map else "")) if args.spec else "off"
+    if args.part == "steps":
+        with Engine(disable_radix_cache=True, **kw, **spec) as eng:
+            head = eng.runner.draft_head
+            fill, drafted = head.fill, []
+
+            def timed(batch) -> None:
+                t0 = time.perf_counter()
+                fill(batch)
+                drafted.append((time.perf_counter() - t0, sum(map(len, batch.drafts.values()))))
+
+            head.fill = timed
+            costs = step_costs(eng, args.reps)  # the verify steps' include their draft steps
+        fills = {k: statistics.median(s for s, n in drafted if n == k) for k in (1, 2, 3)}
+        draft = statistics.median(s / n for s, n in drafted if n)
+        verify = {k: costs[k] - fills[k] for k in (1, 2, 3)}
+        base = costs[0]
+        print(f"[{label}] decode step {base * 1e3:.1f} ms; draft step {draft * 1e3:.2f} ms = "
+              f"{draft / base:.3f}x")  # fmt: skip
+        for k in (1, 2, 3):
+            print(f"[{label}] verify k={k} (without its drafts): {verify[k] * 1e3:.1f} ms = "
+                  f"{verify[k] / base:.3f}x")  # fmt: skip
+        cycle = costs[3]  # 3 draft steps and the verify
+        for length in (1.5, 2.0, 2.5, 3.0):
+            print(f"[{label}] computed at accept length {length}: {length / cycle:.2f} tok/s "
+                  f"({length / cycle * base:.2f}x decode at {1 / base:.2f} tok/s)")  # fmt: skip
+    elif args.part == "decode":
+        with Engine(disable_radix_cache=True, **kw, **spec) as eng:
+            rate, length = decode_rate(eng, args.batch, args.new)
+        print(f"measured batch {args.batch} [{label}]: {rate:.2f} tok/s (accept length "
+              f"{length:.3f})")  # fmt: skip
+    else:
+        vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+        with Engine(disable_overlap_schedule=True, **kw, **spec) as eng:
+            rate = hit_rate(eng, args.part, workloads(vocab)[args.part])
+        print(f"hit rate {args.part} [{label}]: {rate:.4f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--map-size", type=int, default=32768)
+    ap.add_argument("--steps-only", action="store_true", help="only the step costs")
+    ap.add_argument("--part", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--spec", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--map", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.part:
+        part(args)
+        return
+    mtp_checkpoint()
+
+    def fresh(*extra: str) -> None:
+        cmd = [sys.executable, __file__, "--threads", str(args.threads), "--reps",
+               str(args.reps), "--new", str(args.new), "--map-size", str(args.map_size), *extra]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)  # fmt: skip
+        print(out.stdout.strip(), flush=True)
+
+    fresh("--part", "steps", "--spec")
+    fresh("--part", "steps", "--spec", "--map")
+    if args.steps_only:
+        return
+    for batch in (1, 16):
+        for spec in ((), ("--spec", "--map"), (), ("--spec", "--map")):  # alternated, twice
+            fresh("--part", "decode", "--batch", str(batch), *spec)
+    for name in ("gsp", "multi-turn"):
+        for spec in ((), ("--spec", "--map")):
+            fresh("--part", name, *spec)
+
+
+if __name__ == "__main__":
+    main()
