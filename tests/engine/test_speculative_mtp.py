@@ -32,7 +32,7 @@ from mambaradix.cache.kv_pool import KVPool
 from mambaradix.cache.state_pool import StatePool
 from mambaradix.core import ForwardReq
 from mambaradix.engine.engine import Engine
-from mambaradix.engine.mtp_draft import DraftHead
+from mambaradix.engine.mtp_draft import DraftHead, _DraftStep
 from mambaradix.engine.runner import ModelRunner
 from mambaradix.engine.speculative import Speculation
 from mambaradix.kernels.backend import create_backend
@@ -148,8 +148,19 @@ def draft_mismatches(model, drafts, ids=None) -> int:
     return bad
 
 
-@pytest.mark.parametrize("flags", CONFIGS, ids=["off", "nobuf-p1", "extra-p16-chunk", "extra-p1"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        pytest.param(CONFIGS[0], id="off", marks=pytest.mark.slow),
+        pytest.param(CONFIGS[1], id="nobuf-p1"),
+        pytest.param(CONFIGS[2], id="extra-p16-chunk"),
+        pytest.param(CONFIGS[3], id="extra-p1", marks=pytest.mark.slow),
+    ],
+)
 def test_greedy_outputs_equal_and_every_draft_is_the_sequences_own(models, monkeypatch, flags):
+    """(The cache-off and extra_buffer page-1 cases are slow-marked: in the default run the
+    seeded-sampling test runs both and finds the same sampled tokens with the cache on and off,
+    which needs the same drafts.)"""
     model, plain, tok = models
     waves = _waves(model.vocab_size)
     ref, ref_stats = _run(plain, tok, waves, flags)
@@ -320,3 +331,34 @@ def test_drafts_after_a_restart_from_storage_are_the_sequences_own(models, monke
     _, stats = _run(model, tok, waves[1:], flags)
     assert stats.storage_hit_tokens > 0 and rec.drafts
     assert draft_mismatches(model, rec.drafts) == 0
+
+
+def test_replayed_draft_steps_draft_as_the_python_path(models, monkeypatch):
+    """Draft steps are recorded and replayed (``engine.step_graph``) and their drafts still
+    equal the fresh computation; negative control: a replay whose hidden-state input is not
+    refreshed (the buffer keeps the recorded step's) drafts differently."""
+    model, _, tok = models
+    waves = _waves(model.vocab_size, seed=6)[:1]
+
+    def run(stale: bool):
+        rec = Recorder(monkeypatch)
+        if stale:
+            fresh = _DraftStep.input
+
+            def input_once(step, n, hidden):  # fills a size's buffer once only
+                if n not in step._sizes:
+                    fresh(step, n, hidden)
+
+            monkeypatch.setattr(_DraftStep, "input", input_once)
+        flags = dict(CONFIGS[1], speculative_algorithm="MTP")
+        with Engine(model=model, tokenizer=tok, debug_integrity=True, **POOLS, **flags) as eng:
+            for prompts in waves:
+                eng.generate(input_ids=prompts, sampling_params=GREEDY)
+            replayed = eng.runner.draft_head.graphs.stats["replayed"]
+        return rec.drafts, replayed
+
+    drafts, replayed = run(stale=False)
+    assert replayed > 10
+    assert draft_mismatches(model, drafts) == 0
+    drafts, replayed = run(stale=True)
+    assert replayed > 10 and draft_mismatches(model, drafts) > 0

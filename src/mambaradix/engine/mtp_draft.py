@@ -15,6 +15,11 @@ then rewrites the head's K/V of every token it feeds from the target's hidden st
 the cache keeps never holds a draft step's K/V. Draft steps touch neither the state pool nor the
 target's KV layers, and run no deferred state operation (the forward after them does, once).
 
+Draft steps of up to ``graph_max_bs`` requests are recorded and replayed as decode steps are
+(``engine.step_graph``: ``_DraftStep`` reads its hidden input from, and leaves its output in,
+buffers of its batch size, so a replay's only other inputs are the layout's tensors); a head of
+several layers (one per step) runs the Python path.
+
 A draft is the head's argmax at each step (a point mass: ``accept_sampled`` with no draft
 distribution), so it depends only on the request's tokens: cache on or off, the same drafts.
 With a token map (``--speculative-token-map``) the argmax is over the listed tokens only: a
@@ -31,6 +36,7 @@ import torch
 
 from mambaradix.core import ForwardReq
 from mambaradix.engine.batch import RunBatch
+from mambaradix.engine.step_graph import DecodeGraphs
 from mambaradix.kernels.backend import KernelBackend
 from mambaradix.layers.ops import Linear
 from mambaradix.layout import ForwardContext, ForwardLayout
@@ -40,11 +46,12 @@ class DraftHead:
     """Contract: ``fill(batch)`` replaces the stand-in tokens of every draft in ``batch.drafts``
     (in place, so the scheduler's entries see them) and the verify forward's input ids with the
     head's chained argmax tokens. Counts its forwards in ``forwards`` and rows in ``rows``.
-    ``token_map``: the path of a JSON list of token ids to draft from (all tokens: "")."""
+    ``token_map``: the path of a JSON list of token ids to draft from (all tokens: "").
+    ``graph_max_bs``: replay draft steps of up to that many requests (0: never)."""
 
     def __init__(
         self, model: torch.nn.Module, kv_pool: object, state_pool: object, backend: KernelBackend,
-        device: str | torch.device, token_map: str = "",
+        device: str | torch.device, token_map: str = "", graph_max_bs: int = 0,
     ) -> None:  # fmt: skip
         if getattr(model, "mtp", None) is None:
             raise ValueError(
@@ -68,6 +75,11 @@ class DraftHead:
                 weight.detach().index_select(0, self.token_ids).contiguous(), requires_grad=False
             )
             self.head.bind_ops(backend)
+        self._carry: dict = {}  # ForwardLayout.carry of the draft steps (their own plans)
+        self.step = _DraftStep(model, self.head)
+        self.graphs: DecodeGraphs | None = None
+        if graph_max_bs > 0 and model.mtp.num_layers == 1:
+            self.graphs = DecodeGraphs(self.step, backend, kv_pool, state_pool, graph_max_bs)
 
     @torch.inference_mode()
     def fill(self, batch: RunBatch) -> None:
@@ -92,10 +104,19 @@ class DraftHead:
                 )
                 for a in active
             ]
-            layout = ForwardLayout.build(reqs, self.device)
+            layout = ForwardLayout.build(reqs, self.device, carry=self._carry)
             self.backend.prepare(layout)
             ctx = ForwardContext(layout, self.kv_pool, self.state_pool)
-            out, logits = self.model.draft(ctx, hidden, layout.input_ids, step=step, head=self.head)
+            if self.graphs is not None:
+                self.step.input(len(active), hidden)
+                logits = self.graphs.forward(ctx)
+                if logits is None:
+                    logits = self.step(ctx)
+                out = self.step.output(len(active))
+            else:
+                out, logits = self.model.draft(
+                    ctx, hidden, layout.input_ids, step=step, head=self.head
+                )
             self.forwards += 1
             self.rows += len(active)
             best = logits.argmax(dim=-1)
@@ -114,6 +135,36 @@ class DraftHead:
             step += 1
         for req, draft in zip(verifies, drafts):
             req.input_ids[1:] = draft
+
+
+class _DraftStep(torch.nn.Module):
+    """One chained step of a one-layer head as a forward a step graph records: its hidden
+    input is read from, and its output left in, buffers of the batch size (registered, so a
+    graph holds them; ``input`` fills one, ``output`` is valid until the next step of that
+    size); returns the logits."""
+
+    def __init__(self, model: torch.nn.Module, head: torch.nn.Module | None) -> None:
+        super().__init__()
+        self.model = model
+        self.head = head
+        self._sizes: set[int] = set()
+
+    def input(self, n: int, hidden: torch.Tensor) -> None:
+        if n not in self._sizes:
+            self._sizes.add(n)
+            self.register_buffer(f"hidden_in_{n}", torch.empty_like(hidden), persistent=False)
+            self.register_buffer(f"hidden_out_{n}", torch.empty_like(hidden), persistent=False)
+        getattr(self, f"hidden_in_{n}").copy_(hidden)
+
+    def output(self, n: int) -> torch.Tensor:
+        return getattr(self, f"hidden_out_{n}")
+
+    def forward(self, ctx: ForwardContext) -> torch.Tensor:
+        n = ctx.layout.num_tokens
+        hidden = getattr(self, f"hidden_in_{n}")
+        out, logits = self.model.draft(ctx, hidden, ctx.layout.input_ids, head=self.head)
+        self.output(n).copy_(out)
+        return logits
 
 
 def read_token_map(path: str, vocab_size: int) -> torch.Tensor:

@@ -68,12 +68,6 @@ class ModelRunner:
         self._carry: dict = {}  # ForwardLayout.carry: kept from one forward to the next
         self._executor: ThreadPoolExecutor | None = None
         self._num_threads = torch.get_num_threads()
-        # speculative decoding's drafts from the model's MTP head, chained before each verify
-        self.draft_head = (
-            DraftHead(model, kv_pool, state_pool, self.backend, device, token_map)
-            if draft_head
-            else None
-        )
         # decode steps captured once and replayed: CUDA graphs of these batch sizes where
         # given (engine.cuda_graphs), else on CPU steps of up to decode_graph_max_bs requests
         # recorded (engine.step_graph; 0: never)
@@ -86,6 +80,15 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 model, self.backend, kv_pool, state_pool, decode_graph_max_bs
             )
+        # speculative decoding's drafts from the model's MTP head, chained before each verify
+        self.draft_head = (
+            DraftHead(
+                model, kv_pool, state_pool, self.backend, device, token_map,
+                graph_max_bs=decode_graph_max_bs if isinstance(self.graphs, DecodeGraphs) else 0,
+            )  # fmt: skip
+            if draft_head
+            else None
+        )
 
     def _resolve(self, ids: list[int]) -> list[int]:
         out = []
