@@ -362,3 +362,18 @@ def test_replayed_draft_steps_draft_as_the_python_path(models, monkeypatch):
     assert draft_mismatches(model, drafts) == 0
     drafts, replayed = run(stale=True)
     assert replayed > 10 and draft_mismatches(model, drafts) > 0
+
+
+def test_moe_model_with_its_head_equals_decoding_without(tmp_path, monkeypatch):
+    """Qwen3-Next (sparse MoE MLPs, in the model and in its head): greedy outputs equal,
+    drafts are the sequence's own."""
+    make_tiny_checkpoint("qwen3_next", str(tmp_path), seed=0, mtp=True)
+    model, plain = load_model(str(tmp_path), mtp=True), load_model(str(tmp_path))
+    tok = load_tokenizer(str(tmp_path))
+    waves = _waves(model.vocab_size, seed=7)[:1]
+    ref, _ = _run(plain, tok, waves, CONFIGS[2])
+    rec = Recorder(monkeypatch)
+    got, _ = _run(model, tok, waves, dict(CONFIGS[2], speculative_algorithm="MTP"))
+    ties, worst = compare(ref, got)
+    assert ties <= MAX_TIES and worst <= 10 * LOGPROB_ATOL, (ties, worst)
+    assert rec.drafts and draft_mismatches(model, rec.drafts) == 0
