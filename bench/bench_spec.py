@@ -7,7 +7,9 @@ it):
 
 - the cost of a verify step of k + 1 tokens (k = 1..3: the last token and k drafts, the state
   after each written to its own slot) over a one-token decode step, median of ``--reps``
-  alternated runs;
+  alternated runs; each step timed on its second run in a row, replayed from its step graph as
+  the engine runs consecutive steps of one shape (``engine.step_graph``), and the first run
+  (the Python forward) beside it;
 - the tokens/s those costs give at accepted lengths 1.5, 2.0, 2.5, 3.0 (computed: accepted
   length / verify step time at k = 3; an n-gram draft costs no forward), beside one-token
   decoding's;
@@ -40,10 +42,13 @@ PRESET = "qwen3_5_0_8b"
 CONTEXT = 512
 
 
-def step_costs(eng, reps: int) -> dict[int, float]:
-    """Seconds of a runner step at batch 1: key 0 a one-token decode, k a verify of k + 1."""
+def step_costs(eng, reps: int) -> tuple[dict[int, float], dict[int, float]]:
+    """Seconds of a runner step at batch 1: key 0 a one-token decode, k a verify of k + 1;
+    each run twice in a row: the second (replayed) and the first (the Python forward; its
+    shape was not the step before's)."""
     from mambaradix.core import ForwardBatch, ForwardReq, SamplingParams, StateOps
     from mambaradix.engine.batch import RunBatch
+    from mambaradix.layout import VerifyReq
 
     runner, kv, st = eng.runner, eng.kv_pool, eng.state_pool
     vocab = eng.model.vocab_size
@@ -65,21 +70,25 @@ def step_costs(eng, reps: int) -> dict[int, float]:
 
     run([ForwardReq(0, prompt, kv_slots[:CONTEXT], slots[0], all_logits=False)])
     times: dict[int, list[float]] = {k: [] for k in range(4)}
+    first: dict[int, list[float]] = {k: [] for k in range(4)}
     for _ in range(reps + 2):  # the first two rounds warm up
         for k in range(4):
-            if k == 0:  # twice in a row: the second replays the step graph, as the engine's do
+            # twice in a row: the second replays the step graph, as the engine's do
+            if k == 0:
                 req = ForwardReq(CONTEXT - 1, prompt[-1:], kv_slots[:CONTEXT], slots[0])
-                run([req])
+                first[k].append(run([req]))
                 times[k].append(run([req]))
                 continue
             draft = [11 + i for i in range(k)]
             snaps = [(n + 1, slots[1 + n]) for n in range(k)]
-            req = ForwardReq(CONTEXT - 1, prompt[-1:] + draft, kv_slots[: CONTEXT + k],
-                             slots[0], snaps, all_logits=True)  # fmt: skip
+            req = VerifyReq(CONTEXT - 1, prompt[-1:] + draft, kv_slots[: CONTEXT + k],
+                            slots[0], snaps, all_logits=True)  # fmt: skip
+            first[k].append(run([req], {0: draft}))
             times[k].append(run([req], {0: draft}))
     st.free(slots)
     kv.free(kv_slots)
-    return {k: statistics.median(v[2:]) for k, v in times.items()}
+    med = lambda v: statistics.median(v[2:])  # noqa: E731
+    return {k: med(v) for k, v in times.items()}, {k: med(v) for k, v in first.items()}
 
 
 def decode_rate(eng, batch: int, new: int) -> tuple[float, float]:
@@ -134,12 +143,18 @@ def part(args) -> None:
     spec = dict(speculative_algorithm="NGRAM", speculative_num_steps=3) if args.spec else {}
     if args.part == "steps":
         with Engine(disable_radix_cache=True, **kw) as eng:
-            costs = step_costs(eng, args.reps)
+            costs, python = step_costs(eng, args.reps)
+            replays = eng.runner.graphs.stats["replayed"] if eng.runner.graphs else 0
         base = costs[0]
         for k in (1, 2, 3):
             ratio = costs[k] / base
-            print(f"verify k={k} ({k + 1} tokens): {costs[k] * 1e3:.1f} ms = {ratio:.3f}x "
-                  f"the one-token decode step ({base * 1e3:.1f} ms)")  # fmt: skip
+            print(
+                f"verify k={k} ({k + 1} tokens): {costs[k] * 1e3:.1f} ms = {ratio:.3f}x "
+                f"the one-token decode step ({base * 1e3:.1f} ms); first of its shape in a "
+                f"row (Python forward) {python[k] * 1e3:.1f} ms = "
+                f"{python[k] / python[0]:.3f}x the decode step's ({python[0] * 1e3:.1f} ms)"
+            )
+        print(f"steps replayed from step graphs: {replays}")
         print(f"decode alone: {1 / base:.2f} tok/s")
         for length in (1.5, 2.0, 2.5, 3.0):
             print(f"computed at accept length {length}: {length / costs[3]:.2f} tok/s "

@@ -2,20 +2,32 @@
 per forward by the runner (``ForwardLayout.build``) and read by every layer and kernel op.
 
 Tokens of all requests are packed in request order (rows of every ``[T, ...]`` activation).
-A forward splits its requests into *decodes* (one new token) and *prefills* (more); each part
-has its own record, with the packed rows it owns, its working state slots and its snapshot
-slots as tensors on the forward's device, so no layer builds an index or copies to the device::
+A forward splits its requests into *decodes* and *prefills*; each part has its own record, with
+the packed rows it owns, its working state slots and its snapshot slots as tensors on the
+forward's device, so no layer builds an index or copies to the device::
 
     rows  0 .. Td-1        Td .. T-1          (decodes first when the scheduler orders them so)
           decode rows      prefill segments, varlen: cu_seqlens = [0, n_0, n_0+n_1, ...]
                            snapshot k: the state after snapshot_offsets[k] tokens of segment
                            snapshot_seqs[k], written into snapshot_slots[k]
 
+A decode is a request of one new token, or a ``VerifyReq``: a speculative verify step's last
+token and drafts (``engine.forwards.ForwardBuilder.add_verify``), a snapshot after each but
+the last. The recurrent ops step through such a decode's positions as decode steps do, the
+state after each position written into that position's snapshot slot (the working slot after
+the last); its attention has one query row per position, causal (``DecodeRows``). A prefill
+kernel built for long segments would instead cut the segment at every snapshot::
+
+    verify of k drafts:  row   t0      t1      ...  tk        (t0: the last sampled token)
+                         state slot_1  slot_2  ...  working   (slot_n: the snapshot (n, slot))
+                         keys  ..p+1   ..p+2   ...  ..p+k+1   (p: its prefix length)
+
 Backends add their own per-forward tensors in ``KernelBackend.prepare`` (``meta``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +37,14 @@ from mambaradix.core import ForwardReq
 
 def _long(values: list[int], device: str | torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
+
+
+@dataclass(slots=True)
+class VerifyReq(ForwardReq):
+    """A speculative verify step's part of a forward: the request's last sampled token and its
+    draft tokens, with a snapshot ``(n, slot)`` after each of them but the last (the state to
+    keep if the draft is accepted up to there). Laid out as a decode of several positions
+    (``DecodeRows``), not a prefill segment."""
 
 
 @dataclass(slots=True)
@@ -65,11 +85,18 @@ class RowSet:
 
 @dataclass(slots=True)
 class DecodeRows:
-    """The decodes of a forward: request ``reqs[i]`` has one new token at packed row
-    ``rows.take(x)[i]``, working state slot ``state_slots[i]`` and (with attention) the KV slot
-    row ``kv_table[i, :seq_lens[i]]`` (entries past it are any valid slot). A snapshot of a
-    decode is its state after its one token: ``snapshot_rows`` (index into the decodes) ->
-    ``snapshot_slots``."""
+    """The decodes of a forward: request ``reqs[i]`` has ``widths[i]`` new tokens (1, or a few
+    that each snapshot: a verify step), consecutive rows of ``rows.take(x)`` (``cu`` [D+1]:
+    where each request's rows begin; ``Td`` is the number of rows). Its state is read from its
+    working slot ``state_slots[i]``; the state after row ``r`` is written into
+    ``row_slots[r]``: the snapshot slot of that position, the working slot after a request's
+    last row (``cu`` and ``row_slots`` are None when every decode has one position: the state
+    after it goes back into the working slot). Row ``r`` attends ``kv_table[r, :seq_lens[r]]``
+    (its request's KV slots up to its own token: causal among a request's rows; entries past
+    it are any valid slot). Snapshots that no row writes (the state after a request's last
+    row, a second slot at one position) are copies after the op: ``snapshot_src`` (the slot
+    holding that state then) -> ``snapshot_slots``; ``snapshot_rows`` are their rows among the
+    decode rows."""
 
     reqs: list[int]
     rows: RowSet
@@ -79,10 +106,40 @@ class DecodeRows:
     snapshot_slots: torch.Tensor
     seq_lens: torch.Tensor
     kv_table: torch.Tensor | None = None
+    widths: list[int] = field(default_factory=list)
+    cu: torch.Tensor | None = None
+    row_slots: torch.Tensor | None = None
+    written: int = 0  # snapshots written at their rows (row_slots)
+    positions: list[DecodePosition] | None = field(default=None, repr=False)
 
     @property
     def num_snapshots(self) -> int:
+        """Every snapshot of the decodes: those written at their rows and the copies."""
+        return self.written + self.snapshot_slots.numel()
+
+    @property
+    def num_copies(self) -> int:
         return self.snapshot_slots.numel()
+
+    @property
+    def multi(self) -> bool:
+        """Whether a decode has several positions."""
+        return self.cu is not None
+
+
+@dataclass(slots=True)
+class DecodePosition:
+    """Position ``j`` of every decode with more than ``j`` positions, as a forward of
+    one-position decodes (``layout``) whose states are in place in the slots this position
+    writes: ``rows`` are its rows among the decode rows; before its step, the states it starts
+    from are copied into those slots (``copy_src`` -> ``copy_dst``: the working slot's state
+    for position 0, the previous position's slot's after it). What a backend without a
+    multi-position kernel runs, position after position (``decode_positions``)."""
+
+    rows: RowSet
+    copy_src: torch.Tensor
+    copy_dst: torch.Tensor
+    layout: ForwardLayout
 
 
 @dataclass(slots=True)
@@ -166,8 +223,8 @@ class ForwardLayout:
         total = pos
         ids = [t for r in reqs for t in r.input_ids]
         positions = [p for r in reqs for p in range(r.prefix_len, r.seq_len)]
-        dec = [i for i, n in enumerate(extend_lens) if n == 1]
-        pre = [i for i, n in enumerate(extend_lens) if n > 1]
+        dec = [i for i, r in enumerate(reqs) if r.extend_len == 1 or _positions(r)]
+        pre = [i for i, r in enumerate(reqs) if not (r.extend_len == 1 or _positions(r))]
 
         out: list[torch.Tensor] = []
         given = decode_table is not None and decode_table.shape[0] > 0
@@ -184,13 +241,24 @@ class ForwardLayout:
 
         decode = None
         if dec:
-            snap_rows, snap_src, snap_dst = [], [], []
-            for k, i in enumerate(dec):
-                for _, slot in reqs[i].snapshots:  # n can only be 1
-                    snap_rows.append(k)
-                    snap_src.append(reqs[i].state_slot)
+            widths = [extend_lens[i] for i in dec]
+            multi = any(w > 1 for w in widths)
+            snap_rows, snap_src, snap_dst, row_slots = [], [], [], []
+            written = 0
+            for i, w in zip(dec, widths):
+                r, row0 = reqs[i], len(row_slots)
+                at_row: dict[int, int] = {}  # position -> the slot its row writes
+                for n, slot in r.snapshots:
+                    if n < w and n not in at_row:
+                        at_row[n] = slot
+                        written += 1
+                        continue
+                    snap_rows.append(row0 + n - 1)
+                    snap_src.append(at_row[n] if n < w else r.state_slot)
                     snap_dst.append(slot)
-            seq_lens = [reqs[i].seq_len for i in dec]
+                row_slots += [at_row[n] for n in range(1, w)] + [r.state_slot]
+            seq_lens = [p + 1 + j for i, w in zip(dec, widths) for p in [prefix_lens[i]]
+                        for j in range(w)]  # fmt: skip
             table = None
             if with_kv:
                 if given and first == len(dec) and dec == list(range(first)):
@@ -201,15 +269,29 @@ class ForwardLayout:
                         batch_first=True,
                         padding_value=0,
                     ).to(device=device, dtype=torch.long)
+                if multi:  # one row of the table per position
+                    per_row = [k for k, w in enumerate(widths) for _ in range(w)]
+                    table = table.index_select(0, _long(per_row, device))
+            cu = [0]
+            for w in widths:
+                cu.append(cu[-1] + w)
             decode = DecodeRows(
                 reqs=dec,
-                rows=RowSet.of([starts[i] for i in dec], total, device),
+                rows=RowSet.of(
+                    [s for i in dec for s in range(starts[i], starts[i] + extend_lens[i])],
+                    total,
+                    device,
+                ),
                 state_slots=_long([reqs[i].state_slot for i in dec], device),
                 snapshot_rows=_long(snap_rows, device),
                 snapshot_src=_long(snap_src, device),
                 snapshot_slots=_long(snap_dst, device),
                 seq_lens=_long(seq_lens, device),
                 kv_table=table,
+                widths=widths,
+                cu=_long(cu, device) if multi else None,
+                row_slots=_long(row_slots, device) if multi else None,
+                written=written,
             )
 
         prefill = None
@@ -244,8 +326,8 @@ class ForwardLayout:
                 snapshot_slots=_long(slots, device),
             )
 
-        if prefill is None:
-            logit_rows = None  # one row per request, all of them
+        if all(r.extend_len == 1 or r.all_logits for r in reqs):
+            logit_rows = None  # every row: one per request, or all of a request's
         elif any(r.all_logits for r in reqs):
             picked: list[int] = []
             for r, s, n in zip(reqs, starts, extend_lens):
@@ -268,6 +350,64 @@ class ForwardLayout:
             device=device,
             carry=carry,
         )
+
+
+def _positions(r: ForwardReq) -> bool:
+    """Whether ``r`` is a decode of several positions (a ``VerifyReq``); raises ValueError for
+    one that lacks the slot of a position's state."""
+    if not isinstance(r, VerifyReq):
+        return False
+    at = {n for n, _ in r.snapshots}
+    missing = [n for n in range(1, r.extend_len) if n not in at]
+    if missing:
+        raise ValueError(
+            f"a verify request of {r.extend_len} tokens has no snapshot slot for the state after "
+            f"token(s) {missing}: it needs one after each of its tokens but the last"
+        )
+    return True
+
+
+def decode_positions(layout: ForwardLayout) -> list[DecodePosition]:
+    """The decodes of ``layout`` position by position (built once per forward, kept in
+    ``layout.decode.positions``): what a backend runs its one-position decode step over, in
+    order, for decodes of several positions."""
+    dec = layout.decode
+    if dec.positions is not None:
+        return dec.positions
+    device = dec.state_slots.device
+    slots = dec.state_slots.tolist()
+    row_slots = dec.row_slots.tolist() if dec.row_slots is not None else slots
+    cu = dec.cu.tolist() if dec.cu is not None else list(range(len(slots) + 1))
+    positions = []
+    for j in range(max(dec.widths, default=1)):
+        members = [k for k, w in enumerate(dec.widths) if w > j]
+        rows = [cu[k] + j for k in members]
+        src = [slots[k] if j == 0 else row_slots[cu[k] + j - 1] for k in members]
+        dst = [row_slots[r] for r in rows]
+        moved = [(a, b) for a, b in zip(src, dst) if a != b]
+        one = DecodeRows(
+            reqs=[dec.reqs[k] for k in members],
+            rows=RowSet.of(list(range(len(rows))), len(rows), device),
+            state_slots=_long(dst, device),
+            snapshot_rows=_long([], device),
+            snapshot_src=_long([], device),
+            snapshot_slots=_long([], device),
+            seq_lens=dec.seq_lens[rows],
+            kv_table=None if dec.kv_table is None else dec.kv_table[rows],
+            widths=[1] * len(rows),
+        )
+        positions.append(
+            DecodePosition(
+                rows=RowSet.of(rows, dec.rows.count, device),
+                copy_src=_long([a for a, _ in moved], device),
+                copy_dst=_long([b for _, b in moved], device),
+                layout=dataclasses.replace(
+                    layout, decode=one, prefill=None, logit_rows=None, meta=None, carry=None
+                ),
+            )
+        )
+    dec.positions = positions
+    return positions
 
 
 @dataclass(slots=True)

@@ -8,6 +8,12 @@ the reference's; and every snapshot slot holds the state after that many tokens,
 independently by running the same op over the segment cut to that length. A backend that drops
 snapshot states fails (negative control).
 
+A second layout has verify steps (``layout.VerifyReq``: decodes of several positions, two of
+them sharing a cached prefix, one also copying its last state to a snapshot) beside a plain
+decode and prefills: outputs and whole pools against the reference, and each position's slot
+against the same op over the request cut to that many positions (after one: a plain one-token
+decode). A backend that writes only a verify's last state fails (negative control).
+
 Tolerances: fp32, atol = rtol = 2e-4. bf16: the backend and the reference run on the same
 bf16-rounded inputs, and each tensor (output or pool) may differ from the reference's by twice
 the largest change that rounding those inputs to bf16 makes to that tensor in the reference
@@ -37,7 +43,7 @@ from mambaradix.kernels.mamba2 import process_dt
 from mambaradix.kernels.norm import GatedNorm
 from mambaradix.kernels.torch_backend import TorchBackend
 from mambaradix.layers.moe import experts_forward
-from mambaradix.layout import ForwardLayout
+from mambaradix.layout import ForwardLayout, VerifyReq
 
 SLOTS = 24
 # (prefix_len, new tokens, snapshots as (n, slot)); decodes first, as the scheduler orders them
@@ -57,6 +63,17 @@ REQUESTS_STRIDE_64 = [
     (40, 70, [(64, 22), (70, 23)]),
     (40, 130, [(64, 18), (128, 19)]),
 ]
+# verify steps (prefix_len, new tokens, a snapshot after each but the last, True: a VerifyReq)
+# beside a plain decode and prefills; the two verifies share their 40 cached KV slots (and
+# with the last prefill), the second also copies its state after its last token
+REQUESTS_VERIFY = [
+    (9, 1, [(1, 20)]),
+    (40, 4, [(1, 10), (2, 11), (3, 12)], True),
+    (40, 3, [(1, 13), (2, 14), (3, 15)], True),
+    (0, 5, [(3, 21)]),
+    (40, 70, [(64, 22), (70, 23)]),
+]
+REQUESTS_VERIFY_STRIDE_64 = [*REQUESTS_VERIFY[:3], (0, 5, [(5, 21)]), REQUESTS_VERIFY[4]]
 KV_LEN = 400
 
 
@@ -92,12 +109,23 @@ BACKENDS = [name for name in backend_names() if name != "torch"]
 def _layout(requests=REQUESTS, device: str | torch.device = "cpu") -> ForwardLayout:
     shared = torch.arange(40)
     reqs, next_kv = [], 40
-    for slot, (prefix, n, snaps) in enumerate(requests):
+    for slot, (prefix, n, snaps, *verify) in enumerate(requests):
         own = torch.arange(next_kv, next_kv + prefix + n)
         next_kv += prefix + n
         kv = torch.cat([shared, own[prefix:]]) if prefix == 40 else own
-        reqs.append(ForwardReq(prefix, [1] * n, kv, slot, list(snaps)))
+        kind = VerifyReq if verify else ForwardReq
+        reqs.append(kind(prefix, [1] * n, kv, slot, list(snaps), all_logits=bool(verify)))
     return ForwardLayout.build(reqs, device)
+
+
+def _positions_cut(layout: ForwardLayout, k: int, n: int) -> ForwardLayout:
+    """The layout of decode ``k`` (a verify) alone, cut to its first ``n`` positions (after
+    one: a plain one-token decode)."""
+    r = layout.reqs[layout.decode.reqs[k]]
+    snaps = [(m, slot) for m, slot in r.snapshots if m < n]
+    cut = VerifyReq(r.prefix_len, r.input_ids[:n], r.kv_slots[: r.prefix_len + n], r.state_slot,
+                    snaps)  # fmt: skip
+    return ForwardLayout.build([cut])
 
 
 def _truncated(layout: ForwardLayout, p: int, n: int) -> ForwardLayout:
@@ -193,10 +221,10 @@ class _Ops:
                               pools["conv_pool"], layout or self.layout, "silu")  # fmt: skip
         return [y], pools
 
-    def conv_decode(self, be):
+    def conv_decode(self, be, layout=None):
         pools = {"conv_pool": self.gdn["conv_pool"].clone()}
-        y = be.conv1d_decode(self.x_dec, self.conv_w, self.conv_b, pools["conv_pool"],
-                             self.layout, "silu")  # fmt: skip
+        y = be.conv1d_decode(self._dec(self.x_dec, layout), self.conv_w, self.conv_b,
+                             pools["conv_pool"], layout or self.layout, "silu")  # fmt: skip
         return [y], pools
 
     def gdn_prefill(self, be, layout=None):
@@ -215,12 +243,12 @@ class _Ops:
         )  # fmt: skip
         return [y], pools
 
-    def gdn_decode(self, be, norm=None):
+    def gdn_decode(self, be, norm=None, layout=None):
         pools = {k: v.clone() for k, v in self.gdn.items()}
         y = be.gdn_decode(
-            self.x_dec, *self.ab_dec, pools["conv_pool"],
-            pools["ssm_pool"], self.layout, self.conv_w, self.conv_b, self.A_log, self.dt_bias,
-            self.hk, "silu", norm,
+            self._dec(self.x_dec, layout), *(self._dec(t, layout) for t in self.ab_dec),
+            pools["conv_pool"], pools["ssm_pool"], layout or self.layout, self.conv_w,
+            self.conv_b, self.A_log, self.dt_bias, self.hk, "silu", norm,
         )  # fmt: skip
         return [y], pools
 
@@ -234,26 +262,28 @@ class _Ops:
                               pools["ssm_pool"], layout or self.layout)  # fmt: skip
         return [y], pools
 
-    def mamba2_decode(self, be):
+    def mamba2_decode(self, be, layout=None):
         pools = {"ssm_pool": self.m2["ssm_pool"].clone()}
-        x, dt, B, C = self.m2_in[1]
+        x, dt, B, C = (self._dec(t, layout) for t in self.m2_in[1])
         y = be.mamba2_decode(x, process_dt(dt, self.m2_dt_bias), self.m2_A, B, C, self.m2_D,
-                             pools["ssm_pool"], self.layout)  # fmt: skip
+                             pools["ssm_pool"], layout or self.layout)  # fmt: skip
         return [y], pools
 
     def mamba2_mixer_decode_norm(self, be):
         return self.mamba2_mixer_decode(be, self.m2_norm)
 
-    def mamba2_mixer_decode(self, be, norm=None):
+    def mamba2_mixer_decode(self, be, norm=None, layout=None):
         pools = {
             **{k: v.clone() for k, v in self.m2_conv.items()},
             "ssm_pool": self.m2["ssm_pool"].clone(),
         }
         H, P, G, N = self.m2_shape
-        xbc = self.m2_proj[:, 16 : 16 + H * P + 2 * G * N]
-        dt_raw = self.m2_proj[:, 16 + H * P + 2 * G * N :]
+        proj = self._dec(self.m2_proj, layout)
+        xbc = proj[:, 16 : 16 + H * P + 2 * G * N]
+        dt_raw = proj[:, 16 + H * P + 2 * G * N :]
         y = be.mamba2_mixer_decode(
-            xbc, dt_raw, pools["conv_pool"], pools["ssm_pool"], self.layout, self.m2_conv_w,
+            xbc, dt_raw, pools["conv_pool"], pools["ssm_pool"], layout or self.layout,
+            self.m2_conv_w,
             self.m2_conv_b, "silu", *self.m2_params, (0.0, float("inf")), self.m2_D, self.m2_shape,
             norm,
         )  # fmt: skip
@@ -320,6 +350,16 @@ class _Ops:
         p = [self.layout.reqs[i].state_slot for i in self.layout.prefill.reqs].index(r.state_slot)
         start = self.layout.prefill.cu_list[p]
         return t[start : start + layout.prefill.num_tokens]
+
+    def _dec(self, t: torch.Tensor, layout: ForwardLayout | None) -> torch.Tensor:
+        """Decode inputs of ``layout`` (a cut verify reads the first rows of its request)."""
+        if layout is None or layout is self.layout:
+            return t
+        dec = self.layout.decode
+        slot = layout.reqs[0].state_slot
+        k = [self.layout.reqs[i].state_slot for i in dec.reqs].index(slot)
+        start = sum(dec.widths[:k])
+        return t[start : start + layout.decode.rows.count]
 
 
 STATE_OPS = ["conv_prefill", "conv_decode", "gdn_prefill", "gdn_decode", "gdn_decode_norm",
@@ -403,6 +443,27 @@ def contract_failures(
         for src, dst in zip(dec.snapshot_src.tolist(), dec.snapshot_slots.tolist()):
             if not torch.equal(pools[key][dst], pools[key][src]):
                 failures.append(f"{name}: a decode's snapshot is not its state after its token")
+    # decodes of several positions: each position's slot holds the state after that many
+    # positions, from the same op over the request cut to them (the reference)
+    if dec.multi:
+        row_slots = dec.row_slots.tolist()
+        for name, key in (
+            ("conv_decode", "conv_pool"),
+            ("gdn_decode", "conv_pool"),
+            ("gdn_decode", "ssm_pool"),
+            ("mamba2_decode", "ssm_pool"),
+            ("mamba2_mixer_decode", "conv_pool"),
+            ("mamba2_mixer_decode", "ssm_pool"),
+        ):
+            _, pools = getattr(on_device, name)(backend)
+            for k, w in enumerate(dec.widths):
+                first = sum(dec.widths[:k])
+                for n in range(1, w):
+                    cut = _positions_cut(ops.layout, k, n)
+                    _, alone = getattr(ops, name)(ref, layout=cut)
+                    got = pools[key][row_slots[first + n - 1]]
+                    if not close(got, alone[key][cut.reqs[0].state_slot], name, key):
+                        failures.append(f"{name}: {key} after {n} positions of decode {k} is wrong")
     return failures
 
 
@@ -414,32 +475,40 @@ def _runs(name: str) -> tuple[str, str]:
     return ("cuda", "") if torch.cuda.is_available() else ("cpu", "interpreted")
 
 
-def _requests(backend) -> list:
+LAYOUTS = {  # the layouts of the contract, by the snapshot stride a backend declares
+    "mixed": {1: REQUESTS, 64: REQUESTS_STRIDE_64},
+    "verify": {1: REQUESTS_VERIFY, 64: REQUESTS_VERIFY_STRIDE_64},
+}
+
+
+def _requests(backend, layout: str = "mixed") -> list:
     stride = backend.capabilities.snapshot_stride
     assert stride in (1, 64), stride  # the cases below cover these
-    return REQUESTS if stride == 1 else REQUESTS_STRIDE_64
+    return LAYOUTS[layout][stride]
 
 
-def _contract(name: str, case: str, shapes: Shapes) -> list[str]:
+def _contract(name: str, case: str, shapes: Shapes, layout: str = "mixed") -> list[str]:
     backend = create_backend(name)
     device, _ = _runs(name)
-    return contract_failures(backend, CASES[case], shapes, _requests(backend), device)
+    return contract_failures(backend, CASES[case], shapes, _requests(backend, layout), device)
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("case", list(CASES), ids=str)
 @pytest.mark.parametrize("name", BACKENDS)
-def test_backend_passes_the_contract(name: str, case: str) -> None:
+def test_backend_passes_the_contract(name: str, case: str, layout: str) -> None:
     """At real head shapes; a backend whose kernels are interpreted here runs small ones
     (``test_backend_passes_the_contract_at_real_shapes`` is its slow test)."""
     interpreted = _runs(name)[1]
-    assert _contract(name, case, SMALL if interpreted else REAL) == []
+    assert _contract(name, case, SMALL if interpreted else REAL, layout) == []
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("case", list(CASES), ids=str)
 @pytest.mark.parametrize("name", [n for n in BACKENDS if _runs(n)[1]])
-def test_backend_passes_the_contract_at_real_shapes(name: str, case: str) -> None:
-    assert _contract(name, case, REAL) == []
+def test_backend_passes_the_contract_at_real_shapes(name: str, case: str, layout: str) -> None:
+    assert _contract(name, case, REAL, layout) == []
 
 
 def test_bf16_tolerances_are_a_few_ulps() -> None:
@@ -543,3 +612,34 @@ def test_a_cuda_backend_fed_the_wrong_state_slot_fails_the_contract() -> None:
                                  device)  # fmt: skip
     assert any(f.startswith("conv_prefill: conv_pool") for f in failures), failures
     assert any(f.startswith("mamba2_prefill: ssm_pool") for f in failures), failures
+
+
+class _LastPositionOnly(TorchBackend):
+    """Steps a verify's positions but keeps only its last state: every other position's slot
+    is left as it was (a multi-position kernel that writes only the working slot)."""
+
+    def _stepwise(self, layout, pools, rows, step):
+        dec = layout.decode
+        kept = dec.row_slots[dec.row_slots != dec.state_slots.repeat_interleave(
+            torch.tensor(dec.widths))]  # fmt: skip
+        before = [pool[kept].clone() for pool in pools]
+        out = super()._stepwise(layout, pools, rows, step)
+        for pool, b in zip(pools, before):
+            pool[kept] = b
+        return out
+
+
+def test_a_backend_that_keeps_only_a_verifys_last_state_fails_the_contract() -> None:
+    failures = contract_failures(_LastPositionOnly(), CASES["fp32"], REAL, REQUESTS_VERIFY)
+    for name, key in (
+        ("conv_decode", "conv_pool"),
+        ("gdn_decode", "ssm_pool"),
+        ("mamba2_decode", "ssm_pool"),
+        ("mamba2_mixer_decode", "ssm_pool"),
+    ):
+        assert f"{name}: {key} differs from the reference" in failures, failures
+        assert f"{name}: {key} after 1 positions of decode 1 is wrong" in failures, failures
+    # the outputs are right: each position's state is computed, then lost
+    assert not any("output" in f for f in failures), failures
+    # on the plain layout nothing changes
+    assert contract_failures(_LastPositionOnly(), CASES["fp32"]) == []

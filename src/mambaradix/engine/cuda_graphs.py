@@ -114,8 +114,8 @@ class CudaGraphs:
         """The captured batch size and KV table width a decode step over ``layout`` replays,
         or None (not a decode-only step, or larger than the largest bucket)."""
         dec = layout.decode
-        if layout.prefill is not None or dec is None or not dec.rows.whole:
-            return None
+        if layout.prefill is not None or dec is None or not dec.rows.whole or dec.multi:
+            return None  # (a decode of several positions, a verify step, runs eagerly)
         n = len(dec.reqs)
         i = bisect.bisect_left(self.batch_sizes, n)
         if i == len(self.batch_sizes):

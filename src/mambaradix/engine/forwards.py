@@ -19,6 +19,7 @@ from mambaradix.core import ForwardBatch, ForwardReq, StateOps
 from mambaradix.engine.batch import RunBatch
 from mambaradix.engine.request import Req
 from mambaradix.engine.strategies import SnapshotSpot, SnapshotStrategy
+from mambaradix.layout import VerifyReq
 from mambaradix.stats import EngineStats
 
 
@@ -133,8 +134,10 @@ class ForwardBuilder:
     def add_verify(self, batch: ScheduledBatch, req: Req, draft: list[int]) -> None:
         """Append a verify forward: the request's last token and ``draft`` in one forward, the
         state after each token written into its scratch slots (``rc.spec_slots``, one per
-        draft token: after the last one it is the working slot's), logits for every row. The
-        caller made sure no snapshot of the cache falls inside it (``Speculation.draft``)."""
+        draft token: after the last one it is the working slot's), logits for every row. It is
+        a ``VerifyReq``: the layout makes it a decode of several positions (the decode kernels
+        step through them; a step graph replays it). The caller made sure no snapshot of the
+        cache falls inside it (``Speculation.draft``)."""
         start = req.fed_len
         end = start + 1 + len(draft)
         run = batch.run
@@ -147,7 +150,7 @@ class ForwardBuilder:
         run.logit_states.append(req.logits_state)
         run.grammars.append(req.grammar)
         run.forward.reqs.append(
-            ForwardReq(
+            VerifyReq(
                 prefix_len=start,
                 input_ids=req.token_slice(start, start + 1) + draft,
                 kv_slots=self.cache.kv_slots(req.rc, end),

@@ -15,7 +15,10 @@ A key is recorded on its second step in a row (a batch that lasts one step, as b
 while requests join and finish, is not worth a recording, which costs about one more step).
 A shape (the key) is the batch size, the capacity of the KV slot table (a power of two that
 covers every request's length; the recorded table is that wide and each step's rows are
-written into it) and the structure of the backend's per-forward tensors (``replay_key``: for
+written into it), the positions of each request (a speculative verify step is a decode of
+several positions, ``layout.DecodeRows``: its last token and drafts, the state after each
+written into that position's slot; the slots are written in like the working slots) and the
+structure of the backend's per-forward tensors (``replay_key``: for
 the cascade decode attention plan, each shared-prefix piece's length, groups and width; those
 tensors are written in like the layout's). What a replay runs:
 
@@ -34,7 +37,8 @@ could not give the Python path's result: Python read a tensor's data (``item``, 
 ``tolist``) or built a tensor from Python values, an op's output shape or values depend on
 more than its inputs (``nonzero``, random ops), a native call returned a value Python reads
 (MoE routing), or a native call reads memory the graph does not hold. Steps with prefill rows
-or snapshots are never replayed, nor those the backend's ``replay_key`` refuses.
+or with a snapshot copied after the step (a decode's at its last position: the decode
+interval's) are never replayed, nor those the backend's ``replay_key`` refuses.
 """
 
 from __future__ import annotations
@@ -111,13 +115,17 @@ class StepGraph:
 
 def write_inputs(recorded: ForwardLayout, layout: ForwardLayout) -> None:
     """Copy a decode step's per-step tensors into the recorded layout's: the token ids,
-    positions, the KV slots written, the working state slots, the sequence lengths and the KV
-    slot table (its first columns; the rest keep older slots, which are valid and unread)."""
+    positions, the KV slots written, the working state slots (and each position's slot of a
+    decode of several), the sequence lengths and the KV slot table (its first columns; the rest
+    keep older slots, which are valid and unread). (Each request's row offsets ``cu`` follow
+    from its positions, which are part of the key.)"""
     recorded.input_ids.copy_(layout.input_ids)
     recorded.positions.copy_(layout.positions)
     recorded.out_kv_slots.copy_(layout.out_kv_slots)
     dst, src = recorded.decode, layout.decode
     dst.state_slots.copy_(src.state_slots)
+    if src.row_slots is not None:
+        dst.row_slots.copy_(src.row_slots)
     dst.seq_lens.copy_(src.seq_lens)
     if src.kv_table is not None:
         dst.kv_table[:, : src.kv_table.shape[1]].copy_(src.kv_table)
@@ -170,19 +178,19 @@ class DecodeGraphs:
         """Bytes the kept graphs' step tensors hold."""
         return sum(g.nbytes for g in self._graphs.values())
 
-    def key(self, layout: ForwardLayout) -> tuple[int, int] | None:
-        """The batch and table capacity of a decode forward over ``layout``, or None (not a
-        plain decode step of at most ``max_batch`` requests); the backend's ``replay_key``
-        completes a graph's key."""
+    def key(self, layout: ForwardLayout) -> tuple[int, int, tuple[int, ...]] | None:
+        """The batch, table capacity and positions per request (``()``: one each) of a decode
+        forward over ``layout``, or None (not a decode step of at most ``max_batch`` requests
+        without snapshot copies); the backend's ``replay_key`` completes a graph's key."""
         dec = layout.decode
         if layout.prefill is not None or dec is None or not dec.rows.whole:
             return None
-        if dec.num_snapshots or len(dec.reqs) > self.max_batch:
+        if dec.num_copies or len(dec.reqs) > self.max_batch:
             return None
         width = 0
         if dec.kv_table is not None:
             width = table_capacity(max(r.seq_len for r in layout.reqs))
-        return len(dec.reqs), width
+        return len(dec.reqs), width, tuple(dec.widths) if dec.multi else ()
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor | None:
         layout = ctx.layout
@@ -215,7 +223,7 @@ class DecodeGraphs:
             table[:, : dec.kv_table.shape[1]] = dec.kv_table
             dec.kv_table = table
             self.backend.prepare(layout)  # its per-forward tensors over the recorded table
-            if self.backend.replay_key(layout, self._kv_heads) != key[2]:
+            if self.backend.replay_key(layout, self._kv_heads) != key[-1]:
                 return self.model.forward(ctx)  # (an attention plan cannot change with the width)
         t0 = time.perf_counter()
         with native.recording() as calls, _Recorder(calls) as recorder:
@@ -228,7 +236,7 @@ class DecodeGraphs:
             if self.stats["refused: " + str(e)] >= REFUSALS_TO_STOP:
                 self.stopped = str(e)
                 logger.info("decode steps are no longer recorded: %s", e)
-            logger.info("decode step of %d requests not replayable: %s", key[0], e)
+            logger.info("decode step of %d requests (%s) not replayable: %s", key[0], key[2], e)
             return logits
         self._graphs[key] = graph
         while len(self._graphs) > 1 and (
@@ -237,9 +245,10 @@ class DecodeGraphs:
             self._graphs.popitem(last=False)  # the least recently replayed
         self.stats["recorded"] += 1
         logger.info(
-            "decode graph recorded in %.0f ms: %d requests, KV table %d wide, %d native calls "
-            "and %d torch ops, %.1f MB of step tensors", (time.perf_counter() - t0) * 1e3,
-            key[0], key[1], graph.native_calls, graph.torch_ops, graph.nbytes / 1e6,
+            "decode graph recorded in %.0f ms: %d requests (positions %s), KV table %d wide, "
+            "%d native calls and %d torch ops, %.1f MB of step tensors",
+            (time.perf_counter() - t0) * 1e3, key[0], key[2] or "1 each", key[1],
+            graph.native_calls, graph.torch_ops, graph.nbytes / 1e6,
         )  # fmt: skip
         return logits
 

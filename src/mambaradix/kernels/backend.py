@@ -10,10 +10,12 @@ State ops (conv, Gated DeltaNet, Mamba2) read each request's state from its work
 pool and write back the state after its new tokens; for every snapshot the layout lists they
 also write the state after that many new tokens into the snapshot slot. Prefill ops take the
 prefill part of the batch (``layout.prefill``: varlen segments, ``cu_seqlens``), decode ops
-the decode part (``layout.decode``: one token per request).
+the decode part (``layout.decode``: one token per request, or a verify step's few positions,
+stepped in order, the state after each into its own slot: ``DecodeRows``; the reference runs
+its one-position step position after position, ``TorchBackend._stepwise``).
 
 Shapes use one vocabulary: ``T`` tokens of the forward, ``Tp`` the prefills' tokens, ``Td`` the
-decodes' (one token each, so ``Td`` is also the number of decodes), ``Dh`` / ``Dv`` an attention
+decodes' rows (one per decode, one per position of a verify step), ``Dh`` / ``Dv`` an attention
 head's key / value size, ``Dk`` / ``Dv`` a Gated DeltaNet head's. ``D`` is only Mamba2's skip
 parameter ``[H]`` (its published name, like ``A``, ``B``, ``C``).
 
@@ -94,7 +96,8 @@ class KernelBackend(ABC):
     @abstractmethod
     def paged_attention_decode(self, q: Tensor, k_pool: Tensor, v_pool: Tensor,
                                layout: ForwardLayout, scale: float) -> Tensor:  # fmt: skip
-        """One query per decode ``q`` ``[Td, Hq, Dh]`` over ``kv_table[i, :seq_lens[i]]``."""
+        """One query per decode row ``q`` ``[Td, Hq, Dh]`` over ``kv_table[r, :seq_lens[r]]``
+        (a verify step's rows: its keys up to each one's own token)."""
 
     # ------------------------------------------------------------ causal depthwise conv
     @abstractmethod
@@ -107,7 +110,8 @@ class KernelBackend(ABC):
     @abstractmethod
     def conv1d_decode(self, x: Tensor, weight: Tensor, bias: Tensor | None, conv_pool: Tensor,
                       layout: ForwardLayout, activation: str | None) -> Tensor:  # fmt: skip
-        """One conv step for the decodes ``x`` ``[Td, C]``, states updated in the pool."""
+        """One conv step per decode row ``x`` ``[Td, C]``, states updated in the pool (a verify
+        step's positions in order, each one's state into its row slot)."""
 
     # ------------------------------------------------------------ Gated DeltaNet
     @abstractmethod

@@ -67,6 +67,26 @@ def _cpu_rows(t: torch.Tensor, dtype: torch.dtype) -> bool:
     return t.is_cpu and t.dtype == dtype and t.dim() == 2 and t.stride(1) == 1
 
 
+def _positions(cu: torch.Tensor | None, row_slots: torch.Tensor | None) -> tuple:
+    """A decode kernel's position arguments (``csrc/decode.h``): ``cu`` [B+1] and ``row_slots``
+    [rows] of decodes of several positions (a verify step), or two NULLs (one row a request,
+    its state updated in place)."""
+    if cu is None:
+        return None, None
+    return cu.data_ptr(), row_slots.data_ptr()
+
+
+def _positions_fit(cu: torch.Tensor | None, row_slots: torch.Tensor | None, rows: int) -> bool:
+    """Whether the position arguments are the kernels' (shapes only: a recorded step must not
+    read a tensor's values)."""
+    return cu is None or (
+        _cpu_dense(cu, torch.int64)
+        and row_slots is not None
+        and _cpu_dense(row_slots, torch.int64)
+        and row_slots.numel() == rows
+    )
+
+
 def gated_delta_decode(
     x: torch.Tensor,
     conv_pool: torch.Tensor,
@@ -82,10 +102,15 @@ def gated_delta_decode(
     activation: str | None = "silu",
     use_qk_l2norm: bool = True,
     out_norm: norm.GatedNorm | None = None,
-) -> torch.Tensor:
+    cu: torch.Tensor | None = None,
+    row_slots: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """``kernels.gated_delta.gated_delta_decode`` in one pass per request (C, in place), the
     gates included: fp32 throughout, or the model's tensors in bf16 with an fp32 delta state.
-    With ``out_norm``, the layer's output norm of each head too (``rms_norm_gated``)."""
+    With ``out_norm``, the layer's output norm of each head too (``rms_norm_gated``).
+    ``cu`` / ``row_slots``: decodes of several positions (``layout.DecodeRows``: ``x`` holds
+    every row, ``slots`` one working slot a request), each position's state into its row's
+    slot; None where the C code does not cover those inputs (the caller steps the positions)."""
     dt = x.dtype
     fn = _native_fn(native.load("gated_delta_decode"), "gated_delta_decode", dt)
     fits = (
@@ -96,9 +121,12 @@ def gated_delta_decode(
         and _cpu_dense(ssm_pool, torch.float32)
         and (bias is None or _cpu_dense(bias, dt))
         and slots.is_cpu
+        and _positions_fit(cu, row_slots, x.shape[0])
     )
     if not fits:
         _fallback("gated_delta_decode", x, conv_pool, ssm_pool, weight, A_log)
+        if cu is not None:
+            return None
         out = gated_delta.gated_delta_decode(
             x, conv_pool, ssm_pool, slots, weight, bias, a, b, A_log, dt_bias, num_k_heads,
             activation, use_qk_l2norm,
@@ -118,7 +146,7 @@ def gated_delta_decode(
     slots = slots.to(torch.int64).contiguous()
     out = torch.empty(B, hv, dv, dtype=dt)
     fn(
-        B, slots.data_ptr(),
+        slots.shape[0], slots.data_ptr(), *_positions(cu, row_slots),
         x.data_ptr(), x.stride(0),
         conv_pool.data_ptr(), ssm_pool.data_ptr(),
         weight.data_ptr(), None if bias is None else bias.data_ptr(),
@@ -418,11 +446,14 @@ def conv1d_update(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     activation: str | None,
+    cu: torch.Tensor | None = None,
+    row_slots: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """One conv step of B requests in place on ``conv_pool`` at ``slots`` (C, one pass per
-    state): ``kernels.conv.causal_conv1d_update`` with the gather and scatter fused. Returns
-    the output ``[B, C]``, or None where the C code does not cover the inputs (the caller runs
-    the reference)."""
+    state): ``kernels.conv.causal_conv1d_update`` with the gather and scatter fused; with
+    ``cu`` / ``row_slots``, decodes of several positions (``gated_delta_decode``). Returns
+    the output ``[rows, C]``, or None where the C code does not cover the inputs (the caller
+    runs the reference)."""
     dt = x.dtype
     fn = _native_fn(native.load("ssm_decode"), "conv1d_update", dt)
     fits = (
@@ -433,6 +464,7 @@ def conv1d_update(
         and (bias is None or _cpu_dense(bias, dt))
         and slots.is_cpu
         and tuple(conv_pool.shape[1:]) == (x.shape[1], weight.shape[1] - 1)
+        and _positions_fit(cu, row_slots, x.shape[0])
     )
     if not fits:
         _fallback("conv1d_update", x, conv_pool, weight)
@@ -441,8 +473,9 @@ def conv1d_update(
     B, C = x.shape
     out = torch.empty(B, C, dtype=dt)
     fn(
-        B, slots.data_ptr(), x.data_ptr(), x.stride(0), conv_pool.data_ptr(), weight.data_ptr(),
-        None if bias is None else bias.data_ptr(), out.data_ptr(), C, weight.shape[1],
+        slots.shape[0], slots.data_ptr(), *_positions(cu, row_slots), x.data_ptr(), x.stride(0),
+        conv_pool.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+        out.data_ptr(), C, weight.shape[1],
         _SILU[activation],
     )  # fmt: skip
     return out
@@ -457,10 +490,13 @@ def mamba2_step(
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor | None,
+    cu: torch.Tensor | None = None,
+    row_slots: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """One Mamba2 scan step of the requests in place on ``ssm_pool`` at ``slots`` (C, fp32
     state read and written once): ``kernels.mamba2.mamba2_step`` with the gather and scatter
-    fused. ``x`` ``[S, H, P]``, ``B`` / ``C`` ``[S, G, N]`` may be row-strided views. Returns
+    fused; with ``cu`` / ``row_slots``, decodes of several positions (``gated_delta_decode``).
+    ``x`` ``[S, H, P]``, ``B`` / ``C`` ``[S, G, N]`` (S rows) may be row-strided views. Returns
     ``y`` ``[S, H, P]`` fp32, or None where the C code does not cover the inputs."""
     xd = x.dtype
     fn = _native_fn(native.load("ssm_decode"), "mamba2_step", xd)
@@ -481,6 +517,7 @@ def mamba2_step(
         and H % G == 0
         and (D is None or _cpu_dense(D, xd))
         and slots.is_cpu
+        and _positions_fit(cu, row_slots, S)
     )
     if not fits:
         _fallback("mamba2_step", x, ssm_pool, B)
@@ -490,8 +527,9 @@ def mamba2_step(
     A = A.float().contiguous()
     y = torch.empty(S, H, P, dtype=torch.float32)
     fn(
-        S, slots.data_ptr(), ssm_pool.data_ptr(), x.data_ptr(), x.stride(0), dt.data_ptr(),
-        A.data_ptr(), B.data_ptr(), C.data_ptr(), B.stride(0),
+        slots.shape[0], slots.data_ptr(), *_positions(cu, row_slots), ssm_pool.data_ptr(),
+        x.data_ptr(), x.stride(0), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(),
+        B.stride(0),
         None if D is None else D.data_ptr(), y.data_ptr(), H, P, G, N,
     )  # fmt: skip
     return y
@@ -687,13 +725,16 @@ def mamba2_decode(
     D: torch.Tensor | None,
     shape: tuple[int, int, int, int],
     out_norm: norm.GatedNorm | None = None,
+    cu: torch.Tensor | None = None,
+    row_slots: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """A Mamba2 decode step in one C call (``csrc/ssm_decode.c`` ``mamba2_decode``): the conv
     of ``xbc`` ``[B, C]`` and the scan step with ``dt_raw`` ``[B, H]`` processed inside, both
     row-strided views of one projection; states in place at ``slots``. ``shape`` is
-    ``(H, P, G, N)``. Returns ``y`` ``[B, H, P]`` in the model dtype or, with ``out_norm``, the
-    mixer's output norm of it ``[B, H * P]`` (``rms_norm_gate_first``); None where the C code
-    does not cover the inputs (the caller composes the separate steps)."""
+    ``(H, P, G, N)``; ``cu`` / ``row_slots``: decodes of several positions
+    (``gated_delta_decode``). Returns ``y`` ``[rows, H, P]`` in the model dtype or, with
+    ``out_norm``, the mixer's output norm of it ``[rows, H * P]`` (``rms_norm_gate_first``);
+    None where the C code does not cover the inputs (the caller composes the separate steps)."""
     dt = xbc.dtype
     fn = _native_fn(native.load("ssm_decode"), "mamba2_decode", dt)
     H, P, G, N = shape
@@ -714,6 +755,7 @@ def mamba2_decode(
         and tuple(ssm_pool.shape[1:]) == (H, P, N)
         and H % G == 0
         and slots.is_cpu
+        and _positions_fit(cu, row_slots, xbc.shape[0])
     )
     if not fits:  # no warning: the steps composed instead name their own fallbacks
         return None
@@ -729,7 +771,8 @@ def mamba2_decode(
     out = torch.empty(B, H * P, dtype=dt) if fold else y
     gate, _, weight, eps = _norm_args(out_norm if fold else None)
     fn(
-        B, slots.data_ptr(), xbc.data_ptr(), dt_raw.data_ptr(), xbc.stride(0),
+        slots.shape[0], slots.data_ptr(), *_positions(cu, row_slots), xbc.data_ptr(),
+        dt_raw.data_ptr(), xbc.stride(0),
         conv_pool.data_ptr(), conv_weight.data_ptr(),
         None if conv_bias is None else conv_bias.data_ptr(), conv_weight.shape[1],
         _SILU[activation], ssm_pool.data_ptr(), A_log.data_ptr(), dt_bias.data_ptr(),

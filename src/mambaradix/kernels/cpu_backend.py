@@ -1,6 +1,10 @@
 """The ``"cpu"`` backend: the torch reference with native C primitives (``kernels.cpu``) for
 the decode hot spots and the per-token ops. Each primitive falls back to the reference for
-inputs its C code does not cover, so this backend gives the reference's results everywhere."""
+inputs its C code does not cover, so this backend gives the reference's results everywhere.
+
+Decodes of several positions (a verify step, ``layout.DecodeRows``) run in the same C calls as
+one-position decodes: each request's positions stepped in order inside its tasks, the state
+after each written into its position's slot (``csrc/decode.h``)."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ class CpuBackend(TorchBackend):
     rms_norm_rope = staticmethod(cpu.rms_norm_rope)
     moe_pad = staticmethod(cpu.moe_pad)
     moe_unpad = staticmethod(cpu.moe_unpad)
+    steps_positions = True
 
     @classmethod
     def available(cls) -> bool:
@@ -45,7 +50,9 @@ class CpuBackend(TorchBackend):
 
     def conv1d_decode(self, x, weight, bias, conv_pool, layout, activation):
         dec = layout.decode
-        y = cpu.conv1d_update(x, conv_pool, dec.state_slots, weight, bias, activation)
+        y = cpu.conv1d_update(
+            x, conv_pool, dec.state_slots, weight, bias, activation, dec.cu, dec.row_slots
+        )
         if y is None:
             return super().conv1d_decode(x, weight, bias, conv_pool, layout, activation)
         _copy_decode_snapshots(conv_pool, dec)
@@ -77,7 +84,7 @@ class CpuBackend(TorchBackend):
 
     def mamba2_decode(self, x, dt, A, B, C, D, ssm_pool, layout):
         dec = layout.decode
-        y = cpu.mamba2_step(ssm_pool, dec.state_slots, x, dt, A, B, C, D)
+        y = cpu.mamba2_step(ssm_pool, dec.state_slots, x, dt, A, B, C, D, dec.cu, dec.row_slots)
         if y is None:
             return super().mamba2_decode(x, dt, A, B, C, D, ssm_pool, layout)
         _copy_decode_snapshots(ssm_pool, dec)
@@ -88,8 +95,13 @@ class CpuBackend(TorchBackend):
         dec = layout.decode
         out = cpu.gated_delta_decode(
             x, conv_pool, ssm_pool, dec.state_slots, conv_weight, conv_bias, a, b, A_log,
-            dt_bias, num_k_heads, activation, out_norm=norm,
+            dt_bias, num_k_heads, activation, out_norm=norm, cu=dec.cu, row_slots=dec.row_slots,
         )  # fmt: skip
+        if out is None:  # several positions the C code does not cover: stepped one by one
+            return super().gdn_decode(
+                x, a, b, conv_pool, ssm_pool, layout, conv_weight, conv_bias, A_log, dt_bias,
+                num_k_heads, activation, norm,
+            )  # fmt: skip
         for pool in (conv_pool, ssm_pool):
             _copy_decode_snapshots(pool, dec)
         return out
@@ -100,7 +112,8 @@ class CpuBackend(TorchBackend):
         dec = layout.decode
         y = cpu.mamba2_decode(
             xbc, dt_raw, conv_pool, ssm_pool, dec.state_slots, conv_weight, conv_bias,
-            activation, A_log, dt_bias, dt_limit, D, shape, out_norm=norm,
+            activation, A_log, dt_bias, dt_limit, D, shape, out_norm=norm, cu=dec.cu,
+            row_slots=dec.row_slots,
         )  # fmt: skip
         if y is None:  # the composition of this backend's conv and scan steps
             return super().mamba2_mixer_decode(

@@ -15,6 +15,10 @@ Snapshots inside a prefill come from the chunked kernels' chunk-boundary states,
 ``capabilities.snapshot_stride`` is their chunk (64): the planner ends a forward where a wanted
 snapshot falls between chunk boundaries.
 
+Decodes of several positions (a verify step) run the one-position decode kernels position after
+position (the reference's ``_stepwise``: a pool copy before each position, in torch); the
+decode attention takes them as one query row per position.
+
 On a machine without a GPU the same kernels run on CPU tensors under ``TRITON_INTERPRET=1``
 (the tests: ``tests/triton``); ``available()`` says so.
 """
@@ -72,7 +76,7 @@ class PrefillIndex:
 
 @dataclass(slots=True)
 class DecodeIndex:
-    state_slots: Tensor  # int32 [Td]
+    state_slots: Tensor  # int32 [D] (one per decode request)
     kv_table: Tensor | None  # int32 [Td, L]
     seq_lens: Tensor  # int32 [Td]
 
@@ -182,6 +186,8 @@ class CudaBackend(TorchBackend):
     def conv1d_decode(self, x, weight, bias, conv_pool, layout, activation) -> Tensor:
         from mambaradix.kernels.triton import conv
 
+        if layout.decode.multi:  # this op position after position
+            return super().conv1d_decode(x, weight, bias, conv_pool, layout, activation)
         idx = self._index(layout).decode
         y = conv.conv1d_decode(x, weight, bias, conv_pool, idx.state_slots, activation)
         _copy_decode_snapshots(conv_pool, layout.decode)
@@ -203,6 +209,11 @@ class CudaBackend(TorchBackend):
         """The conv step, the gates, fla-core's delta step on the pool, the output norm."""
         from mambaradix.kernels.triton import conv, gdn
 
+        if layout.decode.multi:  # this op position after position
+            return super().gdn_decode(
+                x, a, b, conv_pool, ssm_pool, layout, conv_weight, conv_bias, A_log, dt_bias,
+                num_k_heads, activation, norm,
+            )  # fmt: skip
         dec, idx = layout.decode, self._index(layout).decode
         hv, dk, dv = ssm_pool.shape[1:]
         n = x.shape[0]
@@ -234,6 +245,8 @@ class CudaBackend(TorchBackend):
     def mamba2_decode(self, x, dt, A, B, C, D, ssm_pool, layout) -> Tensor:
         from mambaradix.kernels.triton import mamba2 as triton_mamba2
 
+        if layout.decode.multi:  # this op position after position
+            return super().mamba2_decode(x, dt, A, B, C, D, ssm_pool, layout)
         idx = self._index(layout).decode
         y = triton_mamba2.mamba2_decode(x, dt, A, B, C, D, ssm_pool, idx.state_slots)
         _copy_decode_snapshots(ssm_pool, layout.decode)

@@ -47,6 +47,7 @@ SIGNATURES: dict[str, dict[str, list]] = {
     "gated_delta_decode": {
         "gated_delta_decode": [
             _I64, _PTR,            # B, slots
+            _PTR, _PTR,            # cu [B+1], row_slots (nullable: one row each, in place)
             _PTR, _I64,            # x, x row stride
             _PTR, _PTR,            # conv pool, ssm pool
             _PTR, _PTR,            # conv weight, conv bias (nullable)
@@ -62,24 +63,27 @@ SIGNATURES: dict[str, dict[str, list]] = {
     "ssm_decode": {
         "conv1d_update": [
             _I64, _PTR,            # B, slots
+            _PTR, _PTR,            # cu [B+1], row_slots (nullable: one row each, in place)
             _PTR, _I64,            # x, its row stride
             _PTR,                  # conv pool
             _PTR, _PTR,            # weight, bias (nullable)
-            _PTR,                  # out [B, C]
+            _PTR,                  # out [rows, C]
             _I64, _I64, _INT,      # C, kernel width, silu
         ],
         "mamba2_step": [
             _I64, _PTR,            # B, slots
+            _PTR, _PTR,            # cu [B+1], row_slots (nullable: one row each, in place)
             _PTR,                  # ssm pool (fp32)
             _PTR, _I64,            # x, its row stride
-            _PTR, _PTR,            # dt [B, H] fp32, A [H] fp32
+            _PTR, _PTR,            # dt [rows, H] fp32, A [H] fp32
             _PTR, _PTR, _I64,      # B, C, their row stride
             _PTR,                  # D (nullable)
-            _PTR,                  # y [B, H, P] fp32
+            _PTR,                  # y [rows, H, P] fp32
             _I64, _I64, _I64, _I64,  # H, P, G, N
         ],
         "mamba2_decode": [
             _I64, _PTR,            # B, slots
+            _PTR, _PTR,            # cu [B+1], row_slots (nullable: one row each, in place)
             _PTR, _PTR, _I64,      # xBC, raw dt (views of one projection), their row stride
             _PTR, _PTR, _PTR,      # conv pool, conv weight, conv bias (nullable)
             _I64, _INT,            # conv kernel width, silu
@@ -87,11 +91,11 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR, _PTR,            # A_log, dt_bias
             ctypes.c_float, ctypes.c_float,  # dt limits
             _PTR,                  # D (nullable)
-            _PTR,                  # y [B, H, P], model dtype
+            _PTR,                  # y [rows, H, P], model dtype
             _I64, _I64, _I64, _I64,  # H, P, G, N
             _PTR,                  # gate z (nullable), xBC's row stride
             _PTR, ctypes.c_float, _I64,  # output norm weight (nullable: no norm), eps, group
-            _PTR,                  # out [B, H * P] (with the norm)
+            _PTR,                  # out [rows, H * P] (with the norm)
         ],
         "mamba2_scan": [
             _I64, _PTR, _PTR,      # S segments, cu_seqlens [S+1], slots [S]

@@ -7,6 +7,11 @@ chunked delta rule, the Mamba2 chunk layout, the rows of every final and snapsho
 the shared prefixes of prefills and the decode attention plan. Parts that depend on a layer's
 shape (conv width, KV heads) are built by the first layer that asks and reused by every later
 layer.
+
+Decodes of several positions (a verify step, ``layout.DecodeRows``): the reference runs its
+one-position decode step position after position (``_stepwise``: each position's states
+carried in from the slot the position before wrote), so a backend's own one-position step
+serves too; attention takes one query row per position over that row's keys.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import torch.nn.functional as F
 from mambaradix.kernels import attention, attention_plan, conv, gated_delta, mamba2, moe, norm, rope
 from mambaradix.kernels.activation import activation
 from mambaradix.kernels.backend import KernelBackend, register_backend
-from mambaradix.layout import DecodeRows, ForwardLayout, PrefillSegments
+from mambaradix.kernels.norm import GatedNorm
+from mambaradix.layout import DecodeRows, ForwardLayout, PrefillSegments, decode_positions
 
 Tensor = torch.Tensor
 CHUNK_SIZE = 64  # the chunked scans' chunk (tokens)
@@ -67,6 +73,10 @@ class TorchBackend(KernelBackend):
     rms_norm_rope = staticmethod(rope.rms_norm_rope)
     moe_pad = staticmethod(moe.moe_pad)
     moe_unpad = staticmethod(moe.moe_unpad)
+    # whether the decode state ops step a decode of several positions in their own kernels
+    # (else position after position, ``_stepwise``: its per-position index is built in the
+    # forward, so such a step is not replayed)
+    steps_positions: bool = False
 
     def prepare(self, layout: ForwardLayout) -> None:
         layout.meta = TorchIndex(layout, self)
@@ -128,7 +138,10 @@ class TorchBackend(KernelBackend):
         length, groups and padded width, and how many requests have one (these shape the
         pieces' attention); () without pieces. The reference's own attention reads its plan's
         spans in Python, so only a backend whose ``attention_decode`` does not (the ``cpu``
-        one) replays steps with attention."""
+        one) replays steps with attention; and only one that ``steps_positions`` replays a
+        decode of several positions."""
+        if layout.decode is not None and layout.decode.multi and not self.steps_positions:
+            return None
         if layout.decode is None or layout.decode.kv_table is None or not num_kv_heads:
             return ()
         if type(self).attention_decode is TorchBackend.attention_decode:
@@ -176,6 +189,11 @@ class TorchBackend(KernelBackend):
 
     def conv1d_decode(self, x, weight, bias, conv_pool, layout, activation) -> Tensor:
         dec = layout.decode
+        if dec.multi:
+            return self._stepwise(
+                layout, (conv_pool,), (x,),
+                lambda x, one: self.conv1d_decode(x, weight, bias, conv_pool, one, activation),
+            )  # fmt: skip
         states = conv_pool.index_select(0, dec.state_slots)
         y, new = conv.causal_conv1d_update(x, states, weight, bias, activation)
         _store_decode_states(conv_pool, dec, new)
@@ -208,6 +226,14 @@ class TorchBackend(KernelBackend):
     def gdn_decode(self, x, a, b, conv_pool, ssm_pool, layout, conv_weight, conv_bias, A_log,
                    dt_bias, num_k_heads, activation, norm=None) -> Tensor:  # fmt: skip
         dec = layout.decode
+        if dec.multi:
+            return self._stepwise(
+                layout, (conv_pool, ssm_pool), (x, a, b, None if norm is None else norm.gate),
+                lambda x, a, b, gate, one: self.gdn_decode(
+                    x, a, b, conv_pool, ssm_pool, one, conv_weight, conv_bias, A_log, dt_bias,
+                    num_k_heads, activation, _with_gate(norm, gate),
+                ),
+            )  # fmt: skip
         out = self.gated_delta_step(
             x, conv_pool, ssm_pool, dec.state_slots, conv_weight, conv_bias, a, b, A_log,
             dt_bias, num_k_heads, activation,
@@ -234,6 +260,11 @@ class TorchBackend(KernelBackend):
 
     def mamba2_decode(self, x, dt, A, B, C, D, ssm_pool, layout) -> Tensor:
         dec = layout.decode
+        if dec.multi:
+            return self._stepwise(
+                layout, (ssm_pool,), (x, dt, B, C),
+                lambda x, dt, B, C, one: self.mamba2_decode(x, dt, A, B, C, D, ssm_pool, one),
+            )  # fmt: skip
         y, new = mamba2.mamba2_step(ssm_pool.index_select(0, dec.state_slots), x, dt, A, B, C, D)
         _store_decode_states(ssm_pool, dec, new)
         return y
@@ -253,20 +284,53 @@ class TorchBackend(KernelBackend):
             y.view(y.shape[0], -1), norm.gate, norm.weight, norm.eps, norm.group_size
         )
 
+    def _stepwise(
+        self,
+        layout: ForwardLayout,
+        pools: tuple[Tensor, ...],
+        rows: tuple[Tensor | None, ...],
+        step: Callable[..., Tensor],
+    ) -> Tensor:
+        """A decode op over decodes of several positions as its one-position form ``step(*rows
+        of this position, layout of this position)``, position after position: before each,
+        the states it starts from are copied into the slots it writes (the working slot's
+        for the first position, the previous position's slot after it), so the step runs in
+        place there; then the snapshots no row writes are copied. ``rows``: the op's per-row
+        inputs (None passes through). Returns the step's outputs in the decode rows' order."""
+        dec = layout.decode
+        out = None
+        for pos in decode_positions(layout):
+            if pos.copy_src.numel():
+                for pool in pools:
+                    pool.index_copy_(0, pos.copy_dst, pool.index_select(0, pos.copy_src))
+            y = step(*(None if t is None else pos.rows.take(t) for t in rows), pos.layout)
+            if out is None:
+                out = y.new_empty(dec.rows.count, *y.shape[1:])
+            out = pos.rows.put(out, y)
+        for pool in pools:
+            _copy_decode_snapshots(pool, dec)
+        return out
+
+
+def _with_gate(norm: GatedNorm | None, gate: Tensor | None) -> GatedNorm | None:
+    """``norm`` over the gate rows ``gate`` (one position's of a decode of several)."""
+    return None if norm is None else GatedNorm(gate, norm.weight, norm.eps, norm.group_size)
+
 
 # --------------------------------------------------------------------------- index tensors
 
 
 def _copy_decode_snapshots(pool: Tensor, dec: DecodeRows) -> None:
-    """After an in-place decode step: a decode's snapshot is its state after its one token."""
-    if dec.num_snapshots:
+    """After an in-place decode step: the snapshots no row wrote (a decode's state after its
+    last token, in its working slot)."""
+    if dec.num_copies:
         pool.index_copy_(0, dec.snapshot_slots, pool.index_select(0, dec.snapshot_src))
 
 
 def _store_decode_states(pool: Tensor, dec: DecodeRows, new: Tensor) -> None:
     """The decodes' new states into their working slots and their snapshot slots."""
     pool.index_copy_(0, dec.state_slots, new.to(pool.dtype))
-    if dec.num_snapshots:
+    if dec.num_copies:
         pool.index_copy_(
             0, dec.snapshot_slots, new.index_select(0, dec.snapshot_rows).to(pool.dtype)
         )
@@ -352,7 +416,26 @@ def _decode_plan(layout: ForwardLayout, heads: int) -> attention_plan.DecodePlan
     dec, carry = layout.decode, layout.carry
     key = ("decode_plan", heads)
     previous = carry.get(key) if carry is not None else None
-    plan = attention_plan.decode_plan(dec.kv_table, dec.seq_lens, heads, previous=previous)
+    groups = _request_groups(dec) if dec.multi else None
+    plan = attention_plan.decode_plan(
+        dec.kv_table, dec.seq_lens, heads, groups=groups, previous=previous
+    )
     if carry is not None:
         carry[key] = plan
     return plan
+
+
+def _request_groups(dec: DecodeRows) -> list[tuple[Tensor, int]]:
+    """The shared prefixes of decodes of several positions: found between requests (their
+    first rows), each group then holding all its requests' rows. A request's own rows are not a
+    group of their own: the piece they share, their prefix, grows every step, and the plan's
+    structure must not (a step graph is keyed by it)."""
+    cu = dec.cu.tolist()
+    first = dec.cu[:-1]
+    groups = attention_plan.shared_prefixes(
+        dec.kv_table.index_select(0, first), dec.seq_lens.index_select(0, first)
+    )
+    return [
+        (torch.cat([torch.arange(cu[k], cu[k + 1]) for k in members.tolist()]), plen)
+        for members, plen in groups
+    ]

@@ -109,15 +109,17 @@ CW_INLINE __m512 cw_silu(__m512 v)
 
 /* Channels c .. c + 15 of one request, kernel width K (3 or 4): the window win[0 .. K-1]
  * (the K-1 state values, oldest first, then x) and the weights wv[0 .. K-1] as fp32 vectors;
- * the state is shifted in place (x appended). state: the request's [C][K-1] pool row, w: the
- * [C][K] weight, x: the request's input row, all bf16. */
-CW_INLINE void cw_window16(int64_t c, int K, const uint16_t *x, uint16_t *state,
-                           const uint16_t *w, __m512 win[4], __m512 wv[4])
+ * the shifted state (x appended) is written to dst (src itself for an in-place step). src, dst:
+ * [C][K-1] pool rows (the state before and after this token), w: the [C][K] weight, x: the
+ * request's input row, all bf16. */
+CW_INLINE void cw_window16(int64_t c, int K, const uint16_t *x, const uint16_t *src,
+                           uint16_t *dst, const uint16_t *w, __m512 win[4], __m512 wv[4])
 {
     const int k1 = K - 1;
     const __m256i xh = _mm256_loadu_si256((const __m256i *)(x + c));
     const __m512i x512 = _mm512_castsi256_si512(xh);
-    uint16_t *s = state + c * k1;
+    const uint16_t *s = src + c * k1;
+    uint16_t *d = dst + c * k1;
     const uint16_t *wc = w + c * K;
     /* weights: 16 K values, one or two vectors of 32 lanes */
     const __m512i w0 = _mm512_loadu_si512((const void *)wc);
@@ -132,8 +134,8 @@ CW_INLINE void cw_window16(int64_t c, int K, const uint16_t *x, uint16_t *state,
             wv[j] = cw_bf16_to_ps(_mm512_castsi512_si256(
                 _mm512_permutex2var_epi16(w0, CW_IDX(CW_S4[j]), w1)));
         const __m512i hx = _mm512_inserti64x4(hi, xh, 1); /* old lanes 32..47, then x */
-        _mm512_storeu_si512((void *)s, _mm512_permutex2var_epi16(lo, CW_IDX(CW_SHIFT3[0]), hx));
-        _mm512_mask_storeu_epi16(s + 32, CW_MASK(16),
+        _mm512_storeu_si512((void *)d, _mm512_permutex2var_epi16(lo, CW_IDX(CW_SHIFT3[0]), hx));
+        _mm512_mask_storeu_epi16(d + 32, CW_MASK(16),
                                  _mm512_permutex2var_epi16(lo, CW_IDX(CW_SHIFT3[1]), hx));
     } else { /* K == 3 */
         const __m512i old = _mm512_loadu_si512((const void *)s); /* 32 lanes */
@@ -143,7 +145,7 @@ CW_INLINE void cw_window16(int64_t c, int K, const uint16_t *x, uint16_t *state,
         for (int j = 0; j < 3; j++)
             wv[j] = cw_bf16_to_ps(_mm512_castsi512_si256(
                 _mm512_permutex2var_epi16(w0, CW_IDX(CW_S3[j]), w1)));
-        _mm512_storeu_si512((void *)s, _mm512_permutex2var_epi16(old, CW_IDX(CW_SHIFT2), x512));
+        _mm512_storeu_si512((void *)d, _mm512_permutex2var_epi16(old, CW_IDX(CW_SHIFT2), x512));
     }
     win[k1] = cw_bf16_to_ps(xh);
 }

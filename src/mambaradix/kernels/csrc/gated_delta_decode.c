@@ -1,6 +1,7 @@
-/* One Gated DeltaNet decode token for B requests, in place on the state pools.
+/* Gated DeltaNet decode tokens for B requests, on the state pools.
  *
- * Per request b (pool slot s = slots[b]) it fuses what the torch reference does in five passes:
+ * Per request b and new token (pool slot s = slots[b]) it fuses what the torch reference does
+ * in five passes:
  *   conv:  window = [conv_pool[s][c][0 .. K-2], x[b][c]];  y[c] = act(sum_k w[c][k] window[k] + bias[c])
  *          conv_pool[s][c] <- window[1 .. K-1]
  *   q, k:  the first 2 * Hk * Dk channels of y (Hk key heads), L2-normalised (optional), q * Dk^-1/2
@@ -12,6 +13,13 @@
  * in parallel (OpenMP), so one request uses every thread (parallel over requests only, a
  * batch-1 step ran on one core: 260 us a Qwen3.5-0.8B layer); two requests must not share a
  * slot.
+ *
+ * Positions (decode.h): with cu NULL each request has one token (row b) and its states are
+ * updated in place; otherwise request b has rows cu[b] .. cu[b+1] - 1 (a verify step), stepped
+ * in order, the state after row r written into slot row_slots[r] (read back by row r + 1), so
+ * every position's state lands in its own slot and the working slot is read, never written,
+ * unless it is a row's slot. A request's conv chunk and value head stay with one thread across
+ * its rows, its state in cache from one row to the next.
  *
  * gated_delta_decode: every tensor fp32. gated_delta_decode_bf16: the model's tensors (x, the
  * conv pool, conv weight and bias, a, b, A_log, dt_bias, out) bf16, the delta-rule state fp32;
@@ -28,28 +36,30 @@
 #include <stdlib.h>
 
 #include "conv_window.h"
+#include "decode.h"
 #include "gated_norm.h"
 #include "vec_math.h"
 
 #define GDN_CHUNK 256 /* conv channels per parallel task */
 
-/* The conv of request b over channels c0 .. c1 - 1 into y (fp32; held in bf16 where the
- * reference holds it): acc = bias + sum_k w[k] window[k] in fp32, SiLU, one rounding. bf16
+/* The conv of row r over channels c0 .. c1 - 1 into y (fp32; held in bf16 where the
+ * reference holds it): acc = bias + sum_k w[k] window[k] in fp32, SiLU, one rounding; the
+ * state read from slot src, the shifted one written to slot dst (in place when equal). bf16
  * with width 3 or 4 runs 16 channels a vector (conv_window.h). */
 static inline __attribute__((always_inline)) void gdn_conv(
-    int64_t b, int64_t c0, int64_t c1, const int64_t *slots, const void *x, int64_t x_stride,
-    void *conv_pool, const void *weight, const void *bias, float *y, int64_t conv_dim,
-    int64_t kernel, int silu, const int bf)
+    int64_t r, int64_t src, int64_t dst, int64_t c0, int64_t c1, const void *x,
+    int64_t x_stride, void *conv_pool, const void *weight, const void *bias, float *y,
+    int64_t conv_dim, int64_t kernel, int silu, const int bf)
 {
     const int64_t k1 = kernel - 1;
-    const int64_t xb = b * x_stride, cs = slots[b] * conv_dim * k1;
+    const int64_t xb = r * x_stride, cs = src * conv_dim * k1, cd = dst * conv_dim * k1;
     int64_t c = c0;
 #if HAVE_CONV_WINDOW
     if (bf && (kernel == 3 || kernel == 4)) {
         for (; c + 16 <= c1; c += 16) {
             __m512 win[4], wv[4];
-            cw_window16(c, (int)kernel, (const uint16_t *)x + xb, (uint16_t *)conv_pool + cs,
-                        (const uint16_t *)weight, win, wv);
+            cw_window16(c, (int)kernel, (const uint16_t *)x + xb, (const uint16_t *)conv_pool + cs,
+                        (uint16_t *)conv_pool + cd, (const uint16_t *)weight, win, wv);
             __m512 acc = bias ? cw_load_bf16((const uint16_t *)bias + c) : _mm512_setzero_ps();
             for (int64_t j = 0; j <= k1; j++)
                 acc = _mm512_add_ps(acc, _mm512_mul_ps(wv[j], win[j]));
@@ -60,24 +70,25 @@ static inline __attribute__((always_inline)) void gdn_conv(
     }
 #endif
     for (; c < c1; c++) {
-        const int64_t w = c * kernel, s0 = cs + c * k1;
+        const int64_t w = c * kernel, s0 = cs + c * k1, d0 = cd + c * k1;
         const float xc = ld(x, xb + c, bf);
         float acc = bias ? ld(bias, c, bf) : 0.0f;
         for (int64_t j = 0; j < k1; j++)
             acc += ld(weight, w + j, bf) * ld(conv_pool, s0 + j, bf);
         acc += ld(weight, w + k1, bf) * xc;
         for (int64_t j = 0; j + 1 < k1; j++)
-            st(conv_pool, s0 + j, ld(conv_pool, s0 + j + 1, bf), bf);
+            st(conv_pool, d0 + j, ld(conv_pool, s0 + j + 1, bf), bf);
         if (k1 > 0)
-            st(conv_pool, s0 + k1 - 1, xc, bf);
+            st(conv_pool, d0 + k1 - 1, xc, bf);
         y[c] = rnd(silu ? acc / (1.0f + expf(-acc)) : acc, bf);
     }
 }
 
-/* One value head h of request b: gates, then the delta rule on its [dk][dv] state (two passes:
- * S^T k needs the whole decayed state before the update; the second pass finds it in cache). */
+/* One value head h of row b: gates, then the delta rule on its [dk][dv] state, read from slot
+ * src and written to slot dst (in place when equal; two passes: S^T k needs the whole decayed
+ * state before the update; the second pass finds it in cache). */
 static inline __attribute__((always_inline)) void gdn_head(
-    int64_t b, int64_t h, const int64_t *slots, const float *y, float *ssm_pool, const void *a,
+    int64_t b, int64_t h, int64_t src, int64_t dst, const float *y, float *ssm_pool, const void *a,
     int64_t a_stride, const void *bgate, int64_t b_stride, const void *A_log,
     const void *dt_bias, void *out, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
     int64_t conv_dim, const void *z, int64_t z_stride, const void *norm_w, float eps,
@@ -93,7 +104,8 @@ static inline __attribute__((always_inline)) void gdn_head(
     const float sp = av > 20.0f ? av : log1pf(expf(av));
     const float decay = expf(-expf(ld(A_log, h, bf)) * sp);
     const float bt = rnd(1.0f / (1.0f + expf(-ld(bgate, b * b_stride + h, bf))), bf);
-    float *S = ssm_pool + (slots[b] * hv + h) * dk * dv;
+    const float *S = ssm_pool + (src * hv + h) * dk * dv;
+    float *Sout = ssm_pool + (dst * hv + h) * dk * dv;
     float u[dv], o[dv];
     for (int64_t j = 0; j < dv; j++)
         u[j] = 0.0f;
@@ -109,10 +121,11 @@ static inline __attribute__((always_inline)) void gdn_head(
     }
     for (int64_t i = 0; i < dk; i++) {
         const float ki = k[i], qi = q[i];
-        float *row = S + i * dv;
+        const float *row = S + i * dv;
+        float *out_row = Sout + i * dv;
         for (int64_t j = 0; j < dv; j++) {
             const float s = decay * row[j] + ki * u[j];
-            row[j] = s;
+            out_row[j] = s;
             o[j] += s * qi;
         }
     }
@@ -131,10 +144,12 @@ static inline __attribute__((always_inline)) void gdn_head(
 
 /* The work of one thread of the team: the conv in channel chunks, then the q and k heads'
  * scaling, then the value heads, each phase split over (request, piece) so that one request
- * uses every thread. Called inside the exported functions' parallel regions, so `bf` is a
- * constant there (vec_math.h). y: [B][conv_dim] fp32 scratch. */
+ * uses every thread; a request's rows run in order inside its task (decode.h). Called inside
+ * the exported functions' parallel regions, so `bf` is a constant there (vec_math.h).
+ * y: [rows][conv_dim] fp32 scratch. */
 static inline __attribute__((always_inline)) void gdn_team(
-    int64_t B, const int64_t *slots, const void *x, int64_t x_stride, void *conv_pool,
+    int64_t B, const int64_t *slots, const int64_t *cu, const int64_t *row_slots,
+    const void *x, int64_t x_stride, void *conv_pool,
     float *ssm_pool, const void *weight, const void *bias, const void *a, int64_t a_stride,
     const void *bgate, int64_t b_stride, const void *A_log, const void *dt_bias, void *out,
     int64_t hk, int64_t hv, int64_t dk, int64_t dv, int64_t kernel, int silu, int l2norm,
@@ -142,43 +157,51 @@ static inline __attribute__((always_inline)) void gdn_team(
 {
     const int64_t conv_dim = 2 * hk * dk + hv * dv;
     const int64_t chunks = (conv_dim + GDN_CHUNK - 1) / GDN_CHUNK;
+    const int64_t rows = dec_rows(B, cu);
     const float q_scale = 1.0f / sqrtf((float)dk);
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++)
         for (int64_t ch = 0; ch < chunks; ch++) {
             const int64_t c0 = ch * GDN_CHUNK;
             const int64_t c1 = c0 + GDN_CHUNK < conv_dim ? c0 + GDN_CHUNK : conv_dim;
-            gdn_conv(b, c0, c1, slots, x, x_stride, conv_pool, weight, bias, y + b * conv_dim,
-                     conv_dim, kernel, silu, bf);
+            for (int64_t r = dec_first(b, cu); r < dec_first(b + 1, cu); r++)
+                gdn_conv(r, dec_src(b, r, slots, cu, row_slots), dec_dst(b, r, slots, row_slots),
+                         c0, c1, x, x_stride, conv_pool, weight, bias, y + r * conv_dim,
+                         conv_dim, kernel, silu, bf);
         }
 #pragma omp for collapse(2) schedule(static)
-    for (int64_t b = 0; b < B; b++)
+    for (int64_t r = 0; r < rows; r++)
         for (int64_t h = 0; h < 2 * hk; h++) { /* q heads, then k heads */
-            float *vec = y + b * conv_dim + h * dk;
+            float *vec = y + r * conv_dim + h * dk;
             scale_l2(vec, vec, dk, h < hk ? q_scale : 1.0f, l2norm);
         }
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < hv; h++)
-            gdn_head(b, h, slots, y, ssm_pool, a, a_stride, bgate, b_stride, A_log, dt_bias,
-                     out, hk, hv, dk, dv, conv_dim, z, z_stride, norm_w, eps, bf);
+            for (int64_t r = dec_first(b, cu); r < dec_first(b + 1, cu); r++)
+                gdn_head(r, h, dec_src(b, r, slots, cu, row_slots),
+                         dec_dst(b, r, slots, row_slots), y, ssm_pool, a, a_stride, bgate,
+                         b_stride, A_log, dt_bias, out, hk, hv, dk, dv, conv_dim, z, z_stride,
+                         norm_w, eps, bf);
 }
 
 #define GDN_ARGS                                                                         \
-    int64_t B, const int64_t *slots, const void *x, int64_t x_stride, void *conv_pool,   \
-        float *ssm_pool, const void *weight, const void *bias, const void *a,            \
-        int64_t a_stride, const void *bgate, int64_t b_stride, const void *A_log,        \
+    int64_t B, const int64_t *slots, const int64_t *cu, const int64_t *row_slots,        \
+        const void *x, int64_t x_stride, void *conv_pool, float *ssm_pool,               \
+        const void *weight, const void *bias, const void *a, int64_t a_stride,           \
+        const void *bgate, int64_t b_stride, const void *A_log,                          \
         const void *dt_bias, void *out, int64_t hk, int64_t hv, int64_t dk, int64_t dv,  \
         int64_t kernel, int silu, int l2norm, const void *z, int64_t z_stride,            \
         const void *norm_w, float eps
 #define GDN_PASS                                                                          \
-    B, slots, x, x_stride, conv_pool, ssm_pool, weight, bias, a, a_stride, bgate,         \
-        b_stride, A_log, dt_bias, out, hk, hv, dk, dv, kernel, silu, l2norm, z, z_stride, \
-        norm_w, eps
+    B, slots, cu, row_slots, x, x_stride, conv_pool, ssm_pool, weight, bias, a, a_stride, \
+        bgate, b_stride, A_log, dt_bias, out, hk, hv, dk, dv, kernel, silu, l2norm, z,     \
+        z_stride, norm_w, eps
 
 #define GDN_DECODE(bf)                                                                    \
     do {                                                                                  \
-        float *y = malloc(sizeof(float) * (size_t)(B * (2 * hk * dk + hv * dv)));         \
+        const int64_t conv_dim = 2 * hk * dk + hv * dv;                                   \
+        float *y = malloc(sizeof(float) * (size_t)(dec_rows(B, cu) * conv_dim));          \
         _Pragma("omp parallel") gdn_team(GDN_PASS, y, bf);                                \
         free(y);                                                                          \
     } while (0)

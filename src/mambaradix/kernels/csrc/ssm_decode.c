@@ -16,6 +16,11 @@
  *   (see m2_scan_task); the state after any token is there for a snapshot. Returns 0, or -1
  *   (nothing done) when its scratch cannot be had.
  *
+ * Positions (decode.h): conv1d_update, mamba2_step and mamba2_decode take B requests of one
+ * row each, updated in place (cu NULL), or of several rows (a verify step: cu, row_slots),
+ * stepped in order inside each (request, channel chunk) and (request, head) task, the state
+ * after each row written into its own slot.
+ *
  * The `_bf16` variants read and write the model's bf16 tensors (x, the conv pool and weights,
  * B, C, D, the conv output) and round where the torch reference holds a bf16 tensor (each
  * window product and the sum, the bias add, the activation). Requests (and heads) run in
@@ -26,6 +31,7 @@
 #include <stdlib.h>
 
 #include "conv_window.h"
+#include "decode.h"
 #include "gated_norm.h"
 #include "vec_math.h"
 
@@ -36,22 +42,24 @@
  * 786 KB a layer out of cache: 13-15% faster over 16 alternated rounds; 2 or 8 KB no better). */
 #define M2_PF 1024
 
-/* Channels c0 .. c1 - 1 of request b. bf16 with kernel width 3 or 4 runs 16 channels a vector
- * (conv_window.h), the same roundings as the scalar loop, which takes the rest. */
+/* Channels c0 .. c1 - 1 of row b, the state read from slot src and written to slot dst (in
+ * place when equal). bf16 with kernel width 3 or 4 runs 16 channels a vector (conv_window.h),
+ * the same roundings as the scalar loop, which takes the rest. */
 static inline __attribute__((always_inline)) void conv_channels(
-    int64_t b, int64_t c0, int64_t c1, const int64_t *slots, const void *x, int64_t x_stride,
-    void *conv_pool, const void *weight, const void *bias, void *out, int64_t C, int64_t kernel,
-    int silu, const int bf)
+    int64_t b, int64_t src, int64_t dst, int64_t c0, int64_t c1, const void *x,
+    int64_t x_stride, void *conv_pool, const void *weight, const void *bias, void *out, int64_t C,
+    int64_t kernel, int silu, const int bf)
 {
     const int64_t k1 = kernel - 1;
     int64_t c = c0;
 #if HAVE_CONV_WINDOW
     if (bf && (kernel == 3 || kernel == 4)) {
         const uint16_t *xr = (const uint16_t *)x + b * x_stride;
-        uint16_t *state = (uint16_t *)conv_pool + slots[b] * C * k1;
+        const uint16_t *state = (const uint16_t *)conv_pool + src * C * k1;
+        uint16_t *next = (uint16_t *)conv_pool + dst * C * k1;
         for (; c + 16 <= c1; c += 16) {
             __m512 win[4], wv[4];
-            cw_window16(c, (int)kernel, xr, state, (const uint16_t *)weight, win, wv);
+            cw_window16(c, (int)kernel, xr, state, next, (const uint16_t *)weight, win, wv);
             __m512 acc = _mm512_setzero_ps();
             for (int64_t j = 0; j < k1; j++)
                 acc = _mm512_add_ps(acc, cw_round_bf16(_mm512_mul_ps(wv[j], win[j])));
@@ -66,16 +74,16 @@ static inline __attribute__((always_inline)) void conv_channels(
     }
 #endif
     for (; c < c1; c++) {
-        const int64_t s0 = (slots[b] * C + c) * k1, w = c * kernel;
+        const int64_t s0 = (src * C + c) * k1, d0 = (dst * C + c) * k1, w = c * kernel;
         const float xc = ld(x, b * x_stride + c, bf);
         float acc = 0.0f;
         for (int64_t j = 0; j < k1; j++)
             acc += rnd(ld(weight, w + j, bf) * ld(conv_pool, s0 + j, bf), bf);
         acc = rnd(acc + rnd(ld(weight, w + k1, bf) * xc, bf), bf);
         for (int64_t j = 0; j + 1 < k1; j++)
-            st(conv_pool, s0 + j, ld(conv_pool, s0 + j + 1, bf), bf);
+            st(conv_pool, d0 + j, ld(conv_pool, s0 + j + 1, bf), bf);
         if (k1 > 0)
-            st(conv_pool, s0 + k1 - 1, xc, bf);
+            st(conv_pool, d0 + k1 - 1, xc, bf);
         if (bias)
             acc = rnd(acc + ld(bias, c, bf), bf);
         st(out, b * C + c, silu ? acc / (1.0f + exp_poly(-acc)) : acc, bf);
@@ -87,20 +95,25 @@ static inline __attribute__((always_inline)) void conv_channels(
 #define CONV_UPDATE(bf)                                                                  \
     do {                                                                                 \
         const int64_t chunks = (C + CONV_CHUNK - 1) / CONV_CHUNK;                        \
-        _Pragma("omp parallel for collapse(2) schedule(static) if (B * C >= CONV_SERIAL)") \
+        const int64_t work = dec_rows(B, cu) * C;                                        \
+        _Pragma("omp parallel for collapse(2) schedule(static) if (work >= CONV_SERIAL)") \
         for (int64_t b = 0; b < B; b++)                                                  \
             for (int64_t ch = 0; ch < chunks; ch++) {                                    \
                 const int64_t c0 = ch * CONV_CHUNK;                                      \
                 const int64_t c1 = c0 + CONV_CHUNK < C ? c0 + CONV_CHUNK : C;            \
-                conv_channels(b, c0, c1, slots, x, x_stride, conv_pool, weight, bias, out, \
-                              C, kernel, silu, bf);                                      \
+                for (int64_t r = dec_first(b, cu); r < dec_first(b + 1, cu); r++)        \
+                    conv_channels(r, dec_src(b, r, slots, cu, row_slots),                \
+                                  dec_dst(b, r, slots, row_slots), c0, c1, x, x_stride,  \
+                                  conv_pool, weight, bias, out, C, kernel, silu, bf);    \
             }                                                                            \
     } while (0)
 
-/* Head h of request b: S = exp(dt A) S + dt x B^T, y = S C + D x (S fp32, in place); x, B and
- * C read as `bf` data at their element offsets, y stored as `ybf` data. */
+/* One head of one row: S' = exp(dt A) S + dt x B^T, y = S' C + D x (fp32; S read from S,
+ * S' written to Sout, which may be S); x, B and C read as `bf` data at their element offsets,
+ * y stored as `ybf` data. */
 static inline __attribute__((always_inline)) void m2_head(
-    float *S, const void *x, int64_t xo, const void *Bm, int64_t bo, const void *Cm, int64_t co,
+    const float *S, float *Sout, const void *x, int64_t xo, const void *Bm, int64_t bo,
+    const void *Cm, int64_t co,
     float d, float a, float skip, void *y, int64_t yo, int64_t P, int64_t N, const int bf,
     const int ybf)
 {
@@ -113,30 +126,33 @@ static inline __attribute__((always_inline)) void m2_head(
     for (int64_t p = 0; p < P; p++) {
         const float xv = ld(x, xo + p, bf);
         const float xdt = xv * d;
-        float *row = S + p * N;
+        const float *row = S + p * N;
+        float *out_row = Sout + p * N;
         for (int64_t j = 0; j < N; j += 16) /* a hint: past the pool it never faults */
             __builtin_prefetch(row + M2_PF + j, 1, 3);
         float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
         for (int64_t n = 0; n < N; n++) {
             const float s = row[n] * decay + xdt * bv[n];
-            row[n] = s;
+            out_row[n] = s;
             acc += s * cv[n];
         }
         st(y, yo + p, acc + skip * xv, ybf);
     }
 }
 
-/* Request b, head h of a scan step on the conv output's views (m2_head's addressing). */
+/* Row b, head h of a scan step on the conv output's views (m2_head's addressing), the state
+ * read from slot src and written to slot dst. */
 static inline __attribute__((always_inline)) void m2_step_head(
-    int64_t b, int64_t h, const int64_t *slots, float *ssm_pool, const void *x,
+    int64_t b, int64_t h, int64_t src, int64_t dst, float *ssm_pool, const void *x,
     int64_t x_stride, const float *dt, const float *A, const void *Bm, const void *Cm,
     int64_t bc_stride, const void *D, float *y, int64_t H, int64_t P, int64_t G, int64_t N,
     const int bf)
 {
     const int64_t bc = b * bc_stride + (h / (H / G)) * N;
-    m2_head(ssm_pool + (slots[b] * H + h) * P * N, x, b * x_stride + h * P, Bm, bc, Cm, bc,
-            dt[b * H + h], A[h], D ? ld(D, h, bf) : 0.0f, y, (b * H + h) * P, P, N, bf, 0);
+    m2_head(ssm_pool + (src * H + h) * P * N, ssm_pool + (dst * H + h) * P * N, x,
+            b * x_stride + h * P, Bm, bc, Cm, bc, dt[b * H + h], A[h], D ? ld(D, h, bf) : 0.0f, y,
+            (b * H + h) * P, P, N, bf, 0);
 }
 
 /* A whole Mamba2 decode step from the input projection's xBC and raw dt rows (row-strided
@@ -148,7 +164,8 @@ static inline __attribute__((always_inline)) void m2_step_head(
  * xBC) into `out` [B][H * P] (y is scratch then). Called by every thread of the exported
  * functions' parallel regions. */
 static inline __attribute__((always_inline)) void m2_decode_team(
-    int64_t B, const int64_t *slots, const void *xbc, const void *dt_raw, int64_t in_stride,
+    int64_t B, const int64_t *slots, const int64_t *cu, const int64_t *row_slots,
+    const void *xbc, const void *dt_raw, int64_t in_stride,
     void *conv_pool, const void *conv_w, const void *conv_b, int64_t kernel, int silu,
     float *ssm_pool, const void *A_log, const void *dt_bias, float dt_lo, float dt_hi,
     const void *D, void *y, int64_t H, int64_t P, int64_t G, int64_t N, const void *z,
@@ -160,26 +177,32 @@ static inline __attribute__((always_inline)) void m2_decode_team(
     for (int64_t b = 0; b < B; b++)
         for (int64_t ch = 0; ch < chunks; ch++) {
             const int64_t c0 = ch * CONV_CHUNK, c1 = c0 + CONV_CHUNK < C ? c0 + CONV_CHUNK : C;
-            conv_channels(b, c0, c1, slots, xbc, in_stride, conv_pool, conv_w, conv_b, conv_out,
-                          C, kernel, silu, bf);
+            for (int64_t r = dec_first(b, cu); r < dec_first(b + 1, cu); r++)
+                conv_channels(r, dec_src(b, r, slots, cu, row_slots),
+                              dec_dst(b, r, slots, row_slots), c0, c1, xbc, in_stride, conv_pool,
+                              conv_w, conv_b, conv_out, C, kernel, silu, bf);
         }
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < H; h++) {
-            /* softplus as torch computes it: linear above 20 */
-            const float raw = ld(dt_raw, b * in_stride + h, bf) + ld(dt_bias, h, bf);
-            const float sp = raw > 20.0f ? raw : log1pf(expf(raw));
-            const float d = fminf(fmaxf(sp, dt_lo), dt_hi);
-            const int64_t row = b * C, bc = row + H * P + (h / hpg) * N;
-            m2_head(ssm_pool + (slots[b] * H + h) * P * N, conv_out, row + h * P, conv_out, bc,
-                    conv_out, bc + G * N, d, -expf(ld(A_log, h, bf)), D ? ld(D, h, bf) : 0.0f, y,
-                    (b * H + h) * P, P, N, bf, bf);
-        }
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t r = dec_first(b, cu); r < dec_first(b + 1, cu); r++) {
+                /* softplus as torch computes it: linear above 20 */
+                const float raw = ld(dt_raw, r * in_stride + h, bf) + ld(dt_bias, h, bf);
+                const float sp = raw > 20.0f ? raw : log1pf(expf(raw));
+                const float d = fminf(fmaxf(sp, dt_lo), dt_hi);
+                const int64_t row = r * C, bc = row + H * P + (h / hpg) * N;
+                const int64_t src = dec_src(b, r, slots, cu, row_slots);
+                const int64_t dst = dec_dst(b, r, slots, row_slots);
+                m2_head(ssm_pool + (src * H + h) * P * N, ssm_pool + (dst * H + h) * P * N,
+                        conv_out, row + h * P, conv_out, bc, conv_out, bc + G * N, d,
+                        -expf(ld(A_log, h, bf)), D ? ld(D, h, bf) : 0.0f, y, (r * H + h) * P, P,
+                        N, bf, bf);
+            }
     if (!norm_w)
         return;
     const int64_t groups = H * P / group; /* (the loop above ends with a barrier) */
 #pragma omp for collapse(2) schedule(static)
-    for (int64_t b = 0; b < B; b++)
+    for (int64_t b = 0; b < dec_rows(B, cu); b++)
         for (int64_t g = 0; g < groups; g++) {
             float gr[group];
             silu_row(gr, z, b * in_stride + g * group, group, bf);
@@ -189,13 +212,15 @@ static inline __attribute__((always_inline)) void m2_decode_team(
 }
 
 #define CONV_ARGS                                                                        \
-    int64_t B, const int64_t *slots, const void *x, int64_t x_stride, void *conv_pool,   \
+    int64_t B, const int64_t *slots, const int64_t *cu, const int64_t *row_slots,        \
+        const void *x, int64_t x_stride, void *conv_pool,   \
         const void *weight, const void *bias, void *out, int64_t C, int64_t kernel, int silu
 #define STEP_ARGS                                                                        \
-    int64_t B, const int64_t *slots, float *ssm_pool, const void *x, int64_t x_stride,   \
+    int64_t B, const int64_t *slots, const int64_t *cu, const int64_t *row_slots,        \
+        float *ssm_pool, const void *x, int64_t x_stride,   \
         const float *dt, const float *A, const void *Bm, const void *Cm, int64_t bc_stride, \
         const void *D, float *y, int64_t H, int64_t P, int64_t G, int64_t N
-#define STEP_PASS slots, ssm_pool, x, x_stride, dt, A, Bm, Cm, bc_stride, D, y, H, P, G, N
+#define STEP_PASS ssm_pool, x, x_stride, dt, A, Bm, Cm, bc_stride, D, y, H, P, G, N
 
 void conv1d_update(CONV_ARGS) { CONV_UPDATE(0); }
 
@@ -205,14 +230,17 @@ void conv1d_update_bf16(CONV_ARGS) { CONV_UPDATE(1); }
     _Pragma("omp parallel for collapse(2) schedule(static)")                             \
     for (int64_t b = 0; b < B; b++)                                                      \
         for (int64_t h = 0; h < H; h++)                                                  \
-            m2_step_head(b, h, STEP_PASS, bf)
+            for (int64_t r = dec_first(b, cu); r < dec_first(b + 1, cu); r++)            \
+                m2_step_head(r, h, dec_src(b, r, slots, cu, row_slots),                  \
+                             dec_dst(b, r, slots, row_slots), STEP_PASS, bf)
 
 void mamba2_step(STEP_ARGS) { M2_STEP(0); }
 
 void mamba2_step_bf16(STEP_ARGS) { M2_STEP(1); }
 
 #define DECODE_ARGS                                                                        \
-    int64_t B, const int64_t *slots, const void *xbc, const void *dt_raw, int64_t in_stride, \
+    int64_t B, const int64_t *slots, const int64_t *cu, const int64_t *row_slots,          \
+        const void *xbc, const void *dt_raw, int64_t in_stride, \
         void *conv_pool, const void *conv_w, const void *conv_b, int64_t kernel, int silu,   \
         float *ssm_pool, const void *A_log, const void *dt_bias, float dt_lo, float dt_hi,   \
         const void *D, void *y, int64_t H, int64_t P, int64_t G, int64_t N, const void *z,    \
@@ -220,11 +248,11 @@ void mamba2_step_bf16(STEP_ARGS) { M2_STEP(1); }
 /* conv_out and (with the norm) y: scratch in the model dtype, as the reference holds them */
 #define DECODE_STEP(bf, T)                                                                  \
     do {                                                                                    \
-        T *conv_out = malloc(sizeof(T) * (size_t)(B * (H * P + 2 * G * N)));                \
+        T *conv_out = malloc(sizeof(T) * (size_t)(dec_rows(B, cu) * (H * P + 2 * G * N)));  \
         _Pragma("omp parallel") m2_decode_team(                                             \
-            B, slots, xbc, dt_raw, in_stride, conv_pool, conv_w, conv_b, kernel, silu,       \
-            ssm_pool, A_log, dt_bias, dt_lo, dt_hi, D, y, H, P, G, N, z, norm_w, eps, group, \
-            out, conv_out, bf);                                                             \
+            B, slots, cu, row_slots, xbc, dt_raw, in_stride, conv_pool, conv_w, conv_b,      \
+            kernel, silu, ssm_pool, A_log, dt_bias, dt_lo, dt_hi, D, y, H, P, G, N, z,       \
+            norm_w, eps, group, out, conv_out, bf);                                          \
         free(conv_out);                                                                     \
     } while (0)
 
@@ -349,7 +377,7 @@ static inline __attribute__((always_inline)) void m2_scan_task(
                     continue;
                 }
 #endif
-                m2_head(state, xt[j], 0, bt, 0, ct, 0, d, a, skip, yo, 0, P, N, 0, 0);
+                m2_head(state, state, xt[j], 0, bt, 0, ct, 0, d, a, skip, yo, 0, P, N, 0, 0);
             }
         }
         float *dst = k < K ? ssm_pool + (snap_slot[k] * H + h) * size : state;
