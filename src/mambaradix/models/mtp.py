@@ -136,36 +136,33 @@ class MtpHead(nn.Module):
         into the token's slot; the output is not needed), then the hidden state after each
         request's last new token into its working slot and after each snapshot's into the
         snapshot slot. A row's hidden input is the row before's, or for a request's first new
-        token the working slot's (the state at its prefix)."""
+        token the working slot's (the state at its prefix). Decode and verify steps read and
+        write through the layout's own tensors (a step graph replays them)."""
         pool = ctx.state_pool.conv[self.state_layer]
-        rows = hidden_rows(ctx.layout)
-        if rows is None:  # decode rows only, no snapshot: one row per request, in slot order
-            slots = ctx.layout.decode.state_slots
-            self(ctx, pool.index_select(0, slots).to(normed.dtype), embeds)
-            pool.index_copy_(0, slots, normed.to(pool.dtype))
+        layout, dec = ctx.layout, ctx.layout.decode
+        if layout.prefill is None and dec is not None and dec.rows.whole and not dec.num_copies:
+            start = pool.index_select(0, dec.state_slots).to(normed.dtype)
+            if not dec.multi:  # one row per request, in slot order
+                self(ctx, start, embeds)
+                pool.index_copy_(0, dec.state_slots, normed.to(pool.dtype))
+                return
+            # verify steps: each position's state slot (row_slots) keeps its hidden state
+            before = torch.cat([normed.new_zeros(1, normed.shape[1]), normed[:-1]])
+            before.index_copy_(0, dec.cu[:-1], start)
+            self(ctx, before, embeds)
+            pool.index_copy_(0, dec.row_slots, normed.to(pool.dtype))
             return
-        first_rows, first_slots, out_rows, out_slots = rows
+        first_rows, first_slots, out_rows, out_slots = hidden_rows(layout)
         before = torch.cat([normed.new_zeros(1, normed.shape[1]), normed[:-1]])
         before.index_copy_(0, first_rows, pool.index_select(0, first_slots).to(normed.dtype))
         self(ctx, before, embeds)
         pool.index_copy_(0, out_slots, normed.index_select(0, out_rows).to(pool.dtype))
 
 
-def hidden_rows(layout: ForwardLayout) -> tuple[torch.Tensor, ...] | None:
+def hidden_rows(layout: ForwardLayout) -> tuple[torch.Tensor, ...]:
     """``(first_rows, first_slots, out_rows, out_slots)`` of a forward: each request's first
     row and working slot (where its first row's hidden input is read), and the row whose hidden
-    state each working slot and snapshot slot keeps. None for a forward of decode rows only
-    without snapshots (each row is its request's first and last, in the decode slots' order:
-    a step graph replays that case from the layout's own tensors)."""
-    dec = layout.decode
-    if (
-        layout.prefill is None
-        and dec is not None
-        and dec.rows.whole
-        and len(layout.reqs) == layout.num_tokens
-        and not dec.num_snapshots
-    ):
-        return None
+    state each working slot and snapshot slot keeps."""
     first_rows, first_slots, out_rows, out_slots = [], [], [], []
     for r, start in zip(layout.reqs, layout.starts):
         first_rows.append(start)
