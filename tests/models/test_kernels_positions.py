@@ -191,3 +191,32 @@ def test_the_native_kernels_run_the_verify_without_falling_back(monkeypatch):
         test_conv_verify_equals_its_positions_one_by_one(dtype, 4)
         test_mamba2_scan_step_verify_equals_its_positions_one_by_one(dtype)
         test_mamba2_decode_verify_equals_its_positions_one_by_one(dtype, True)
+
+
+@pytest.mark.parametrize("m", [3, 4, 7])
+@pytest.mark.parametrize("k", [1000, 1024, 3584])
+def test_linear_of_verify_rows_equals_each_row_alone(k, m):
+    """A verify step's rows go through the linears as one small batch (``csrc/linear.c``: x
+    packed chunk-major for groups of 3-4 rows): each row's output is, bit for bit, the row's
+    alone (a K tail, an odd number of weight rows, a bias); and the gated MLP of the rows is its
+    composition (Qwen3.5-0.8B's widths). Control: a changed weight row changes its column."""
+    from mambaradix.kernels import cpu
+    from mambaradix.kernels.torch_backend import TorchBackend
+
+    g = torch.Generator().manual_seed(k + m)
+    x = _rand(g, m, k, dtype=torch.bfloat16)
+    w = _rand(g, 301, k, dtype=torch.bfloat16, scale=0.05)
+    b = _rand(g, 301, dtype=torch.bfloat16)
+    whole = cpu.linear(x, w, b)
+    for i in range(m):
+        assert torch.equal(cpu.linear(x[i : i + 1], w, b)[0], whole[i])
+    w2 = w.clone()
+    w2[17] = w2[18]
+    changed = cpu.linear(x, w2, b) != whole
+    assert changed[:, 17].all() and not changed[:, torch.arange(301) != 17].any()
+    if k == 1024:
+        gate_up = _rand(g, 2 * 3584, 1024, dtype=torch.bfloat16, scale=0.05)
+        down = _rand(g, 1024, 3584, dtype=torch.bfloat16, scale=0.05)
+        fused = cpu.gated_mlp(x, gate_up, down, "silu")
+        assert fused is not None
+        assert torch.equal(fused, TorchBackend.gated_mlp(CpuBackend(), x, gate_up, down, "silu"))
