@@ -6,13 +6,14 @@ bf16, ``--threads`` threads), batch 1 at a 512-token context, through the engine
 it):
 
 - the cost of a verify step of k + 1 tokens (k = 1..3: the last token and k drafts, the state
-  after each written to its own slot) over a one-token decode step, median of ``--reps``
-  alternated runs; each step timed on its second run in a row, replayed from its step graph as
-  the engine runs consecutive steps of one shape (``engine.step_graph``), and the first run
+  after each written to its own slot) over a one-token decode step: the median over ``--reps``
+  rounds of each verify step's time over the decode step's timed just before it; each step
+  timed on its second run in a row, replayed from its step graph as the engine runs
+  consecutive steps of one shape (``engine.step_graph``), and the same ratio of the first runs
   (the Python forward) beside it;
 - the tokens/s those costs give at accepted lengths 1.5, 2.0, 2.5, 3.0 (computed: accepted
-  length / verify step time at k = 3; an n-gram draft costs no forward), beside one-token
-  decoding's;
+  length / (the k = 3 ratio x the decode step time); an n-gram draft costs no forward), beside
+  one-token decoding's;
 - measured with the engine (``--speculative-algorithm NGRAM``, k = 3) against without, batch 1
   and batch 16, 64 new tokens: tokens/s and the accept length this model shows (random weights
   rarely repeat, so drafts are rarely kept: the measured figure is the cost side);
@@ -42,10 +43,13 @@ PRESET = "qwen3_5_0_8b"
 CONTEXT = 512
 
 
-def step_costs(eng, reps: int) -> tuple[dict[int, float], dict[int, float]]:
-    """Seconds of a runner step at batch 1: key 0 a one-token decode, k a verify of k + 1;
-    each run twice in a row: the second (replayed) and the first (the Python forward; its
-    shape was not the step before's)."""
+def step_costs(eng, reps: int) -> dict[str, dict[int, float]]:
+    """A runner step at batch 1: 0 a one-token decode, k a verify of k + 1 tokens. Each round
+    runs, for k = 1..3, the decode step twice in a row and then the verify step twice in a row
+    (the second run of a shape replays its step graph, as the engine's steps do; the first is
+    the Python forward). Returns medians over the rounds: ``ms`` (second runs), ``ratio`` (each
+    verify over the decode step just before it, so the machine's load, which moves within
+    seconds here, cancels) and ``python`` (the same ratio of the first runs)."""
     from mambaradix.core import ForwardBatch, ForwardReq, SamplingParams, StateOps
     from mambaradix.engine.batch import RunBatch
     from mambaradix.layout import VerifyReq
@@ -68,27 +72,38 @@ def step_costs(eng, reps: int) -> tuple[dict[int, float], dict[int, float]]:
         runner.submit(batch).result()
         return time.perf_counter() - t0
 
+    def twice(k: int) -> tuple[float, float]:
+        if k == 0:
+            req = ForwardReq(CONTEXT - 1, prompt[-1:], kv_slots[:CONTEXT], slots[0])
+            return run([req]), run([req])
+        draft = [11 + i for i in range(k)]
+        snaps = [(n + 1, slots[1 + n]) for n in range(k)]
+        req = VerifyReq(CONTEXT - 1, prompt[-1:] + draft, kv_slots[: CONTEXT + k], slots[0],
+                        snaps, all_logits=True)  # fmt: skip
+        return run([req], {0: draft}), run([req], {0: draft})
+
     run([ForwardReq(0, prompt, kv_slots[:CONTEXT], slots[0], all_logits=False)])
-    times: dict[int, list[float]] = {k: [] for k in range(4)}
-    first: dict[int, list[float]] = {k: [] for k in range(4)}
-    for _ in range(reps + 2):  # the first two rounds warm up
-        for k in range(4):
-            # twice in a row: the second replays the step graph, as the engine's do
-            if k == 0:
-                req = ForwardReq(CONTEXT - 1, prompt[-1:], kv_slots[:CONTEXT], slots[0])
-                first[k].append(run([req]))
-                times[k].append(run([req]))
+    ms: dict[int, list[float]] = {k: [] for k in range(4)}
+    ratio: dict[int, list[float]] = {k: [] for k in range(1, 4)}
+    python: dict[int, list[float]] = {k: [] for k in range(1, 4)}
+    for rnd in range(reps + 2):  # the first two rounds warm up
+        for k in (1, 2, 3):
+            d_first, d = twice(0)
+            v_first, v = twice(k)
+            if rnd < 2:
                 continue
-            draft = [11 + i for i in range(k)]
-            snaps = [(n + 1, slots[1 + n]) for n in range(k)]
-            req = VerifyReq(CONTEXT - 1, prompt[-1:] + draft, kv_slots[: CONTEXT + k],
-                            slots[0], snaps, all_logits=True)  # fmt: skip
-            first[k].append(run([req], {0: draft}))
-            times[k].append(run([req], {0: draft}))
+            ms[0].append(d * 1e3)
+            ms[k].append(v * 1e3)
+            ratio[k].append(v / d)
+            python[k].append(v_first / d_first)
     st.free(slots)
     kv.free(kv_slots)
-    med = lambda v: statistics.median(v[2:])  # noqa: E731
-    return {k: med(v) for k, v in times.items()}, {k: med(v) for k, v in first.items()}
+    med = statistics.median
+    return {
+        "ms": {k: med(v) for k, v in ms.items()},
+        "ratio": {k: med(v) for k, v in ratio.items()},
+        "python": {k: med(v) for k, v in python.items()},
+    }
 
 
 def decode_rate(eng, batch: int, new: int) -> tuple[float, float]:
@@ -143,22 +158,19 @@ def part(args) -> None:
     spec = dict(speculative_algorithm="NGRAM", speculative_num_steps=3) if args.spec else {}
     if args.part == "steps":
         with Engine(disable_radix_cache=True, **kw) as eng:
-            costs, python = step_costs(eng, args.reps)
+            costs = step_costs(eng, args.reps)
             replays = eng.runner.graphs.stats["replayed"] if eng.runner.graphs else 0
-        base = costs[0]
+        ms, ratio, python = costs["ms"], costs["ratio"], costs["python"]
         for k in (1, 2, 3):
-            ratio = costs[k] / base
-            print(
-                f"verify k={k} ({k + 1} tokens): {costs[k] * 1e3:.1f} ms = {ratio:.3f}x "
-                f"the one-token decode step ({base * 1e3:.1f} ms); first of its shape in a "
-                f"row (Python forward) {python[k] * 1e3:.1f} ms = "
-                f"{python[k] / python[0]:.3f}x the decode step's ({python[0] * 1e3:.1f} ms)"
-            )
+            print(f"verify k={k} ({k + 1} tokens): {ms[k]:.1f} ms = {ratio[k]:.3f}x the one-token "
+                  f"decode step ({ms[0]:.1f} ms); first of its shape in a row (Python forward) "
+                  f"{python[k]:.3f}x the decode step's")  # fmt: skip
         print(f"steps replayed from step graphs: {replays}")
-        print(f"decode alone: {1 / base:.2f} tok/s")
+        rate = 1e3 / ms[0]
+        print(f"decode alone: {rate:.2f} tok/s")
         for length in (1.5, 2.0, 2.5, 3.0):
-            print(f"computed at accept length {length}: {length / costs[3]:.2f} tok/s "
-                  f"({length / costs[3] * base:.2f}x decode)")  # fmt: skip
+            print(f"computed at accept length {length}: {length / ratio[3] * rate:.2f} tok/s "
+                  f"({length / ratio[3]:.2f}x decode)")  # fmt: skip
     elif args.part == "decode":
         with Engine(disable_radix_cache=True, **kw, **spec) as eng:
             rate, length = decode_rate(eng, args.batch, args.new)

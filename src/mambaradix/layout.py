@@ -102,7 +102,7 @@ class DecodeRows:
     rows: RowSet
     state_slots: torch.Tensor
     snapshot_rows: torch.Tensor
-    snapshot_src: torch.Tensor  # state_slots[snapshot_rows]
+    snapshot_src: torch.Tensor
     snapshot_slots: torch.Tensor
     seq_lens: torch.Tensor
     kv_table: torch.Tensor | None = None
@@ -223,8 +223,9 @@ class ForwardLayout:
         total = pos
         ids = [t for r in reqs for t in r.input_ids]
         positions = [p for r in reqs for p in range(r.prefix_len, r.seq_len)]
-        dec = [i for i, r in enumerate(reqs) if r.extend_len == 1 or _positions(r)]
-        pre = [i for i, r in enumerate(reqs) if not (r.extend_len == 1 or _positions(r))]
+        is_decode = [r.extend_len == 1 or _positions(r) for r in reqs]
+        dec = [i for i, d in enumerate(is_decode) if d]
+        pre = [i for i, d in enumerate(is_decode) if not d]
 
         out: list[torch.Tensor] = []
         given = decode_table is not None and decode_table.shape[0] > 0
@@ -257,8 +258,8 @@ class ForwardLayout:
                     snap_src.append(at_row[n] if n < w else r.state_slot)
                     snap_dst.append(slot)
                 row_slots += [at_row[n] for n in range(1, w)] + [r.state_slot]
-            seq_lens = [p + 1 + j for i, w in zip(dec, widths) for p in [prefix_lens[i]]
-                        for j in range(w)]  # fmt: skip
+            # each row's keys: its request's up to its own token
+            seq_lens = [prefix_lens[i] + j for i, w in zip(dec, widths) for j in range(1, w + 1)]
             table = None
             if with_kv:
                 if given and first == len(dec) and dec == list(range(first)):
