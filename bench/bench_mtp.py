@@ -83,20 +83,21 @@ def part(args) -> None:
                 drafted.append((time.perf_counter() - t0, sum(map(len, batch.drafts.values()))))
 
             head.fill = timed
-            costs = step_costs(eng, args.reps)  # the verify steps' include their draft steps
-        fills = {k: statistics.median(s for s, n in drafted if n == k) for k in (1, 2, 3)}
-        draft = statistics.median(s / n for s, n in drafted if n)
-        verify = {k: costs[k] - fills[k] for k in (1, 2, 3)}
+            costs = step_costs(eng, args.reps)["ms"]  # verify steps include their drafts
+        second = drafted[1::2]  # each verify shape runs twice in a row: the second replays
+        fills = {k: 1e3 * statistics.median(s for s, n in second if n == k) for k in (1, 2, 3)}
+        draft = 1e3 * statistics.median(s / n for s, n in second if n)
         base = costs[0]
-        print(f"[{label}] decode step {base * 1e3:.1f} ms; draft step {draft * 1e3:.2f} ms = "
+        print(f"[{label}] decode step {base:.1f} ms; draft step {draft:.2f} ms = "
               f"{draft / base:.3f}x")  # fmt: skip
         for k in (1, 2, 3):
-            print(f"[{label}] verify k={k} (without its drafts): {verify[k] * 1e3:.1f} ms = "
-                  f"{verify[k] / base:.3f}x")  # fmt: skip
-        cycle = costs[3]  # 3 draft steps and the verify
+            alone = costs[k] - fills[k]
+            print(f"[{label}] verify k={k}: {alone:.1f} ms = {alone / base:.3f}x; with its "
+                  f"{k} draft steps {costs[k]:.1f} ms = {costs[k] / base:.3f}x")  # fmt: skip
+        cycle = costs[3] / 1e3  # 3 draft steps and the verify
         for length in (1.5, 2.0, 2.5, 3.0):
             print(f"[{label}] computed at accept length {length}: {length / cycle:.2f} tok/s "
-                  f"({length / cycle * base:.2f}x decode at {1 / base:.2f} tok/s)")  # fmt: skip
+                  f"({length / cycle * base / 1e3:.2f}x decode at {1e3 / base:.2f} tok/s)")
     elif args.part == "decode":
         with Engine(disable_radix_cache=True, **kw, **spec) as eng:
             rate, length = decode_rate(eng, args.batch, args.new)
