@@ -378,18 +378,34 @@ def _max_abs(t: torch.Tensor) -> float:
     return float(t.double().abs().max()) if t.numel() else 0.0
 
 
+_REFERENCE: dict[tuple, dict[str, dict[str, torch.Tensor]]] = {}
+
+
+def reference_tensors(
+    case: Case, shapes: Shapes = REAL, requests=REQUESTS
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Per op of ``STATE_OPS``, its ``_tensors`` on the torch reference. The inputs are seeded,
+    so they are a function of (case, shapes, requests): computed once a session and shared by
+    every test comparing against them (read only)."""
+    key = (case.dtype, case.atol, shapes, repr(requests))
+    if key not in _REFERENCE:
+        ops, ref = _Ops(case, shapes, requests), TorchBackend()
+        _REFERENCE[key] = {name: _tensors(ops, name, ref) for name in STATE_OPS}
+    return _REFERENCE[key]
+
+
 def bf16_tolerances(
     case: Case, shapes: Shapes = REAL, requests=REQUESTS
 ) -> dict[tuple[str, str], float]:
     """Per (op, tensor): the absolute tolerance of the bf16 case, ``BF16_ROUNDING_FACTOR`` x the
     largest change rounding the inputs to bf16 makes to that tensor in the reference, plus
     ``case.atol`` x its largest value."""
-    ref = TorchBackend()
     exact_case = Case(torch.float32, case.atol)
-    rounded, exact = _Ops(case, shapes, requests), _Ops(exact_case, shapes, requests)
+    rounded = reference_tensors(case, shapes, requests)
+    exact = reference_tensors(exact_case, shapes, requests)
     tol = {}
     for name in STATE_OPS:
-        got, want = _tensors(rounded, name, ref), _tensors(exact, name, ref)
+        got, want = rounded[name], exact[name]
         for key, t in got.items():
             change = _max_abs(t.double() - want[key].double())
             tol[name, key] = BF16_ROUNDING_FACTOR * change + case.atol * _max_abs(t)
@@ -404,6 +420,7 @@ def contract_failures(
     ops, ref = _Ops(case, shapes, requests), TorchBackend()
     on_device = ops.on(device)
     tol = bf16_tolerances(case, shapes, requests) if case.dtype == torch.bfloat16 else None
+    reference = reference_tensors(case, shapes, requests)
     failures = []
 
     def close(a: torch.Tensor, b: torch.Tensor, name: str, key: str) -> bool:
@@ -414,15 +431,17 @@ def contract_failures(
             return torch.allclose(a.float(), b.float(), atol=case.atol, rtol=case.atol)
         return _max_abs(a.double() - b.double()) <= tol[name, key]
 
+    # each op runs once on the backend; every check below reads these outputs and pools
+    ran = {name: _tensors(on_device, name, backend) for name in STATE_OPS}
     for name in STATE_OPS:
-        got, want = _tensors(on_device, name, backend), _tensors(ops, name, ref)
+        got, want = ran[name], reference[name]
         for key in want:
             if not close(got[key], want[key], name, key):
                 failures.append(f"{name}: {key} differs from the reference")
     # snapshots: the state after n tokens, from the same op over the segment cut to n tokens
     seg = ops.layout.prefill
     for name, key in PREFILL_OPS.items():
-        _, pools = getattr(on_device, name)(backend)
+        pools = ran[name]
         for p, n, slot in zip(seg.snapshot_seqs, seg.snapshot_offsets, seg.snapshot_slots.tolist()):
             cut = _truncated(ops.layout, p, n)
             _, alone = getattr(ops, name)(ref, cut)
@@ -439,7 +458,7 @@ def contract_failures(
         ("mamba2_mixer_decode", "ssm_pool"),
         ("mamba2_mixer_decode_norm", "ssm_pool"),
     ):
-        _, pools = getattr(on_device, name)(backend)
+        pools = ran[name]
         for src, dst in zip(dec.snapshot_src.tolist(), dec.snapshot_slots.tolist()):
             if not torch.equal(pools[key][dst], pools[key][src]):
                 failures.append(f"{name}: a decode's snapshot is not its state after its token")
@@ -455,7 +474,7 @@ def contract_failures(
             ("mamba2_mixer_decode", "conv_pool"),
             ("mamba2_mixer_decode", "ssm_pool"),
         ):
-            _, pools = getattr(on_device, name)(backend)
+            pools = ran[name]
             for k, w in enumerate(dec.widths):
                 first = sum(dec.widths[:k])
                 for n in range(1, w):
@@ -516,9 +535,9 @@ def test_bf16_tolerances_are_a_few_ulps() -> None:
     bf16 spacing there), and each tensor's rounding budget is not zero (every one depends on
     a bf16 input)."""
     case = CASES["bf16"]
-    ops, ref = _Ops(case), TorchBackend()
+    reference = reference_tensors(case)
     for (name, key), tol in bf16_tolerances(case).items():
-        top = _max_abs(_tensors(ops, name, ref)[key])
+        top = _max_abs(reference[name][key])
         ulp = 2.0 ** (torch.tensor(top).log2().floor().item() - 7)
         assert case.atol * top < tol <= 4 * ulp, (name, key, tol, ulp)
 
