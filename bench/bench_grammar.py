@@ -6,8 +6,9 @@ library it prints, in a fixed format:
 
 - setup: tokenizer-info build, first compile of the schema, a cached compile (engine/grammar's
   LRU for xgrammar);
-- b1: one request: mask computation + apply to a float32 logits row, µs per token (median and
-  p90 over ``--steps`` greedy steps on seeded random logits, the matcher reset when it ends);
+- b1: one request: mask computation + apply to a float32 logits row (the engine's path for a
+  batch of one), µs per token (median and p90 over ``--steps`` greedy steps on seeded random
+  logits, a fresh matcher when it ends);
 - b16: 16 requests in one batched call (multi-threaded fill + one apply over 16 rows), µs per
   decode step and per token; then the step split into fill and apply (the engine's
   ``apply_bitmask_rows``), beside xgrammar's own CPU apply kernel on the same masks.
@@ -72,7 +73,12 @@ def _stats(samples_us: list[float]) -> tuple[float, float]:
 def bench_xgrammar(tok: Any, vocab: int, steps: int, batch: int) -> dict[str, float]:
     import xgrammar as xgr
 
-    from mambaradix.engine.grammar import GrammarCompiler, GrammarSpec, apply_bitmask_rows
+    from mambaradix.engine.grammar import (
+        GrammarCompiler,
+        GrammarMatcher,
+        GrammarSpec,
+        apply_bitmask_rows,
+    )
 
     t0 = time.perf_counter()
     comp = GrammarCompiler(tok, vocab, max_threads=2)
@@ -84,18 +90,21 @@ def bench_xgrammar(tok: Any, vocab: int, steps: int, batch: int) -> dict[str, fl
     t3 = time.perf_counter()
     out = {"info_ms": (t1 - t0) * 1e3, "compile_ms": (t2 - t1) * 1e3, "cached_ms": (t3 - t2) * 1e3}
     g = torch.Generator().manual_seed(0)
-    m = comp.matcher(spec)
+    compiled = comp.compile(spec)
+    m = GrammarMatcher(compiled, vocab)
+    one = comp.allocate_bitmask(1)
     samples = []
     for _ in range(steps):
-        logits = torch.randn(vocab, generator=g)
+        logits = torch.randn(1, vocab, generator=g)
         a = time.perf_counter()
-        m.apply(logits)
+        comp.fill_masks([m], one, [0])
+        apply_bitmask_rows(logits, one, vocab, {0: 0})
         samples.append((time.perf_counter() - a) * 1e6)
         m.accept(int(logits.argmax()))
         if m.is_terminated():
-            m.reset()
+            m = GrammarMatcher(compiled, vocab)
     out["b1_med_us"], out["b1_p90_us"] = _stats(samples)
-    ms = [comp.matcher(spec) for _ in range(batch)]
+    ms = [GrammarMatcher(compiled, vocab) for _ in range(batch)]
     bitmask = comp.allocate_bitmask(batch)
     rows = list(range(batch))
     samples, fills, applies, xgr_applies = [], [], [], []
@@ -117,7 +126,7 @@ def bench_xgrammar(tok: Any, vocab: int, steps: int, batch: int) -> dict[str, fl
         for r, mm in enumerate(ms):
             mm.accept(int(logits[r].argmax()))
             if mm.is_terminated():
-                mm.reset()
+                ms[r] = GrammarMatcher(compiled, vocab)
     out["bN_med_us"], out["bN_p90_us"] = _stats(samples)
     out["fill_med_us"] = _stats(fills)[0]
     out["apply_med_us"] = _stats(applies)[0]

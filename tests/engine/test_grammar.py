@@ -13,7 +13,8 @@ import jsonschema
 import pytest
 import torch
 
-from mambaradix.engine.grammar import GrammarCompiler, GrammarSpec, validate_spec
+from mambaradix.engine.grammar import GrammarCompiler, GrammarMatcher, GrammarSpec, validate_spec
+from mambaradix.engine.structured import BatchMasks
 from mambaradix.models.loader import load_tokenizer, resolve_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,6 +35,19 @@ def compiler(tok):
     c.close()
 
 
+def new_matcher(compiler: GrammarCompiler, spec: GrammarSpec) -> GrammarMatcher:
+    """A request's matcher as the engine makes it (``StructuredOutput.attach``)."""
+    return GrammarMatcher(compiler.compile(spec), compiler.vocab_size)
+
+
+def mask_rows(compiler, logits: torch.Tensor, rows: dict[int, GrammarMatcher]) -> None:
+    """Mask ``logits`` ([B, V], or one row [V]) in place by the engine's path for a batch's
+    grammar rows (``BatchMasks``: fill the rows' bitmasks, apply them); other rows untouched."""
+    view = logits.view(1, -1) if logits.dim() == 1 else logits
+    bitmask = compiler.allocate_bitmask(max(len(rows), 1))
+    BatchMasks(compiler, list(rows.items()), bitmask, None).apply(view)
+
+
 def drive(compiler, matcher, tok, seed: int, max_steps: int = 400, bias=None) -> str:
     """Greedy argmax of seeded random logits (+ ``bias``) under the mask until the grammar
     terminates; returns the decoded text without the stop token."""
@@ -43,7 +57,7 @@ def drive(compiler, matcher, tok, seed: int, max_steps: int = 400, bias=None) ->
         logits = torch.randn(compiler.vocab_size, generator=g)
         if bias is not None:
             logits += bias
-        matcher.apply(logits)
+        mask_rows(compiler, logits, {0: matcher})
         assert torch.isinf(logits[len(tok) :]).all(), "padded rows must be masked"
         t = int(logits.argmax())
         assert matcher.accept(t)
@@ -60,7 +74,7 @@ def test_json_schema_random_logits_always_valid(compiler, tok, i):
     schema = SCHEMAS[i]
     spec = GrammarSpec.from_json_schema(schema)
     for seed in range(3):
-        text = drive(compiler, compiler.matcher(spec), tok, seed=1000 * i + seed)
+        text = drive(compiler, new_matcher(compiler, spec), tok, seed=1000 * i + seed)
         value = json.loads(text)
         jsonschema.validate(value, schema)
         # no free whitespace: the text is the compact serialisation
@@ -69,10 +83,10 @@ def test_json_schema_random_logits_always_valid(compiler, tok, i):
 
 def test_bounded_string_refuses_control_characters(compiler, tok):
     """xgrammar's bounded-string class lets U+0000..U+001F through; ours must not."""
-    m = compiler.matcher(GrammarSpec.from_json_schema({"type": "string", "maxLength": 5}))
+    m = new_matcher(compiler, GrammarSpec.from_json_schema({"type": "string", "maxLength": 5}))
     assert m.accept(tok.encode('"', add_special_tokens=False)[0])
     logits = torch.zeros(compiler.vocab_size)
-    m.apply(logits)
+    mask_rows(compiler, logits, {0: m})
     control = [i for i in range(len(tok)) if any(ord(ch) < 0x20 for ch in tok.decode([i]))]
     assert control  # the byte tokens are there
     assert torch.isinf(logits[control]).all()
@@ -86,7 +100,7 @@ def test_twenty_schemas():
 def test_json_schema_and_json_object(compiler, tok):
     schema = SCHEMAS[6]
     spec = GrammarSpec.from_json_schema(schema)
-    jsonschema.validate(json.loads(drive(compiler, compiler.matcher(spec), tok, 7)), schema)
+    jsonschema.validate(json.loads(drive(compiler, new_matcher(compiler, spec), tok, 7)), schema)
     obj = GrammarSpec("json_object")
     # json_object is unbounded: random logits leaning towards closing tokens, so it ends
     bias = torch.zeros(compiler.vocab_size)
@@ -94,7 +108,7 @@ def test_json_schema_and_json_object(compiler, tok):
         bias[tok.encode(text, add_special_tokens=False)] = 3.0
     bias[compiler.stop_token_ids] = 3.0
     for seed in range(3):
-        text = drive(compiler, compiler.matcher(obj), tok, seed, max_steps=2000, bias=bias)
+        text = drive(compiler, new_matcher(compiler, obj), tok, seed, max_steps=2000, bias=bias)
         assert isinstance(json.loads(text), dict)
 
 
@@ -102,14 +116,14 @@ def test_regex(compiler, tok):
     pattern = r"[a-c]{2,4}-\d{1,3}(x|yz)?"
     spec = GrammarSpec("regex", pattern)
     for seed in range(5):
-        assert re.fullmatch(pattern, drive(compiler, compiler.matcher(spec), tok, seed))
+        assert re.fullmatch(pattern, drive(compiler, new_matcher(compiler, spec), tok, seed))
 
 
 def test_ebnf(compiler, tok):
     grammar = 'root ::= "(" expr ")"\nexpr ::= num | num "+" num\nnum ::= [1-9] [0-9]?\n'
     spec = GrammarSpec("ebnf", grammar)
     for seed in range(5):
-        text = drive(compiler, compiler.matcher(spec), tok, seed)
+        text = drive(compiler, new_matcher(compiler, spec), tok, seed)
         assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)?\)", text), text
 
 
@@ -151,31 +165,19 @@ def test_bad_spec_at_compile_is_value_error(compiler):
 
 
 def test_stop_token_only_when_complete(compiler, tok):
-    m = compiler.matcher(GrammarSpec("regex", "ab"))
+    m = new_matcher(compiler, GrammarSpec("regex", "ab"))
     eos = compiler.stop_token_ids[0]
     logits = torch.zeros(compiler.vocab_size)
-    m.apply(logits)
+    mask_rows(compiler, logits, {0: m})
     assert torch.isinf(logits[eos])
     assert not m.accept(eos)  # refused, matcher unchanged
     for t in tok.encode("ab", add_special_tokens=False):
         assert m.accept(t)
-    assert m.is_completed() and not m.is_terminated()
+    assert not m.is_terminated()
     logits = torch.zeros(compiler.vocab_size)
-    m.apply(logits)
+    mask_rows(compiler, logits, {0: m})  # complete: the stop tokens alone are allowed
     assert torch.isfinite(logits).sum() == len(compiler.stop_token_ids)
     assert m.accept(eos) and m.is_terminated()
-    with pytest.raises(RuntimeError):
-        m.apply(torch.zeros(compiler.vocab_size))
-
-
-def test_rollback(compiler, tok):
-    m = compiler.matcher(GrammarSpec("regex", "abc"))
-    ids = [tok.convert_tokens_to_ids(c) for c in "abc"]
-    assert m.accept(ids[0]) and m.accept(ids[1])
-    assert not m.accept(ids[0])
-    m.rollback(1)
-    assert not m.accept(ids[2]) and m.accept(ids[1]) and m.accept(ids[2])
-    assert m.is_completed()
 
 
 def test_cache_lru_bound_and_hits(tok):
@@ -183,11 +185,12 @@ def test_cache_lru_bound_and_hits(tok):
     specs = [GrammarSpec("regex", f"a{{{n}}}") for n in range(1, 4)]
     first = c.compile(specs[0])
     assert c.compile(specs[0]) is first and c.hits == 1
-    c.compile(specs[1])
-    c.compile(specs[2])
-    assert c.cache_len() == 2
-    assert c.compile(specs[0]) is not first  # evicted, recompiled
+    second, third = c.compile(specs[1]), c.compile(specs[2])
+    assert c.compile(specs[2]) is third and c.compile(specs[1]) is second  # both kept
+    assert c.hits == 3 and c.misses == 3
+    assert c.compile(specs[0]) is not first  # the bound of 2: evicted, recompiled
     assert c.misses == 4
+    assert c.compile(specs[1]) is second and c.compile(specs[2]) is not third  # LRU order
     c.close()
 
 
@@ -199,10 +202,10 @@ def test_batched_apply_matches_per_row(compiler, tok):
     logits = torch.randn(6, compiler.vocab_size, generator=g)
     rows = [0, 2, 3, 5]
     batch = logits.clone()
-    compiler.apply_masks(batch, [compiler.matcher(s) for s in specs], rows)
+    mask_rows(compiler, batch, {r: new_matcher(compiler, s) for r, s in zip(rows, specs)})
     for r, s in zip(rows, specs):
         single = logits[r].clone()
-        compiler.matcher(s).apply(single)
+        mask_rows(compiler, single, {0: new_matcher(compiler, s)})
         assert torch.equal(batch[r], single)
     for r in (1, 4):
         assert torch.equal(batch[r], logits[r])  # rows without a grammar untouched
@@ -210,9 +213,9 @@ def test_batched_apply_matches_per_row(compiler, tok):
 
 
 def test_bf16_logits(compiler):
-    m = compiler.matcher(GrammarSpec("regex", "[0-9]"))
+    m = new_matcher(compiler, GrammarSpec("regex", "[0-9]"))
     logits = torch.zeros(compiler.vocab_size, dtype=torch.bfloat16)
-    m.apply(logits)
+    mask_rows(compiler, logits, {0: m})
     assert torch.isfinite(logits).sum() == 10
 
 

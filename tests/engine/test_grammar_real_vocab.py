@@ -36,9 +36,11 @@ from mambaradix.engine.engine import Engine
 from mambaradix.engine.grammar import (
     _SMALL_VOCAB,
     GrammarCompiler,
+    GrammarMatcher,
     GrammarSpec,
     apply_bitmask_rows,
 )
+from mambaradix.engine.structured import BatchMasks
 from mambaradix.models.tiny import SPECIAL_TOKENS, make_tiny_checkpoint
 from mambaradix.server.tools import get_tool_parser
 from mambaradix.server.tools.constrain import call_grammar
@@ -192,15 +194,15 @@ def compiler(tok):
 def drive(compiler, spec, tok, seed: int, dtype, max_steps: int = 300) -> str:
     """Greedy argmax of seeded random logits (``dtype``) under the mask until the grammar
     terminates, each step's mask checked against the reference; the text without the stop."""
-    matcher = compiler.matcher(spec)
+    matcher = GrammarMatcher(compiler.compile(spec), compiler.vocab_size)
     g = torch.Generator().manual_seed(seed)
     bitmask = compiler.allocate_bitmask(1)
     out: list[int] = []
     for _ in range(max_steps):
         logits = torch.randn(1, ROWS, generator=g).to(dtype)
-        matcher.fill_mask(bitmask, 0)
+        masks = BatchMasks(compiler, [(0, matcher)], bitmask, None)  # the engine's path
         want = reference_mask(logits, bitmask, ROWS, {0: 0})
-        matcher.apply(logits)
+        masks.apply(logits)
         assert torch.equal(logits, want)
         assert torch.isinf(logits[0, TOKENS:]).all(), "the padded rows must be refused"
         t = int(logits.argmax())
@@ -239,22 +241,21 @@ def _assert_one_search_call(text: str) -> None:
 
 
 def test_batched_masks_equal_the_reference(compiler, tok):
-    """``apply_masks`` over a batch of matchers at several states (an object's first key, a
-    JSON string's inside, digits only), rows without a grammar untouched."""
+    """The engine's masks (``BatchMasks``) over a batch of matchers at several states (an
+    object's first key, a JSON string's inside, digits only), rows without a grammar untouched."""
     specs = [GrammarSpec.from_json_schema(SCHEMAS[i]) for i in (0, 9)]
     specs += [GrammarSpec("regex", "[0-9]+"), GrammarSpec.from_json_schema({"type": "string"})]
-    matchers = [compiler.matcher(s) for s in specs]
+    matchers = [GrammarMatcher(compiler.compile(s), compiler.vocab_size) for s in specs]
     for m, prefix in zip(matchers, ['{"a":"', "", "", '"ab']):
         for t in tok.encode(prefix, add_special_tokens=False):
             assert m.accept(t)
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(6, ROWS, generator=g)
     rows = [0, 2, 3, 5]
-    bitmask = compiler.allocate_bitmask(6)
-    compiler.fill_masks(matchers, bitmask, rows)
-    want = reference_mask(logits, bitmask, ROWS, {r: r for r in rows})
+    masks = BatchMasks(compiler, list(zip(rows, matchers)), compiler.allocate_bitmask(4), None)
     got = logits.clone()
-    compiler.apply_masks(got, matchers, rows)
+    masks.apply(got)
+    want = reference_mask(logits, masks.bitmask, ROWS, {r: k for k, r in enumerate(rows)})
     assert torch.equal(got, want)
     finite = torch.isfinite(got).sum(1).tolist()
     assert finite[1] == finite[4] == ROWS  # rows without a grammar untouched

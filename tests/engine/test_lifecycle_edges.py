@@ -118,10 +118,10 @@ def test_abort_while_a_no_buffer_copy_is_in_flight(overlap, rng):
     copy_pos = None
     for _ in range(50):
         if not overlap:  # without overlap a batch's copies run inside step(): abort between
-            pending = sched.strategy.pending_copies()
-            if victim in pending:
+            pending = victim.snapshot_plan.copy_at  # recorded for the next batch's start
+            if pending is not None:
                 sched.abort(victim)
-                copy_pos = pending[victim]
+                copy_pos = pending
                 break
         sched.step()
         sched.check_integrity()

@@ -39,6 +39,3 @@ class ReqSlots:
 
     def available(self) -> int:
         return len(self._free)
-
-    def free_rows(self) -> list[int]:
-        return sorted(self._free)

@@ -9,12 +9,13 @@ Three pieces:
 - ``GrammarCompiler``: owned by the engine, one per tokenizer. Compiles specs against the
   vocabulary (off the engine thread through ``compile_async``) and keeps the compiled grammars
   in a bounded LRU keyed by spec.
-- ``GrammarMatcher``: one per request. Per decode step ``fill_mask`` / ``apply`` masks the
-  logits row (tokens the grammar forbids and padded rows past the tokenizer's vocabulary get
-  ``-inf``; the stop tokens are allowed only where the grammar may end), ``accept(token)``
-  advances it after sampling, ``is_terminated()`` says the request is finished (a stop token
-  was accepted once the grammar was complete). ``fill_masks`` / ``apply_masks`` do a batch of
-  rows in one call (multi-threaded mask computation).
+- ``GrammarMatcher``: one per request. Per decode step the compiler's ``fill_masks`` writes
+  the allowed tokens of a batch's matchers into a bitmask (multi-threaded) and
+  ``apply_bitmask_rows`` masks their logits rows with it (tokens the grammar forbids and padded
+  rows past the tokenizer's vocabulary get ``-inf``; the stop tokens are allowed only where the
+  grammar may end): ``engine.structured.BatchMasks``. ``accept(token)`` advances a matcher
+  after sampling, ``is_terminated()`` says the request is finished (a stop token was accepted
+  once the grammar was complete).
 
 xgrammar was picked over llguidance by measurement (``bench/bench_grammar.py``).
 """
@@ -222,16 +223,7 @@ class GrammarCompiler:
         except Exception as e:
             raise ValueError(f"invalid {spec.kind}: {_first_line(e)}") from None
 
-    def cache_len(self) -> int:
-        with self._lock:
-            return len(self._cache)
-
     # ------------------------------------------------------------------ matching
-    def matcher(self, grammar: GrammarSpec | xgr.CompiledGrammar) -> GrammarMatcher:
-        """A fresh per-request matcher (compiling ``grammar`` if given as a spec)."""
-        compiled = self.compile(grammar) if isinstance(grammar, GrammarSpec) else grammar
-        return GrammarMatcher(compiled, self.vocab_size)
-
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         """An int32 bitmask of ``rows`` x ceil(vocab_size / 32) (bit set = token allowed)."""
         return xgr.allocate_token_bitmask(rows, self.vocab_size)
@@ -243,21 +235,6 @@ class GrammarCompiler:
         self._batch.batch_fill_next_token_bitmask(
             [m._m for m in matchers], bitmask, indices=list(rows)
         )
-
-    def apply_masks(
-        self,
-        logits: torch.Tensor,
-        matchers: Sequence[GrammarMatcher],
-        rows: Sequence[int],
-        bitmask: torch.Tensor | None = None,
-    ) -> None:
-        """Mask ``logits[rows[i]]`` in place by ``matchers[i]`` (rows not named are untouched)."""
-        if not matchers:
-            return
-        if bitmask is None or bitmask.shape[0] < logits.shape[0]:
-            bitmask = self.allocate_bitmask(logits.shape[0])
-        self.fill_masks(matchers, bitmask, rows)
-        apply_bitmask_rows(logits, bitmask, self.vocab_size, {r: r for r in rows})
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -329,32 +306,15 @@ def _bit_positions(words: np.ndarray, pick: np.ndarray, want_set: bool, limit: i
 
 
 class GrammarMatcher:
-    """One request's grammar state. Per decode step: ``apply(logits_row)`` (or ``fill_mask``
-    into a shared bitmask and ``GrammarCompiler.apply_masks``), sample, ``accept(token)``;
-    finish the request when ``is_terminated()``. Not thread-safe (one request, one thread)."""
+    """One request's grammar state. Per decode step: its mask filled by
+    ``GrammarCompiler.fill_masks`` (with the batch's other matchers) and applied by
+    ``apply_bitmask_rows``, sample, ``accept(token)``; finish the request when
+    ``is_terminated()``. Not thread-safe (one request, one thread)."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
-        # (xgrammar >= 0.2 keeps unlimited rollback history)
         self._m = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self.stop_token_ids = list(self._m.stop_token_ids)
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-
-    def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> None:
-        """Write the allowed-token bits of the next step into ``bitmask[row]``."""
-        if self._m.is_terminated():
-            raise RuntimeError("grammar already terminated: the request should have finished")
-        self._m.fill_next_token_bitmask(bitmask, row)
-
-    def apply(self, logits_row: torch.Tensor) -> torch.Tensor:
-        """Set the disallowed tokens of a 1-D ``[vocab_size]`` (or ``[1, vocab_size]``) logits
-        row to ``-inf`` in place; returns it."""
-        self.fill_mask(self._bitmask, 0)
-        view = logits_row.view(1, -1) if logits_row.dim() == 1 else logits_row
-        apply_bitmask_rows(view, self._bitmask, self.vocab_size, {0: 0})
-        return logits_row
-
-    __call__ = apply  # usable as a per-request logits processor
 
     def accept(self, token_id: int) -> bool:
         """Advance by the sampled token; False if the grammar does not allow it (the matcher
@@ -366,14 +326,3 @@ class GrammarMatcher:
     def is_terminated(self) -> bool:
         """True once a stop token was accepted at a point where the grammar is complete."""
         return bool(self._m.is_terminated())
-
-    def is_completed(self) -> bool:
-        """True where the grammar may end here (the stop tokens are allowed)."""
-        return bool(self._m.is_completed())
-
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens."""
-        self._m.rollback(num_tokens)
-
-    def reset(self) -> None:
-        self._m.reset()

@@ -155,10 +155,6 @@ class NoBuffer(SnapshotStrategy):
         # requests with ``snapshot_plan.copy_at`` set, in recording order
         self._copies: list[Req] = []
 
-    def pending_copies(self) -> dict[Req, int]:
-        """Copies recorded for the next batch: request -> position."""
-        return {r: r.snapshot_plan.copy_at for r in self._copies}
-
     def start_batch(self, ops: StateOps) -> list[tuple[Req, int, int]]:
         copies = []
         for req in self._copies:
