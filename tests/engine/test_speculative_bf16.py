@@ -33,7 +33,8 @@ def run_spec(model, prompts, algorithm: str):
     top logprobs turn speculation off, so the gaps come from the reference's."""
     p = dict(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True, return_logprob=True)
     with Engine(model=model, tokenizer=None, debug_integrity=True, max_total_tokens=1 << 15,
-                max_mamba_cache_size=96, speculative_algorithm=algorithm, **FLAGS) as eng:  # fmt: skip
+                max_mamba_cache_size=96, speculative_algorithm=algorithm,
+                **FLAGS) as eng:  # fmt: skip
         res = eng.generate(input_ids=prompts, sampling_params=p)
         assert eng.stats().spec_verify_ct > 0
         eng.check_integrity()

@@ -173,8 +173,8 @@ def read_token_map(path: str, vocab_size: int) -> torch.Tensor:
     flag = f"--speculative-token-map {path}"
     if Path(path).suffix in (".pt", ".pth", ".bin", ".pkl"):
         raise ValueError(
-            f"{flag}: pickled files are not read; give a JSON list of token ids (e.g. python -c "
-            "\"import json, torch; json.dump(torch.load('map.pt').tolist(), open('map.json', 'w'))\")"
+            f"{flag}: pickled files are not read; give a JSON list of token ids (e.g. from a "
+            "tensor t: json.dump(t.tolist(), open('map.json', 'w')))"
         )
     try:
         ids = json.loads(Path(path).read_text())
