@@ -323,7 +323,3 @@ class ForwardBatch:
     # gathered them in one go (request i's slots are row i's first seq_len entries; entries past
     # them are any valid slot). Saves rebuilding the decode slot table request by request.
     decode_table: torch.Tensor | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.extend_len for r in self.reqs)

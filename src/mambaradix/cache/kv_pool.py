@@ -79,6 +79,3 @@ class KVPool:
             return list(self._free_pages)
         p = self.page_size
         return [pg * p + i for pg in self._free_pages for i in range(p)]
-
-    def bytes_per_token(self) -> int:
-        return self.spec.bytes_per_token()
