@@ -1,5 +1,6 @@
-"""The benchmark end to end on the real engine: CLI in-process with cache on/off, HTTP
-multi-turn (outputs resent token for token), Poisson arrivals under a concurrency cap."""
+"""The benchmark end to end on the real engine: CLI in-process with cache on/off (and its
+``--plot``), HTTP multi-turn (outputs resent token for token), Poisson arrivals under a
+concurrency cap."""
 
 from __future__ import annotations
 
@@ -24,16 +25,23 @@ SMALL_POOLS = ["--max-total-tokens", "8192", "--max-mamba-cache-size", "64"]
 
 
 def test_cli_bench_compare_cache(tmp_path, capsys) -> None:
-    out = tmp_path / "bench.json"
+    """Also the one CLI run of ``--plot`` (each side's series, the figure; the figure itself
+    from synthetic results: test_plot.py): four fresh processes are enough for both."""
+    from matplotlib import image as mpimg
+
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     argv = ["bench", "--model-path", "tiny:qwen3_next", *SMALL_POOLS,
             "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3",
             "--gsp-system-prompt-len", "130", "--gsp-question-len", "8",
             "--gsp-output-len", "3", "--compare-cache", "--repeats", "2", "--disable-tqdm",
             "--debug-integrity",
-            "--output-json", str(out)]  # fmt: skip
+            "--output-json", str(out), "--plot", str(png)]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "Radix cache on vs off" in printed and "Ideal hit rate" in printed
+    assert f"plot written to {png}" in printed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert mpimg.imread(str(png)).shape[:2] == (480, 1600)  # three panels: tier off
     report = json.loads(out.read_text())
     on, off = report["results"], report["cache_off"]
     for r in (on, off):
@@ -55,6 +63,15 @@ def test_cli_bench_compare_cache(tmp_path, capsys) -> None:
     assert off["output_throughput"] == min(p["off_output_throughput"] for p in pairs)
     for p in pairs:
         assert p["ratio"] == pytest.approx(p["on_output_throughput"] / p["off_output_throughput"])
+    # --plot's data: each side's per-request series (of its median run), out of the summaries
+    series = report["requests"]
+    assert list(series) == ["cache on", "cache off"]
+    assert "requests" not in on and "requests" not in off
+    for side, s in series.items():
+        assert len(s["ttft"]) == 6 and all(t > 0 for t in s["ttft"]), side
+        assert s["prompt_len"] == [138] * 6
+    assert sum(series["cache on"]["cached"]) == on["cached_tokens"] > 0
+    assert sum(series["cache off"]["cached"]) == 0
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """``bench --plot``: the figure from synthetic request results (panels, PNG written and read
 back, the tier panel only with the storage tier), the series round trip, the missing-matplotlib
-error, and one in-process ``mambaradix bench --compare-cache --plot`` on the tiny model."""
+error. The in-process ``mambaradix bench --compare-cache --plot`` on the tiny model is part of
+``test_bench_e2e.py::test_cli_bench_compare_cache`` (one CLI run checks both)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from matplotlib import image as mpimg  # noqa: E402
 
 from mambaradix.bench import plot  # noqa: E402
 from mambaradix.bench.client import RequestResult  # noqa: E402
-from mambaradix.cli import main  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -106,29 +106,6 @@ def test_missing_matplotlib_names_the_extra(monkeypatch) -> None:
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(RuntimeError, match=r"pip install 'mambaradix\[plot\]'"):
         plot.make_figure({"cache on": _results(2, 0)})
-
-
-def test_cli_bench_compare_cache_plot(tmp_path, capsys) -> None:
-    png, out = tmp_path / "bench.png", tmp_path / "bench.json"
-    argv = ["bench", "--model-path", "tiny:qwen3_next", "--max-total-tokens", "8192",
-            "--max-mamba-cache-size", "64", "--gsp-num-groups", "2",
-            "--gsp-prompts-per-group", "2", "--gsp-system-prompt-len", "130",
-            "--gsp-question-len", "8", "--gsp-output-len", "2", "--compare-cache",
-            "--repeats", "1", "--disable-tqdm", "--output-json", str(out),
-            "--plot", str(png)]  # fmt: skip
-    assert main(argv) == 0
-    assert f"plot written to {png}" in capsys.readouterr().out
-    assert png.read_bytes()[:8] == PNG_SIGNATURE
-    assert mpimg.imread(str(png)).shape[:2] == (480, 1600)  # three panels: tier off
-    report = json.loads(out.read_text())
-    series = report["requests"]
-    assert list(series) == ["cache on", "cache off"]
-    assert "requests" not in report["results"]  # moved out of the summaries
-    for side, s in series.items():
-        assert len(s["ttft"]) == 4 and all(t > 0 for t in s["ttft"]), side
-        assert s["prompt_len"] == [138] * 4
-    assert sum(series["cache on"]["cached"]) == report["results"]["cached_tokens"] > 0
-    assert sum(series["cache off"]["cached"]) == 0
 
 
 def test_caption_names_the_changed_flags() -> None:
