@@ -155,13 +155,29 @@ def test_generate_input_and_output_logprobs_as_sglang(http, engine, hf_model):
 
 def test_generate_refuses_the_rid_of_a_running_request(http, engine, wait_idle):
     """A client-chosen rid the engine holds unfinished is a 400 naming ``rid``
-    (``Engine.has_request``); once that request has ended the rid is free again (control)."""
+    (``Engine.has_request``); once that request has ended the rid is free again (control).
+    The stream's line iterator is kept open (a closed one hangs up, which aborts the request),
+    and the engine loop is held between two steps while the clash is checked."""
     held = {"max_new_tokens": 2000, "temperature": 0.0, "ignore_eos": True}
     body = {"text": "hold this rid", "sampling_params": held, "rid": "live-rid", "stream": True}
     with http.stream("POST", "/generate", json=body) as resp:
-        assert next(line for line in resp.iter_lines() if line.startswith("data:"))  # running
-        assert engine.has_request("live-rid")
-        r = gen(http, text="x", sampling_params=GREEDY, rid="live-rid")
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))  # running
+        entered, release = threading.Event(), threading.Event()
+
+        def hold_loop() -> None:  # on the engine thread, between two steps
+            entered.set()
+            release.wait(60)
+
+        paused = threading.Thread(target=engine.call, args=(hold_loop,))
+        paused.start()
+        try:
+            assert entered.wait(60)
+            assert engine.has_request("live-rid")
+            r = gen(http, text="x", sampling_params=GREEDY, rid="live-rid")
+        finally:
+            release.set()
+            paused.join()
         assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
     wait_idle()  # leaving the stream aborted it
     assert not engine.has_request("live-rid")
