@@ -167,8 +167,7 @@ class EngineConfig:
         "tokens; sampling: the same distribution). 'NGRAM' drafts from the request's own "
         "prompt and output (prompt lookup); 'NEXTN' / 'MTP' (one name) chain the "
         "checkpoint's multi-token-prediction head (Qwen3-Next / Qwen3.5 checkpoints with "
-        "mtp.* weights). Needs a kernel backend that snapshots at any token (not cuda); turns "
-        "overlap off.",
+        "mtp.* weights). Turns overlap off.",
         ["", "NGRAM", "NEXTN", "MTP"],
     )
     speculative_num_steps: int = opt(3, "Draft tokens per verify step (k).")
@@ -273,12 +272,6 @@ class EngineConfig:
             raise ValueError(
                 "--speculative-ngram-min-match-window-size must be >= 1 and <= "
                 "--speculative-ngram-max-match-window-size"
-            )
-        if self.kernel_backend == "cuda" or self.device.split(":", 1)[0] == "cuda":
-            raise ValueError(
-                "--speculative-algorithm: the cuda backend writes states only every 64 tokens "
-                "of a forward, and a verify step needs the state after each draft token; "
-                "speculative decoding runs on the cpu and torch backends"
             )
 
 

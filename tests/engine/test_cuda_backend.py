@@ -23,6 +23,7 @@ from mambaradix.cache.kv_pool import KVPool
 from mambaradix.cache.state_pool import StatePool
 from mambaradix.core import ForwardReq
 from mambaradix.engine.cuda_graphs import CudaGraphs
+from mambaradix.engine.engine import Engine
 from mambaradix.kernels.backend import create_backend
 from mambaradix.layout import ForwardContext, ForwardLayout
 from mambaradix.models.loader import load_model, load_tokenizer
@@ -77,6 +78,51 @@ def test_engine_outputs_equal_the_reference(small_qwen3_5):
         assert ties <= MAX_TIES and worst <= 10 * LOGPROB_ATOL, (flags, ties, worst)
         if not flags.get("disable_radix_cache"):
             assert hits > 0, flags
+
+
+
+@pytest.fixture(scope="module")
+def small_qwen3_5_mtp(tmp_path_factory):
+    """small_qwen3_5's shape with the published MTP head's tensors."""
+    folder = str(tmp_path_factory.mktemp("qwen3_5_small_mtp"))
+    path = make_tiny_checkpoint("qwen3_5", folder, num_hidden_layers=2, mtp=True,
+                                linear_num_value_heads=2, linear_num_key_heads=1)  # fmt: skip
+    return path, load_tokenizer(path)
+
+
+@pytest.mark.parametrize("algorithm, new", [("NGRAM", 16), ("MTP", 6)])
+def test_speculation_equals_the_reference_without_it(small_qwen3_5_mtp, algorithm, new):
+    """Speculative decoding on the cuda backend: a verify step is a decode of several positions,
+    which its decode kernels step one position at a time, keeping the state after each. Greedy
+    ids and logprobs equal the torch reference decoding without speculation, cache on with a
+    snapshot every 64 tokens (the backend's stride); verify steps ran, and (NGRAM, prompts that
+    repeat a phrase) kept drafts. MTP's draft steps run the head's attention on this backend
+    too (fewer tokens: the interpreter's time)."""
+    path, tok = small_qwen3_5_mtp
+    ref_model = load_model(path)
+    prompts = []
+    for seed in (1, 2, 3):  # phrases whose continuations this checkpoint repeats in part
+        rng = random.Random(seed)
+        prompts.append([rng.randrange(3, ref_model.vocab_size)
+                        for _ in range(rng.randrange(1, 6))] * 12)  # fmt: skip
+    ref, _ = run(ref_model, tok, prompts, REFERENCE, max_new_tokens=new)
+    model = load_model(path, device=DEVICE, mtp=algorithm == "MTP")
+    flags = dict(kernel_backend="cuda", device=DEVICE, skip_warmup=True, chunked_prefill_size=64,
+                 disable_overlap_schedule=True, mamba_scheduler_strategy="extra_buffer",
+                 page_size=16, mamba_track_interval=64, speculative_algorithm=algorithm,
+                 speculative_num_steps=3)  # fmt: skip
+    params = dict(temperature=0.0, max_new_tokens=new, ignore_eos=True, return_logprob=True)
+    with Engine(model=model, tokenizer=tok, debug_integrity=True, max_total_tokens=1 << 15,
+                max_mamba_cache_size=96, **flags) as eng:  # fmt: skip
+        got = eng.generate(input_ids=prompts, sampling_params=params)
+        got += eng.generate(input_ids=prompts[:1], sampling_params=params)  # a cache hit
+        eng.check_integrity()
+        stats = eng.stats()
+    ties, worst = compare(ref + ref[:1], got)
+    assert ties <= MAX_TIES and worst <= 10 * LOGPROB_ATOL, (ties, worst)
+    assert stats.spec_verify_ct > 0 and stats.cached_tokens > 0
+    if algorithm == "NGRAM":
+        assert stats.spec_accepted_tokens > stats.spec_verify_ct  # some drafts were kept
 
 
 # --------------------------------------------------------------------------- captured steps
@@ -187,8 +233,6 @@ def test_stale_padding_rows_are_caught(small_qwen3_5):
 
 def test_disable_cuda_graph_turns_off_the_cpu_step_graphs_too():
     """SGLang's flag is not ignored on a CPU device: it disables the recorded decode steps."""
-    from mambaradix.engine.engine import Engine
-
     with Engine(model_path="tiny:qwen3_next", skip_warmup=True) as on:
         assert on.runner.graphs is not None
     with Engine(model_path="tiny:qwen3_next", skip_warmup=True, disable_cuda_graph=True) as off:

@@ -219,12 +219,10 @@ def test_rollback_leaves_no_trace_of_the_rejected_tokens(arch):
 @pytest.mark.parametrize(
     "flags, match",
     [
-        (dict(speculative_algorithm="MTP", kernel_backend="cuda"), "cuda backend"),
         (dict(speculative_algorithm="NGRAM", speculative_eagle_topk=4), "only 1"),
         (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=9), "num-steps \\+ 1"),
         (dict(speculative_algorithm="NGRAM", speculative_num_steps=0), ">= 1"),
         (dict(speculative_num_steps=5), "needs --speculative-algorithm"),
-        (dict(speculative_algorithm="NGRAM", kernel_backend="cuda"), "cuda backend"),
     ],
 )
 def test_unsupported_speculation_flags_are_refused(flags, match):
