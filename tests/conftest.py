@@ -6,7 +6,14 @@ The ``cuda`` backend's Triton kernels run on CPU tensors under the interpreter w
 Hypothesis runs derandomised by default (profile ``ci``): the examples are a function of the
 test alone, so a failure seen in CI reproduces with the same command on any machine.
 ``HYPOTHESIS_PROFILE=explore`` draws fresh random examples on each run (and keeps failures in
-the local example database) to hunt for new ones."""
+the local example database) to hunt for new ones.
+
+The README's command runs the suite in one pytest-xdist worker per core (``-n auto``). Each
+worker, and every process it starts, then runs torch and the native kernels on one thread, so
+that the workers do not fight over the cores (two workers of two OpenMP threads each on 2
+cores took longer than one process). The tests whose subject is the native kernels' split of
+work over threads (``THREADED``, and any test marked ``threaded``) run on every core even so.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +22,12 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 from hypothesis import settings
+
+THREADED = ("tests/models/test_kernels_", "tests/engine/test_cpu_runtime.py")
+IN_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 
 
 def _transformers_oracle_without_fla() -> None:
@@ -49,3 +61,29 @@ if importlib.util.find_spec("triton") is not None:
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if IN_WORKER:
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"  # the servers and CLIs the tests start
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    root = Path(__file__).parent.parent
+    for item in items:
+        if item.path.relative_to(root).as_posix().startswith(THREADED):
+            item.add_marker(pytest.mark.threaded)
+
+
+@pytest.fixture(autouse=True)
+def _threads_of_threaded_tests(request: pytest.FixtureRequest):
+    """A ``threaded`` test runs on every core inside a one-thread worker (module docstring)."""
+    if not IN_WORKER or request.node.get_closest_marker("threaded") is None:
+        yield
+        return
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)

@@ -3,12 +3,15 @@ own, the engine thread never starts one), and glibc malloc told to keep freed me
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+
+ONE_CORE = (os.cpu_count() or 1) < 2
 
 SCRIPT = textwrap.dedent(
     """
@@ -29,7 +32,7 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one core: torch starts no workers")
+@pytest.mark.skipif(ONE_CORE, reason="one core: torch starts no workers")
 def test_release_thread_pool_frees_the_callers_workers():
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True, timeout=120
@@ -70,7 +73,7 @@ SERIAL_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one core: torch starts no workers")
+@pytest.mark.skipif(ONE_CORE, reason="one core: torch starts no workers")
 def test_serial_torch_thread_starts_no_pool_and_leaves_other_threads_parallel():
     out = subprocess.run(
         [sys.executable, "-c", SERIAL_SCRIPT], capture_output=True, text=True, check=True,
@@ -84,7 +87,7 @@ def test_serial_torch_thread_starts_no_pool_and_leaves_other_threads_parallel():
     assert main_threads == 2  # and the process-wide setting is untouched
 
 
-@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one core: torch is serial anyway")
+@pytest.mark.skipif(ONE_CORE, reason="one core: torch is serial anyway")
 def test_engine_thread_runs_torch_serially():
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from engine_helpers import GREEDY, fake_engine
