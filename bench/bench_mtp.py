@@ -6,7 +6,9 @@ published shape added (``mtp.*``: seeded random, bf16), ``--threads`` threads, b
 
 - the one-token decode step (replayed from its step graph, as the engine runs it; it includes
   the head's row of the new token, ``MtpHead.extend``), the verify step of k + 1 tokens
-  (k = 1..3) without its draft steps, and one draft step (the head's chained step, timed inside
+  (k = 1..3) with and without its draft steps (each a ratio to the decode step run just
+  before it, the median over rounds: the machine's load moves within seconds), and one draft
+  step (the head's chained step, timed inside
   ``DraftHead.fill``), with the whole vocabulary and with a token map of ``--map-size`` ids
   (``--speculative-token-map``; random weights have no frequent tokens: ids 0..n-1);
 - the tokens/s those costs give at accepted lengths 1.5 .. 3.0 (computed: accepted length /
@@ -83,21 +85,22 @@ def part(args) -> None:
                 drafted.append((time.perf_counter() - t0, sum(map(len, batch.drafts.values()))))
 
             head.fill = timed
-            costs = step_costs(eng, args.reps)["ms"]  # verify steps include their drafts
+            with_drafts = step_costs(eng, args.reps)  # verify steps with their draft steps
+            head.fill = lambda batch: None  # the verify alone (of the bench's fixed drafts)
+            alone = step_costs(eng, args.reps)["ratio"]
+        costs = with_drafts["ms"]
         second = drafted[1::2]  # each verify shape runs twice in a row: the second replays
-        fills = {k: 1e3 * statistics.median(s for s, n in second if n == k) for k in (1, 2, 3)}
         draft = 1e3 * statistics.median(s / n for s, n in second if n)
         base = costs[0]
         print(f"[{label}] decode step {base:.1f} ms; draft step {draft:.2f} ms = "
               f"{draft / base:.3f}x")  # fmt: skip
-        for k in (1, 2, 3):
-            alone = costs[k] - fills[k]
-            print(f"[{label}] verify k={k}: {alone:.1f} ms = {alone / base:.3f}x; with its "
-                  f"{k} draft steps {costs[k]:.1f} ms = {costs[k] / base:.3f}x")  # fmt: skip
-        cycle = costs[3] / 1e3  # 3 draft steps and the verify
+        for k in (1, 2, 3):  # ratios to the decode step run just before, medians over rounds
+            print(f"[{label}] verify k={k}: {alone[k]:.3f}x the decode step; with its {k} "
+                  f"draft steps {with_drafts['ratio'][k]:.3f}x")  # fmt: skip
+        cycle = with_drafts["ratio"][3]  # 3 draft steps and the verify, in decode steps
         for length in (1.5, 2.0, 2.5, 3.0):
-            print(f"[{label}] computed at accept length {length}: {length / cycle:.2f} tok/s "
-                  f"({length / cycle * base / 1e3:.2f}x decode at {1e3 / base:.2f} tok/s)")
+            print(f"[{label}] computed at accept length {length}: {length / cycle:.2f}x "
+                  f"decode ({length / cycle * 1e3 / base:.2f} tok/s at its {1e3 / base:.2f})")
     elif args.part == "decode":
         with Engine(disable_radix_cache=True, **kw, **spec) as eng:
             rate, length = decode_rate(eng, args.batch, args.new)
