@@ -135,6 +135,9 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    from mambaradix.models.transformers_torch_path import use_torch_path
+
+    use_torch_path()  # transformers as users run it on a CPU, fla-core installed or not
     archs = args.arch or tiny_archs()
     print(f"# bench_models threads={args.threads} torch={torch.__version__} dtype=float32")
     for arch in archs:

@@ -479,6 +479,9 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    from mambaradix.models.transformers_torch_path import use_torch_path
+
+    use_torch_path()  # transformers as users run it on a CPU, fla-core installed or not
     from mambaradix.kernels.cpu_features import fast_bf16_matmul
 
     args.dtype = args.dtype or ("bfloat16" if fast_bf16_matmul() else "float32")

@@ -26,30 +26,13 @@ import pytest
 import torch
 from hypothesis import settings
 
+from mambaradix.models.transformers_torch_path import use_torch_path
+
 THREADED = ("tests/models/test_kernels_", "tests/engine/test_cpu_runtime.py")
 IN_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 
 
-def _transformers_oracle_without_fla() -> None:
-    """transformers takes fla-core's Triton kernels for Gated DeltaNet wherever ``fla`` imports
-    (on a CPU too, where they run interpreted here): the tests' transformers oracle stays on its
-    torch path, whatever is installed."""
-    import transformers.integrations as integrations
-    import transformers.integrations.hub_kernels as hub_kernels
-
-    with_fallback = hub_kernels.use_kernel_func_from_hub_with_fallback
-
-    def without_fla(func_name: str, package: str, internal_path: str | None = None):
-        if package == "fla":
-            return lambda torch_function: torch_function
-        return with_fallback(func_name, package, internal_path)
-
-    hub_kernels.use_kernel_func_from_hub_with_fallback = without_fla
-    integrations.use_kernel_func_from_hub_with_fallback = without_fla
-
-
-if importlib.util.find_spec("fla") is not None:
-    _transformers_oracle_without_fla()
+use_torch_path()  # the transformers oracle (mambaradix.models.transformers_torch_path)
 
 if importlib.util.find_spec("triton") is not None:
     # the cuda backend's Triton kernels run interpreted where no GPU is (tests/triton/)

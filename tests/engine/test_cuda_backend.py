@@ -14,6 +14,7 @@ the snapshot copies around a replay, not CUDA's capture itself.
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from equivalence_helpers import LOGPROB_ATOL, MAX_TIES, compare, run
 
 from mambaradix.cache.kv_pool import KVPool
 from mambaradix.cache.state_pool import StatePool
-from mambaradix.core import ForwardReq
+from mambaradix.core import ForwardReq, GrammarSpec
 from mambaradix.engine.cuda_graphs import CudaGraphs
 from mambaradix.engine.engine import Engine
 from mambaradix.kernels.backend import create_backend
@@ -80,7 +81,6 @@ def test_engine_outputs_equal_the_reference(small_qwen3_5):
             assert hits > 0, flags
 
 
-
 @pytest.fixture(scope="module")
 def small_qwen3_5_mtp(tmp_path_factory):
     """small_qwen3_5's shape with the published MTP head's tensors."""
@@ -123,6 +123,34 @@ def test_speculation_equals_the_reference_without_it(small_qwen3_5_mtp, algorith
     assert stats.spec_verify_ct > 0 and stats.cached_tokens > 0
     if algorithm == "NGRAM":
         assert stats.spec_accepted_tokens > stats.spec_verify_ct  # some drafts were kept
+
+
+def test_processed_and_constrained_sampling_equals_the_reference(small_qwen3_5):
+    """Penalties, ``logit_bias``, ``min_tokens`` and a grammar (a regex) where the logits are
+    (on a GPU their masks and counts are moved there, the grammar mask unpacked there): the ids
+    equal the torch reference's; the control: without them the ids differ."""
+    path, tok = small_qwen3_5
+    ref_model = load_model(path)
+    prompts = _prompts(ref_model.vocab_size)[:3]
+    pattern = r"[a-c]{2,4}-\d{1,3}"
+    processed = dict(temperature=0.0, max_new_tokens=5, repetition_penalty=1.3,
+                     frequency_penalty=1.5, logit_bias={7: 4.0}, min_tokens=5)  # fmt: skip
+    constrained = dict(temperature=0.0, max_new_tokens=8, grammar=GrammarSpec("regex", pattern))
+    params = [processed, constrained, dict(processed, temperature=0.7, seed=5)]
+    plain = dict(temperature=0.0, max_new_tokens=5)
+
+    def ids(model, flags, sampling):
+        with Engine(model=model, tokenizer=tok, debug_integrity=True, **flags) as eng:
+            outs = eng.generate(input_ids=prompts, sampling_params=sampling)
+            eng.check_integrity()
+        return [o["output_ids"] for o in outs]
+
+    want = ids(ref_model, REFERENCE, params)
+    got = ids(load_model(path, device=DEVICE), dict(kernel_backend="cuda", device=DEVICE,
+              skip_warmup=True, disable_overlap_schedule=True), params)  # fmt: skip
+    assert got == want
+    assert re.fullmatch(pattern, tok.decode(got[1], skip_special_tokens=True))
+    assert ids(ref_model, REFERENCE, [plain, plain, plain]) != want
 
 
 # --------------------------------------------------------------------------- captured steps

@@ -38,6 +38,7 @@ from mambaradix.engine.grammar import (
     GrammarCompiler,
     GrammarMatcher,
     GrammarSpec,
+    _apply_bitmask_rows_on_device,
     apply_bitmask_rows,
 )
 from mambaradix.engine.structured import BatchMasks
@@ -117,12 +118,15 @@ def _bitmask(kind: str, words: int, g: torch.Generator) -> torch.Tensor:
 KINDS = ["mostly_allowed", "mostly_refused", "mixed", "none", "all"]
 
 
+@pytest.mark.parametrize("apply", [apply_bitmask_rows, _apply_bitmask_rows_on_device],
+                         ids=["cpu", "device"])  # fmt: skip
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("vocab_size", [ROWS, TOKENS], ids=["vocab=rows", "vocab<rows"])
-def test_apply_bitmask_rows_equals_the_reference(dtype, vocab_size):
+def test_apply_bitmask_rows_equals_the_reference(apply, dtype, vocab_size):
     """Six logit rows of 151,936 columns; rows 0-4 masked by bitmask rows in another order
     (one kind each), row 5 left alone. ``vocab < rows``: the columns past the grammar's
-    vocabulary are refused whatever the bitmask's last word says."""
+    vocabulary are refused whatever the bitmask's last word says. ``device``: the path logits
+    on a GPU take (torch ops only), run here on CPU tensors."""
     g = torch.Generator().manual_seed(vocab_size)
     words = -(-vocab_size // 32)
     bitmask = torch.stack([_bitmask(kind, words, g) for kind in KINDS])
@@ -130,7 +134,7 @@ def test_apply_bitmask_rows_equals_the_reference(dtype, vocab_size):
     rows = {0: 2, 1: 0, 2: 4, 3: 1, 4: 3}
     want = reference_mask(logits, bitmask, vocab_size, rows)
     got = logits.clone()
-    apply_bitmask_rows(got, bitmask, vocab_size, rows)
+    apply(got, bitmask, vocab_size, rows)
     assert got.dtype == dtype
     assert torch.equal(got, want)
     assert torch.equal(got[5], logits[5])

@@ -50,8 +50,17 @@ class RequestLogits:
             stops.update(eos_token_ids)
         self.stop_ids = torch.tensor(sorted(t for t in stops if 0 <= t < vocab_size))
 
+    def _to(self, device: torch.device) -> None:
+        """Keep the request's tensors where its logits are (built on the CPU; moved once)."""
+        for name in ("bias_ids", "bias_values", "counts", "seen", "stop_ids"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device))
+
     def __call__(self, row: torch.Tensor) -> torch.Tensor:
         """The processed copy of one fp32 row of raw logits."""
+        if self.stop_ids.device != row.device:
+            self._to(row.device)
         row = row.clone()
         if self.seen is not None:
             picked = row[self.seen]
