@@ -153,22 +153,40 @@ def read_bandwidth(threads: int) -> float:
     return x.numel() * x.element_size() / best
 
 
-def matmul_limit(threads: int, dtype: torch.dtype) -> float:
+def matmul_limit(
+    threads: int, dtype: torch.dtype, shapes: list[tuple[int, int, int]] = ()
+) -> float:
     """The best matmul FLOP/s any path the engine may take for ``dtype`` reaches here: its own
     matmul and, for bf16 / fp16, an fp32 matmul (the engine computes large bf16 matmuls as fp32
     ones of bf16 copies where this CPU runs those faster, ``kernels/bf16_matmul.py``; the copies'
-    cost left out, so this bounds that path from above)."""
+    cost left out, so this bounds that path from above), each over a square 2,048 matmul and the
+    engine's own linear shapes ``(rows, in, out)``, ``F.linear`` as the engine calls it."""
     paths = [dtype] if dtype == torch.float32 else [dtype, torch.float32]
-    return max(matmul_flops(threads, d) for d in paths)
+    return max(matmul_flops(threads, d, shape) for d in paths for shape in [None, *shapes])
 
 
-def matmul_flops(threads: int, dtype: torch.dtype) -> float:
-    """FLOP/s of a 2,048 x 2,048 matmul in ``dtype``, best of 5."""
+def matmul_flops(
+    threads: int, dtype: torch.dtype, shape: tuple[int, int, int] | None = None
+) -> float:
+    """FLOP/s of a 2,048 x 2,048 matmul in ``dtype`` (or ``F.linear`` of ``(rows, in, out)``),
+    best of 5."""
     torch.set_num_threads(threads)
-    a = torch.randn(2048, 2048).to(dtype)
-    b = torch.randn(2048, 2048).to(dtype)
-    a @ b
-    return 2 * 2048**3 / min(_timed(lambda: a @ b) for _ in range(5))
+    m, k, n = shape or (2048, 2048, 2048)
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(n, k).to(dtype) if shape else torch.randn(k, n).to(dtype)
+    run = (lambda: torch.nn.functional.linear(a, b)) if shape else (lambda: a @ b)
+    run()
+    return 2 * m * k * n / min(_timed(run) for _ in range(5))
+
+
+def linear_shapes(folder: Path, tokens: list[int]) -> list[tuple[int, int, int]]:
+    """The prefill's largest linear shapes ``(rows, in, out)``: the MLP's up and down
+    projections at each token count (a MoE's expert rows differ; its shared sizes stand in)."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    hidden = cfg["hidden_size"]
+    inter = cfg.get("intermediate_size") or cfg.get("block_ff_dim") or 4 * hidden
+    return [s for n in tokens for s in ((n, hidden, inter), (n, inter, hidden))]
 
 
 def _timed(fn) -> float:
@@ -237,8 +255,9 @@ MATMUL_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[4])
-from bench_real import matmul_limit
-print(json.dumps({"flops": matmul_limit(int(sys.argv[2]), getattr(torch, sys.argv[3]))}))
+from bench_real import linear_shapes, matmul_limit
+shapes = linear_shapes(sys.argv[1], [512, 2048])
+print(json.dumps({"flops": matmul_limit(int(sys.argv[2]), getattr(torch, sys.argv[3]), shapes)}))
 """
 
 BANDWIDTH_SCRIPT = r"""
@@ -393,11 +412,11 @@ def run_preset(preset: str, args: argparse.Namespace) -> None:
     read_bytes, linear_params = weight_figures(eng.model)
     vocab = eng.model.vocab_size
     # Prefill against the matmul limit read during this preset (matmul_limit: the best path the
-    # engine may take for the dtype): one machine's bf16 matmul
+    # engine may take for the dtype, over its own linear shapes too): one machine's bf16 matmul
     # measured 399-866 GFLOP/s on one day, so a single reading at the start of the run gave
     # "of limit" figures above 1. Each length runs three times, each after a matmul reading in
-    # a process of its own; the limit is the median of the six readings (single readings still
-    # moved 2x within a minute: a ratio per pair was as noisy), "of limit" the best run over it.
+    # a process of its own; the limit is the best of the six readings and "of limit" the best
+    # run over it (a median reading against the best run went above 1: not a bound).
     prefill, prefill_flops = {}, []
     for n in (512, 2048):
         runs = []
@@ -441,7 +460,7 @@ def run_preset(preset: str, args: argparse.Namespace) -> None:
         hf_decode_s = {b: hf_decode(hf, b, vocab, args.decode_steps) for b in (1, 16)}
         hf_w1_s = hf_w1(hf, prompts)
         del hf
-    prefill_limit = statistics.median(prefill_flops) / (2 * linear_params)
+    prefill_limit = max(prefill_flops) / (2 * linear_params)
     for n, ours in prefill.items():
         theirs = hf_prefill_s[n]
         line(preset, f"prefill_{n}", tok_s=ours, hf_tok_s=theirs, ratio_to_hf=ours / theirs,
