@@ -95,7 +95,7 @@ def main() -> None:
     args = ap.parse_args()
 
     eng = decode_engine(args.preset, args.threads)
-    read_bytes, _ = weight_figures(eng.model)
+    read_bytes, *_ = weight_figures(eng.model)
     ratios = []
     for bw, tok_s in pairs(eng, args.threads, args.pairs, args.steps):
         ratios.append(tok_s * read_bytes / bw)

@@ -197,7 +197,7 @@ def main() -> None:
         replayed = statistics.median(figures["replayed step"])
         print(f"replayed step / forward: {replayed / forward:.2f}")
     bw = statistics.median(bandwidth)
-    weights, _ = weight_figures(model)
+    weights, *_ = weight_figures(model)
     state = 2 * rows * eng.runner.state_pool.slot_bytes  # read and written once a step
     each = ", ".join(f"{b / 1e9:.1f}" for b in bandwidth)
     print(f"read bandwidth {bw / 1e9:.1f} GB/s median ({each})")

@@ -222,7 +222,7 @@ def run_preset(preset: str, args, out: Path, limits: dict, deadline: float) -> N
     t0 = time.perf_counter()
     eng = Engine(model_path=str(folder), **kw)
     start = time.perf_counter() - t0
-    read_bytes, linear_params = weight_figures(eng.model)
+    read_bytes, linear_params, head_params = weight_figures(eng.model)
     vocab = eng.model.vocab_size
     record(out, preset, "start", seconds=start, weight_gb=read_bytes / 1e9,
            backend=eng.kernel_backend)  # fmt: skip
@@ -288,7 +288,7 @@ def run_preset(preset: str, args, out: Path, limits: dict, deadline: float) -> N
     record(out, preset, "start_vs_hf", seconds=start, hf_load_seconds=hf_load,
            ratio_to_hf=start / hf_load)  # fmt: skip
     for n, ours in prefill.items():
-        limit = flops / (2 * linear_params)
+        limit = flops / (2 * (linear_params - head_params))  # the LM head: last tokens only
         record(out, preset, f"prefill_{n}", tok_s=ours, hf_tok_s=hf_pre.get(n, nan),
                ratio_to_hf=ours / hf_pre.get(n, nan), of_bf16_limit=ours / limit)  # fmt: skip
     for b, ours in decode.items():

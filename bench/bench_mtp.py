@@ -100,7 +100,7 @@ def part(args) -> None:
         cycle = with_drafts["ratio"][3]  # 3 draft steps and the verify, in decode steps
         for length in (1.5, 2.0, 2.5, 3.0):
             print(f"[{label}] computed at accept length {length}: {length / cycle:.2f}x "
-                  f"decode ({length / cycle * 1e3 / base:.2f} tok/s at its {1e3 / base:.2f})")
+                  f"decode ({length / cycle * 1e3 / base:.2f} tok/s at its {1e3 / base:.2f})")  # fmt: skip
     elif args.part == "decode":
         with Engine(disable_radix_cache=True, **kw, **spec) as eng:
             rate, length = decode_rate(eng, args.batch, args.new)
