@@ -92,20 +92,26 @@ def part(args) -> None:
         second = drafted[1::2]  # each verify shape runs twice in a row: the second replays
         draft = 1e3 * statistics.median(s / n for s, n in second if n)
         base = costs[0]
-        print(f"[{label}] decode step {base:.1f} ms; draft step {draft:.2f} ms = "
-              f"{draft / base:.3f}x")  # fmt: skip
+        print(
+            f"[{label}] decode step {base:.1f} ms; draft step {draft:.2f} ms = {draft / base:.3f}x"
+        )
         for k in (1, 2, 3):  # ratios to the decode step run just before, medians over rounds
-            print(f"[{label}] verify k={k}: {alone[k]:.3f}x the decode step; with its {k} "
-                  f"draft steps {with_drafts['ratio'][k]:.3f}x")  # fmt: skip
+            print(
+                f"[{label}] verify k={k}: {alone[k]:.3f}x the decode step; with its {k} "
+                f"draft steps {with_drafts['ratio'][k]:.3f}x"
+            )
         cycle = with_drafts["ratio"][3]  # 3 draft steps and the verify, in decode steps
         for length in (1.5, 2.0, 2.5, 3.0):
-            print(f"[{label}] computed at accept length {length}: {length / cycle:.2f}x "
-                  f"decode ({length / cycle * 1e3 / base:.2f} tok/s at its {1e3 / base:.2f})")  # fmt: skip
+            print(
+                f"[{label}] computed at accept length {length}: {length / cycle:.2f}x "
+                f"decode ({length / cycle * 1e3 / base:.2f} tok/s at its {1e3 / base:.2f})"
+            )
     elif args.part == "decode":
         with Engine(disable_radix_cache=True, **kw, **spec) as eng:
             rate, length = decode_rate(eng, args.batch, args.new)
-        print(f"measured batch {args.batch} [{label}]: {rate:.2f} tok/s (accept length "
-              f"{length:.3f})")  # fmt: skip
+        print(
+            f"measured batch {args.batch} [{label}]: {rate:.2f} tok/s (accept length {length:.3f})"
+        )
     else:
         vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
         with Engine(disable_overlap_schedule=True, **kw, **spec) as eng:
@@ -131,9 +137,20 @@ def main() -> None:
     mtp_checkpoint()
 
     def fresh(*extra: str) -> None:
-        cmd = [sys.executable, __file__, "--threads", str(args.threads), "--reps",
-               str(args.reps), "--new", str(args.new), "--map-size", str(args.map_size), *extra]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True)  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--threads",
+            str(args.threads),
+            "--reps",
+            str(args.reps),
+            "--new",
+            str(args.new),
+            "--map-size",
+            str(args.map_size),
+            *extra,
+        ]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         print(out.stdout.strip(), flush=True)
 
     fresh("--part", "steps", "--spec")
