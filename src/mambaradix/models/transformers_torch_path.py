@@ -2,9 +2,10 @@
 
 transformers takes fla-core's Triton kernels for Gated DeltaNet wherever ``fla`` imports (the
 test extra installs it for the cuda backend's tests); on a CPU those kernels cannot run (no
-Triton driver) or run interpreted. The tests' oracle and the benchmarks' comparison on a CPU
-call ``use_torch_path()`` before transformers builds a model (its modeling modules choose the
-kernels when they are imported). On a GPU transformers keeps fla-core, as users run it.
+Triton driver) or run interpreted. The tests' oracle (on any device) and the CPU benchmarks'
+comparison call ``use_torch_path()`` before transformers builds a model (its modeling modules
+choose the kernels when they are imported); the GPU benchmark leaves fla-core to transformers,
+as users run it.
 """
 
 from __future__ import annotations

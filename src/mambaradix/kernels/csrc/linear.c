@@ -115,12 +115,8 @@ ALWAYS_INLINE void dot_rows(const uint16_t *x, int64_t xs, const uint16_t *const
  * in registers for the R rows (left to itself the compiler loaded them again for every row, and
  * the load ports, not the dot products, bounded 3-4 rows). The weights are prefetched into L2,
  * not L1: with L1 prefetches the memory stream and the arithmetic took about the sum of their
- * times (3 rows 1.4-1.6x, 4 rows 1.6-2.0x one row's, one thread, weights from memory); into L2,
- * 1.0-1.05x and 0.9-1.05x at K = 1,024 and 2,048 (at K = 3,584, where 3-4 rows of x and the
- * weight streams do not fit in a 32 KB L1 together, still 1.5-1.9x). Each accumulator takes the
- * chunks in order, then the masked tail: dot_rows's sums, bit for bit. On an AMD EPYC (Zen 4)
- * VM, weights in L2, one thread, GB/s of weights at 3 / 4 rows: 38-41 / 31-33 (dot_rows 25 /
- * 22-27; one row 47-48). */
+ * times instead of overlapping (docs/benchmarks.md, 931eaf6-a1b218a). Each accumulator takes
+ * the chunks in order, then the masked tail: dot_rows's sums, bit for bit. */
 ALWAYS_INLINE void dot_packed(const uint16_t *xp, const uint16_t *const *w, const int S,
                               int64_t K, const int R, float *res)
 {
