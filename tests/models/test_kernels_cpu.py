@@ -31,7 +31,12 @@ def _pools(slots_total, hk, hv, dk, dv, width, seed):
 
 @pytest.mark.parametrize(
     "hk,hv,dk,dv,width,activation,bias",
-    [(2, 4, 8, 16, 4, "silu", False), (2, 2, 16, 8, 4, None, True), (1, 3, 8, 8, 2, "silu", True)],
+    [
+        (2, 4, 8, 16, 4, "silu", False),
+        (2, 2, 16, 8, 4, None, True),
+        (1, 3, 8, 8, 2, "silu", True),
+        (1, 2, 128, 128, 4, "silu", False),  # Qwen3.5's heads: the C code's unrolled case
+    ],
 )
 def test_gated_delta_decode_matches_reference_in_place(hk, hv, dk, dv, width, activation, bias):
     """Same outputs, same new conv and delta states in the requests' slots, every other slot

@@ -97,11 +97,12 @@ def _native_here():
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.mark.parametrize("dk", [32, 128])  # 128: Qwen3.5's heads, the C code's unrolled case
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gated_deltanet_verify_equals_its_positions_one_by_one(dtype, norm):
+def test_gated_deltanet_verify_equals_its_positions_one_by_one(dtype, norm, dk):
     g = torch.Generator().manual_seed(1)
-    hk, hv, dk, dv, K = 2, 4, 32, 32, 4
+    hk, hv, dv, K = 2, 4, dk, 4
     C, T = 2 * hk * dk + hv * dv, 7
     conv_pool = _rand(g, SLOTS, C, K - 1, dtype=dtype)
     ssm_pool = _rand(g, SLOTS, hv, dk, dv, dtype=torch.float32, scale=0.1)
@@ -187,19 +188,21 @@ def test_the_native_kernels_run_the_verify_without_falling_back(monkeypatch):
 
     monkeypatch.setattr(TorchBackend, "_stepwise", refuse)
     for dtype in DTYPES:
-        test_gated_deltanet_verify_equals_its_positions_one_by_one(dtype, True)
+        test_gated_deltanet_verify_equals_its_positions_one_by_one(dtype, True, 32)
         test_conv_verify_equals_its_positions_one_by_one(dtype, 4)
         test_mamba2_scan_step_verify_equals_its_positions_one_by_one(dtype)
         test_mamba2_decode_verify_equals_its_positions_one_by_one(dtype, True)
 
 
-@pytest.mark.parametrize("m", [3, 4, 7])
-@pytest.mark.parametrize("k", [1000, 1024, 3584])
+@pytest.mark.parametrize("m", [3, 4, 7, 16])
+@pytest.mark.parametrize("k", [1000, 1024, 2049, 3584])
 def test_linear_of_verify_rows_equals_each_row_alone(k, m):
     """A verify step's rows go through the linears as one small batch (``csrc/linear.c``: x
-    packed chunk-major for groups of 3-4 rows): each row's output is, bit for bit, the row's
-    alone (a K tail, an odd number of weight rows, a bias); and the gated MLP of the rows is its
-    composition (Qwen3.5-0.8B's widths). Control: a changed weight row changes its column."""
+    packed chunk-major for groups of 3-4 rows; with K >= 2,048 and the rows over 16 KB, K in
+    blocks with the sums carried between them, ``rows_blocked``): each row's output is, bit for
+    bit, the row's alone (a K tail, an odd number of weight rows, a bias); and the gated MLP of
+    the rows is its composition (Qwen3.5-0.8B's widths). Control: a changed weight row changes
+    its column."""
     from mambaradix.kernels import cpu
     from mambaradix.kernels.torch_backend import TorchBackend
 

@@ -40,6 +40,10 @@
 #include "gated_norm.h"
 #include "vec_math.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #define GDN_CHUNK 256 /* conv channels per parallel task */
 
 /* The conv of row r over channels c0 .. c1 - 1 into y (fp32; held in bf16 where the
@@ -84,11 +88,26 @@ static inline __attribute__((always_inline)) void gdn_conv(
     }
 }
 
-/* One value head h of row b: gates, then the delta rule on its [dk][dv] state, read from slot
- * src and written to slot dst (in place when equal; two passes: S^T k needs the whole decayed
- * state before the update; the second pass finds it in cache). */
+/* row (dv floats, 64-byte aligned) to dst with non-temporal stores where dst is aligned too */
+static inline __attribute__((always_inline)) void stream_row(float *dst, const float *row,
+                                                             int64_t dv)
+{
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    if (((uintptr_t)dst & 63) == 0)
+        for (; j + 16 <= dv; j += 16)
+            _mm512_stream_ps(dst + j, _mm512_load_ps(row + j));
+#endif
+    for (; j < dv; j++)
+        dst[j] = row[j];
+}
+
+/* One value head h of row b: gates, then the delta rule on its [dk][dv] state S, written to
+ * Sout (in place when equal; two passes: S^T k needs the whole decayed state before the
+ * update; the second pass finds it in cache), and copied to `keep` when given (non-temporal
+ * stores: a verify step's state for after the step, read by no later row). */
 static inline __attribute__((always_inline)) void gdn_head(
-    int64_t b, int64_t h, int64_t src, int64_t dst, const float *y, float *ssm_pool, const void *a,
+    int64_t b, int64_t h, const float *S, float *Sout, float *keep, const float *y, const void *a,
     int64_t a_stride, const void *bgate, int64_t b_stride, const void *A_log,
     const void *dt_bias, void *out, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
     int64_t conv_dim, const void *z, int64_t z_stride, const void *norm_w, float eps,
@@ -104,8 +123,6 @@ static inline __attribute__((always_inline)) void gdn_head(
     const float sp = av > 20.0f ? av : log1pf(expf(av));
     const float decay = expf(-expf(ld(A_log, h, bf)) * sp);
     const float bt = rnd(1.0f / (1.0f + expf(-ld(bgate, b * b_stride + h, bf))), bf);
-    const float *S = ssm_pool + (src * hv + h) * dk * dv;
-    float *Sout = ssm_pool + (dst * hv + h) * dk * dv;
     float u[dv], o[dv];
     for (int64_t j = 0; j < dv; j++)
         u[j] = 0.0f;
@@ -128,6 +145,8 @@ static inline __attribute__((always_inline)) void gdn_head(
             out_row[j] = s;
             o[j] += s * qi;
         }
+        if (keep)
+            stream_row(keep + i * dv, out_row, dv);
     }
     if (!norm_w) {
         for (int64_t j = 0; j < dv; j++)
@@ -175,14 +194,32 @@ static inline __attribute__((always_inline)) void gdn_team(
             float *vec = y + r * conv_dim + h * dk;
             scale_l2(vec, vec, dk, h < hk ? q_scale : 1.0f, l2norm);
         }
+    /* a request of several rows steps its head's state in `local` (in cache), each row's
+     * state streamed out to its slot */
+    float *local = cu ? aligned_alloc(64, sizeof(float) * (size_t)(dk * dv)) : NULL;
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < hv; h++)
-            for (int64_t r = dec_first(b, cu); r < dec_first(b + 1, cu); r++)
-                gdn_head(r, h, dec_src(b, r, slots, cu, row_slots),
-                         dec_dst(b, r, slots, row_slots), y, ssm_pool, a, a_stride, bgate,
-                         b_stride, A_log, dt_bias, out, hk, hv, dk, dv, conv_dim, z, z_stride,
-                         norm_w, eps, bf);
+        for (int64_t h = 0; h < hv; h++) {
+            const int64_t r0 = dec_first(b, cu), r1 = dec_first(b + 1, cu);
+            for (int64_t r = r0; r < r1; r++) {
+                float *src = ssm_pool + (dec_src(b, r, slots, cu, row_slots) * hv + h) * dk * dv;
+                float *dst = ssm_pool + (dec_dst(b, r, slots, row_slots) * hv + h) * dk * dv;
+                const int several = local && r1 - r0 > 1;
+#define GDN_HEAD(DK, DV)                                                                   \
+    gdn_head(r, h, several && r > r0 ? local : src, several ? local : dst,                \
+             several ? dst : NULL, y, a, a_stride, bgate, b_stride, A_log, dt_bias, out, hk, \
+             hv, DK, DV, conv_dim, z, z_stride, norm_w, eps, bf)
+                if (dk == 128 && dv == 128) /* Qwen3.5's and Qwen3-Next's heads: unrolled */
+                    GDN_HEAD(128, 128);
+                else
+                    GDN_HEAD(dk, dv);
+#undef GDN_HEAD
+            }
+        }
+#if defined(__AVX512F__)
+    _mm_sfence(); /* the streamed states, before the team's barrier */
+#endif
+    free(local);
 }
 
 #define GDN_ARGS                                                                         \

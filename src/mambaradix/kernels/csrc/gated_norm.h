@@ -4,21 +4,43 @@
 #define MAMBARADIX_GATED_NORM_H
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "vec_math.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+#define SS_LANES 16
+
+/* The sum of squares in an order fixed by the length alone: feature i into lane i % 16, the
+ * lanes summed pairwise. A reduction left to the vectoriser (`omp simd reduction`) may peel
+ * for alignment or pick another width where the function is inlined, so the same row gave
+ * another last bit in another caller (a verify step's rows against one-position steps). */
+ALWAYS_INLINE float sum_squares(const void *x, int64_t off, const float *mul, int64_t dim,
+                                const int bf)
+{
+    float lane[SS_LANES] = {0};
+    int64_t i = 0;
+    for (; i + SS_LANES <= dim; i += SS_LANES)
+#pragma omp simd
+        for (int l = 0; l < SS_LANES; l++) {
+            const float v = mul ? ld(x, off + i + l, bf) * mul[i + l] : ld(x, off + i + l, bf);
+            lane[l] += v * v;
+        }
+    for (int l = 0; i + l < dim; l++) {
+        const float v = mul ? ld(x, off + i + l, bf) * mul[i + l] : ld(x, off + i + l, bf);
+        lane[l] += v * v;
+    }
+    for (int w = SS_LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++)
+            lane[l] += lane[l + w];
+    return lane[0];
+}
+
 ALWAYS_INLINE float inv_rms(const void *x, int64_t off, int64_t dim, float eps, const int bf)
 {
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < dim; i++) {
-        const float v = ld(x, off + i, bf);
-        ss += v * v;
-    }
-    return 1.0f / sqrtf(ss / (float)dim + eps);
+    return 1.0f / sqrtf(sum_squares(x, off, NULL, dim, bf) / (float)dim + eps);
 }
 
 /* gr = silu(z) in fp32 for n features of a gate row (z in the model's dtype), as the torch
@@ -55,13 +77,7 @@ ALWAYS_INLINE void norm_gate_first(
     int64_t dim, const void *x, int64_t xo, const float *gr, const void *weight, int64_t wo,
     float eps, void *out, int64_t oo, const int bf)
 {
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < dim; i++) {
-        const float v = ld(x, xo + i, bf) * gr[i];
-        ss += v * v;
-    }
-    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    const float inv = 1.0f / sqrtf(sum_squares(x, xo, gr, dim, bf) / (float)dim + eps);
 #pragma omp simd
     for (int64_t i = 0; i < dim; i++)
         st(out, oo + i, ld(weight, wo + i, bf) * rnd(ld(x, xo + i, bf) * gr[i] * inv, bf), bf);

@@ -116,15 +116,16 @@ ALWAYS_INLINE void dot_rows(const uint16_t *x, int64_t xs, const uint16_t *const
  * the load ports, not the dot products, bounded 3-4 rows). The weights are prefetched into L2,
  * not L1: with L1 prefetches the memory stream and the arithmetic took about the sum of their
  * times instead of overlapping (docs/benchmarks.md, 931eaf6-a1b218a). Each accumulator takes
- * the chunks in order, then the masked tail: dot_rows's sums, bit for bit. */
-ALWAYS_INLINE void dot_packed(const uint16_t *xp, const uint16_t *const *w, const int S,
-                              int64_t K, const int R, float *res)
+ * the chunks in order, then the masked tail: dot_rows's sums, bit for bit. _part: the chunks of
+ * [k0, k1) (k0 a multiple of 128) added into acc, the 32-element chunks and the tail only when
+ * k1 = K. */
+ALWAYS_INLINE void dot_packed_part(const uint16_t *xp, const uint16_t *const *w, const int S,
+                                   int64_t K, int64_t k0, int64_t k1, const int R,
+                                   __m512 acc[2][XR])
 {
-    __m512 acc[2][XR];
-    acc_zero(acc, S, R);
-    int64_t k = 0;
-    const uint16_t *xc = xp;
-    for (; k + 128 <= K; k += 128, xc += 4 * R * 32) {
+    int64_t k = k0;
+    const uint16_t *xc = xp + k0 / 32 * R * 32;
+    for (; k + 128 <= k1; k += 128, xc += 4 * R * 32) {
         __m512bh wv[2][4];
         for (int s = 0; s < S; s++) {
             for (int j = 0; j < 4; j++)
@@ -145,6 +146,8 @@ ALWAYS_INLINE void dot_packed(const uint16_t *xp, const uint16_t *const *w, cons
                     acc[s][r] = _mm512_dpbf16_ps(acc[s][r], xv, wv[s][j]);
             }
     }
+    if (k1 < K)
+        return;
     for (; k + 32 <= K; k += 32, xc += R * 32) {
         __m512bh wv[2];
         for (int s = 0; s < S; s++)
@@ -163,7 +166,32 @@ ALWAYS_INLINE void dot_packed(const uint16_t *xp, const uint16_t *const *w, cons
                 acc[s][r] = _mm512_dpbf16_ps(acc[s][r], LD(xc + r * 32), w0);
         }
     }
+}
+
+ALWAYS_INLINE void dot_packed(const uint16_t *xp, const uint16_t *const *w, const int S,
+                              int64_t K, const int R, float *res)
+{
+    __m512 acc[2][XR];
+    acc_zero(acc, S, R);
+    dot_packed_part(xp, w, S, K, 0, K, R, acc);
     acc_reduce(acc, S, R, res);
+}
+
+/* dot_packed over the K block [k0, k1) (k0 a multiple of 128; the block ending at K takes the
+ * tail), the S x XR accumulators carried in `saved` from the block before: the same additions
+ * in the same order as dot_packed's. */
+ALWAYS_INLINE void dot_packed_saved(const uint16_t *xp, const uint16_t *const *w, const int S,
+                                    int64_t K, int64_t k0, int64_t k1, const int R,
+                                    __m512 *saved)
+{
+    __m512 acc[2][XR];
+    for (int s = 0; s < S; s++)
+        for (int r = 0; r < R; r++)
+            acc[s][r] = k0 == 0 ? _mm512_setzero_ps() : saved[s * XR + r];
+    dot_packed_part(xp, w, S, K, k0, k1, R, acc);
+    for (int s = 0; s < S; s++)
+        for (int r = 0; r < R; r++)
+            saved[s * XR + r] = acc[s][r];
 }
 
 /* x rows [0, R) into xp chunk-major (dot_packed's layout), zeros past K. */
@@ -251,6 +279,72 @@ ALWAYS_INLINE void rows_out(int64_t M, int64_t K, const uint16_t *x, int64_t x_s
     }
 }
 
+#if HAVE_PACKED
+/* rows_team's pairs of weight rows for x rows too wide to stay in L1 beside the weight streams
+ * (M * K * 2 bytes over RB_X_BYTES, K >= RB_MIN_K): K in blocks whose x columns fit
+ * (RB_X_BYTES), a group of RB_PAIRS pairs taking each block in turn with their accumulators
+ * carried between blocks (dot_packed_saved: the same sums, bit for bit), and the next group's
+ * weights fetched into L2 a slice per pair and block while this group computes, so that the
+ * memory stream does not stop for the arithmetic. For a verify step's 4 rows through a feed-forward
+ * down projection (K = 3,584) this read 1.26x the time of one row where the unblocked loop
+ * read 1.5x; at 8 and 16 rows with K >= 2,048, 0.65-0.85x the unblocked time; with K of
+ * 1,024 or less it was slower (docs/benchmarks.md). */
+#define RB_X_BYTES (16 << 10)
+#define RB_MIN_K 2048
+#define RB_PAIRS 4
+
+static void rows_blocked(int64_t M, int64_t K, const uint16_t *xp, const uint16_t *w,
+                         int64_t lo, int64_t half, const uint16_t *bias, uint16_t *out,
+                         int64_t out_stride, __m512 *saved)
+{
+    const int64_t groups = (M + XR - 1) / XR, Kc = (K + 31) / 32;
+    const int64_t kb = RB_X_BYTES / (2 * M) / 128 * 128 > 128 ? RB_X_BYTES / (2 * M) / 128 * 128
+                                                              : 128;
+    const int64_t blocks = (K + kb - 1) / kb;
+    for (int64_t g0 = 0; g0 < half; g0 += RB_PAIRS) {
+        const int64_t g1 = g0 + RB_PAIRS < half ? g0 + RB_PAIRS : half;
+        /* the next group's rows: [lo + g1, lo + n1) and [lo + half + g1, lo + half + n1) */
+        const int64_t n1 = g1 + RB_PAIRS < half ? g1 + RB_PAIRS : half;
+        const int64_t next_half = (n1 - g1) * K * 2;
+        const char *next[2] = {(const char *)(w + (lo + g1) * K),
+                               (const char *)(w + (lo + half + g1) * K)};
+        const int64_t slice = (2 * next_half / (blocks * (g1 - g0)) + 63) / 64 * 64;
+        int64_t fetched = 0;
+        for (int64_t k0 = 0; k0 < K; k0 += kb) {
+            const int64_t k1 = k0 + kb < K ? k0 + kb : K;
+            for (int64_t i = g0; i < g1; i++) {
+                for (int64_t end = fetched + slice; fetched < end && fetched < 2 * next_half;
+                     fetched += 64)
+                    _mm_prefetch(next[fetched >= next_half] + fetched % next_half, _MM_HINT_T1);
+                const uint16_t *ws[2] = {w + (lo + i) * K, w + (lo + half + i) * K};
+                for (int64_t gi = 0; gi < groups; gi++) {
+                    const uint16_t *xg = xp + gi * XR * Kc * 32;
+                    __m512 *sv = saved + ((i - g0) * groups + gi) * 2 * XR;
+                    switch (M - gi * XR < XR ? M - gi * XR : XR) { /* constant R */
+                    case 4: dot_packed_saved(xg, ws, 2, K, k0, k1, 4, sv); break;
+                    case 3: dot_packed_saved(xg, ws, 2, K, k0, k1, 3, sv); break;
+                    case 2: dot_packed_saved(xg, ws, 2, K, k0, k1, 2, sv); break;
+                    default: dot_packed_saved(xg, ws, 2, K, k0, k1, 1, sv); break;
+                    }
+                }
+            }
+        }
+        for (int64_t i = g0; i < g1; i++)
+            for (int64_t gi = 0; gi < groups; gi++) {
+                const __m512 *sv = saved + ((i - g0) * groups + gi) * 2 * XR;
+                const int64_t R = M - gi * XR < XR ? M - gi * XR : XR;
+                for (int s = 0; s < 2; s++) {
+                    const int64_t n = s ? lo + half + i : lo + i;
+                    const float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
+                    for (int64_t r = 0; r < R; r++)
+                        out[(gi * XR + r) * out_stride + n] =
+                            f32_to_bf16(_mm512_reduce_add_ps(sv[s * XR + r]) + b);
+                }
+            }
+    }
+}
+#endif
+
 /* out[m][n] (row stride out_stride) for this thread's block of weight rows, read as two
  * streams: the block's first and second halves side by side (row by row for groups of more than
  * two x rows), each row once, each dotted with every x row while it sits in L1. Two streams per
@@ -277,15 +371,24 @@ ALWAYS_INLINE void rows_team(int64_t M, int64_t N, int64_t K, const uint16_t *x,
         for (int64_t m0 = 0; m0 < M; m0 += XR)
             pack_rows(x + m0 * x_stride, x_stride, K, M - m0 < XR ? M - m0 : XR,
                       xp + m0 * Kc * 32);
+    __m512 *saved = NULL; /* rows_blocked's accumulators */
+    if (xp && K >= RB_MIN_K && M * K * 2 > RB_X_BYTES)
+        saved = aligned_alloc(64, sizeof(__m512) * (size_t)(RB_PAIRS * (M + XR - 1) / XR * 2 * XR));
+    if (saved)
+        rows_blocked(M, K, xp, w, lo, half, bias, out, out_stride, saved);
+    else
 #endif
-    for (int64_t i = 0; i < half; i++) {
-        const int64_t n[2] = {lo + i, lo + half + i};
-        rows_out(M, K, x, x_stride, w, n, 2, bias, out, out_stride, xp);
-    }
+        for (int64_t i = 0; i < half; i++) {
+            const int64_t n[2] = {lo + i, lo + half + i};
+            rows_out(M, K, x, x_stride, w, n, 2, bias, out, out_stride, xp);
+        }
     if ((hi - lo) & 1) {
         const int64_t n[1] = {hi - 1};
         rows_out(M, K, x, x_stride, w, n, 1, bias, out, out_stride, xp);
     }
+#if HAVE_PACKED
+    free(saved);
+#endif
     free(xp);
 #pragma omp barrier
 }
