@@ -17,11 +17,16 @@ it):
 - measured with the engine (``--speculative-algorithm NGRAM``, k = 3) against without, batch 1
   and batch 16, 64 new tokens: tokens/s and the accept length this model shows (random weights
   rarely repeat, so drafts are rarely kept: the measured figure is the cost side);
+- measured on a workload whose output repeats its prompt (``--part repeat``: the same preset
+  with its LM head rewired so that greedy decoding walks a fixed cycle of token ids, the prompt
+  that cycle repeated; every layer still computes as in the preset): NGRAM at k = 1, 2, 3
+  against one-token decoding, batch 1 and 16, tokens/s and the accept length it shows;
 - the hit rate of the shared-prefix workload (4 groups x 8 requests, 512 + 64 tokens, 16 new)
   and of a multi-turn one (8 conversations x 3 turns, each turn the previous prompt + its
   answer + 32 new tokens), speculation on and off.
 
     HF_HUB_OFFLINE=1 python bench/bench_spec.py [--reps 7] [--threads 2]
+        [--steps-only | --repeat-only]
 """
 
 from __future__ import annotations
@@ -37,10 +42,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_real import checkpoint  # noqa: E402
+from bench_real import CACHE, checkpoint  # noqa: E402
 
 PRESET = "qwen3_5_0_8b"
 CONTEXT = 512
+CYCLE = 32  # token ids in the repeat workload's cycle
 
 
 def step_costs(eng, reps: int) -> dict[str, dict[int, float]]:
@@ -123,6 +129,68 @@ def decode_rate(eng, batch: int, new: int) -> tuple[float, float]:
     return batch * new / seconds, accepted / verify if verify else 1.0
 
 
+def cycles(vocab: int, count: int) -> list[list[int]]:
+    """``count`` disjoint cycles of CYCLE token ids (seeded)."""
+    ids = random.Random(5).sample(range(5, vocab - 5), count * CYCLE)
+    return [ids[i * CYCLE : (i + 1) * CYCLE] for i in range(count)]
+
+
+def repeat_checkpoint() -> Path:
+    """The preset with its LM head untied and rewired so that greedy decoding follows the
+    cycles of ``cycles(vocab, 16)``: the head's row of each cycle's next id is the input
+    embedding of the id before it (every other row the embedding's own). The layers' random
+    sum leaves the token's own direction on top at the last norm, so the model continues a
+    prompt made of a cycle with the cycle's next ids: an output that repeats its prompt, which
+    an n-gram draft predicts. The layers, the weights read and the compute are the preset's;
+    only the LM head's values differ (built once)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    folder = CACHE / f"real-{PRESET}-repeat-v1"
+    if (folder / "config.json").is_file():
+        return folder
+    src = checkpoint(PRESET)
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(src / "model.safetensors")
+    embed = tensors["model.embed_tokens.weight"]
+    head = embed.clone()
+    for cyc in cycles(embed.shape[0], 16):
+        for i, tok in enumerate(cyc):
+            head[cyc[(i + 1) % CYCLE]] = embed[tok]
+    tensors["lm_head.weight"] = head
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (tmp / f.name).write_bytes(f.read_bytes())
+    config = json.loads((tmp / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tmp.rename(folder)
+    return folder
+
+
+def repeat_rate(eng, batch: int, new: int) -> tuple[float, float, float]:
+    """Output tok/s of ``batch`` requests, each prompt its own cycle four times over (128
+    tokens), ``new`` new tokens each; the mean accept length; the share of output tokens that
+    continue the cycle (what makes the workload repeat its prompt)."""
+    vocab = eng.model.vocab_size
+    cycs = cycles(vocab, 16)[:batch]
+    prompts = [c * 4 for c in cycs]
+    p = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
+    before = eng.stats()
+    t0 = time.perf_counter()
+    outs = eng.generate(input_ids=prompts, sampling_params=[p] * batch)
+    seconds = time.perf_counter() - t0
+    after = eng.stats()
+    verify = after.spec_verify_ct - before.spec_verify_ct
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    follow = sum(o == c[i % CYCLE] for out, c in zip(outs, cycs)
+                 for i, o in enumerate(out["output_ids"]))  # fmt: skip
+    return batch * new / seconds, accepted / verify if verify else 1.0, follow / (batch * new)
+
+
 def workloads(vocab: int) -> dict[str, list[list[list[int]]]]:
     """Rounds of prompts: the shared-prefix workload in one round; multi-turn in three, each
     turn's prompt built from the previous prompt (answers are filled in as they arrive)."""
@@ -176,6 +244,15 @@ def part(args) -> None:
             rate, length = decode_rate(eng, args.batch, args.new)
         print(f"measured batch {args.batch} {'NGRAM' if spec else 'off'}: {rate:.2f} tok/s "
               f"(accept length {length:.3f})")  # fmt: skip
+    elif args.part == "repeat":
+        kw["model_path"] = str(repeat_checkpoint())
+        if spec:
+            spec["speculative_num_steps"] = args.k
+        with Engine(disable_radix_cache=True, **kw, **spec) as eng:
+            rate, length, follow = repeat_rate(eng, args.batch, args.new)
+        label = f"NGRAM k={args.k}" if spec else "off"
+        print(f"repeat workload, batch {args.batch} {label}: {rate:.2f} tok/s (accept length "
+              f"{length:.3f}; {follow:.3f} of the output continues the prompt's cycle)")
     else:
         import json
 
@@ -193,9 +270,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--steps-only", action="store_true", help="only the step costs")
+    ap.add_argument("--repeat-only", action="store_true",
+                    help="only the workload whose output repeats its prompt")  # fmt: skip
     ap.add_argument("--part", default="", help=argparse.SUPPRESS)
     ap.add_argument("--spec", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--k", type=int, default=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.part:
         part(args)
@@ -208,8 +288,17 @@ def main() -> None:
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         print(out.stdout.strip(), flush=True)
 
-    fresh("--part", "steps")
+    if not args.repeat_only:
+        fresh("--part", "steps")
     if args.steps_only:
+        return
+    repeat_checkpoint()
+    for batch in (1, 16):
+        for _ in range(2):  # alternated, twice
+            fresh("--part", "repeat", "--batch", str(batch))
+            for k in (1, 2, 3):
+                fresh("--part", "repeat", "--batch", str(batch), "--spec", "--k", str(k))
+    if args.repeat_only:
         return
     for batch in (1, 16):
         for spec in ((), ("--spec",), (), ("--spec",)):  # alternated, twice

@@ -22,6 +22,22 @@ pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None, reason="no C compiler: the native kernels cannot be built here"
 )
 
+
+
+def tiles_built() -> bool:
+    """Whether this build has the tile kernel (AVX512-BF16: ``vdpbf16ps``, whose sums it
+    reproduces). Without it, 12-127 rows stay with the rows kernel (up to
+    ``LINEAR_NATIVE_MAX_ROWS``) or torch's matmul."""
+    from mambaradix.kernels import native
+
+    lib = native.load("linear")
+    return lib is not None and bool(lib.linear_uses_dpbf16())
+
+
+NO_TILES = "the tile kernel needs AVX512-BF16 (vdpbf16ps), which this CPU lacks"
+needs_tiles = pytest.mark.skipif(shutil.which("cc") is not None and not tiles_built(),
+                                 reason=NO_TILES)  # fmt: skip
+
 # (in, out): Granite-4.0-H-350M's Mamba2 in/out projections, its MLP, Qwen3.5-0.8B's MLP
 # down projection, a K with a tail of 8 (not a multiple of 32) and an N that is odd
 SHAPES = [(768, 3352), (1536, 768), (2048, 768), (3584, 1024), (200, 131)]
@@ -76,6 +92,8 @@ def matmul_mode(monkeypatch):
     "m, kernel", [(1, "rows"), (3, "rows"), (8, "rows"), (16, "rows"), (12, "tiles"), (45, "tiles")]
 )
 def test_native_linear_against_truth_and_torch(k, n, m, kernel, matmul_mode, monkeypatch):
+    if kernel == "tiles" and not tiles_built():
+        pytest.skip(NO_TILES)
     x, w, b = make(m, k, n, seed=k + n + m, bias=m in (3, 45))
     want = F.linear(x, w, b)  # torch's bf16 matmul (fp32 accumulation too)
     matmul_mode("fp32" if kernel == "tiles" else "bf16")  # (tiles where fp32 arithmetic wins)
@@ -193,6 +211,8 @@ def test_gated_mlp_is_the_composition_bit_for_bit(hidden, inter, m, mode, matmul
     Qwen3.5-0.8B's widths) gives exactly the composition of its own linear, SiLU and product,
     in bf16; the C path runs (cpu.gated_mlp is not None), with either kernel. Control: another
     down projection gives other outputs."""
+    if m > cpu.LINEAR_NATIVE_MAX_ROWS and not tiles_built():
+        pytest.skip(NO_TILES)
     matmul_mode(mode)
     g = torch.Generator().manual_seed(inter + m)
     x = torch.randn(m, hidden, generator=g).bfloat16()
@@ -236,6 +256,7 @@ def rows_one_by_one(x, w, b):
     return torch.cat([cpu.linear(x[i : i + 1], w, b) for i in range(x.shape[0])])
 
 
+@needs_tiles
 @pytest.mark.parametrize("k, n", [(1000, 301), (200, 131), (768, 3352), (64, 7)])
 def test_tiles_give_the_rows_kernels_bits(k, n, matmul_mode, no_torch_matmul):
     """The tile kernel (fp32 FMAs on widened weights) gives the rows kernel's results (the bf16
@@ -256,6 +277,7 @@ def test_tiles_give_the_rows_kernels_bits(k, n, matmul_mode, no_torch_matmul):
     assert (changed != want[:40]).nonzero()[:, 1].unique().tolist() == [n // 2]
 
 
+@needs_tiles
 @pytest.mark.parametrize("threads", [1, 3])
 def test_tiles_do_not_depend_on_the_thread_count(threads, matmul_mode, no_torch_matmul):
     matmul_mode("fp32")
@@ -271,6 +293,7 @@ def test_tiles_do_not_depend_on_the_thread_count(threads, matmul_mode, no_torch_
     assert torch.equal(got, want)
 
 
+@needs_tiles
 def test_tiles_flush_denormals_as_the_dot_product_instruction(matmul_mode, no_torch_matmul):
     """The bf16 dot-product instruction flushes denormal products and sums to zero; the tile
     kernel sets the same mode, so rows whose products are all denormal give 0 from both, where
@@ -294,7 +317,8 @@ def test_tiles_run_only_where_fp32_arithmetic_is_chosen(matmul_mode, monkeypatch
     x, w, b = make(40, 768, 64, seed=4, bias=True)
     assert torch.equal(cpu.linear(x, w, b), F.linear(x, w, b))
     matmul_mode("fp32")
-    assert [cpu._use_tiles(m) for m in (11, 12, 127, 128)] == [False, True, True, False]
+    built = tiles_built()  # (without AVX512-BF16: never)
+    assert [cpu._use_tiles(m) for m in (11, 12, 127, 128)] == [False, built, built, False]
     monkeypatch.setattr(cpu, "_tiles", [False])  # a build without the instructions
     assert not cpu._use_tiles(40)
 

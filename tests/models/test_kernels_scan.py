@@ -208,8 +208,17 @@ def test_native_conv_prefill_matches_the_reference(channels, width, activation, 
     got, got_pool = run(CpuBackend())
     assert got.dtype == dtype and got.shape == want.shape
     assert torch.equal(got_pool, want_pool)
-    tol = 1e-6 if dtype == torch.float32 else 0.0
-    assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+    diff = (got.float() - want.float()).abs()
+    if dtype == torch.float32:
+        assert diff.max() <= 1e-6 * want.float().abs().max()
+        return
+    # bf16: the same two roundings, but the fp32 sum of bias and taps in torch's order, which
+    # follows the CPU's kernels: the same bits on AVX512-BF16 machines; on an AVX2 EPYC 2 of
+    # 446k outputs one bf16 step apart, at sums that nearly cancel. So: at most one step
+    # anywhere, and almost every output equal (a wrong window or state moves most outputs).
+    step = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp_min(2.0**-126))) - 7)
+    assert (diff <= step).all()
+    assert (diff > 0).float().mean() <= 1e-4
 
 
 def test_native_conv_prefill_snapshot_control(monkeypatch):

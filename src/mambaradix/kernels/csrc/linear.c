@@ -30,6 +30,12 @@
 #else
 #define HAVE_DPBF16 0
 #endif
+#if !HAVE_DPBF16 && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_F32X 1 /* AVX2 without the bf16 dot product: dot_f32x */
+#else
+#define HAVE_F32X 0
+#endif
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define XR 4 /* x rows dotted with one loaded weight chunk */
@@ -209,6 +215,92 @@ static void pack_rows(const uint16_t *x, int64_t x_stride, int64_t K, int64_t R,
 #define HAVE_PACKED 1
 #else
 #define HAVE_PACKED 0
+#if HAVE_F32X
+/* AVX2 CPUs without a bf16 dot product (AMD Zen 1-3, Intel before Cooper Lake). Each dot keeps
+ * one fp32 accumulator of 8 lanes that takes x * w for the chunks of 8 in order, then the tail
+ * (K % 8, zero-padded) as one more chunk, and is summed by hsum8: an order fixed by K alone, so a
+ * row's result does not depend on how the batch or the weight rows are grouped (a verify step's
+ * rows give decode's bits). x comes widened to fp32 once per call (pack_f32: rows of K8 = K
+ * rounded up to 8, zeros past K), so the loop widens only the weights, each chunk once for the
+ * R rows: the portable loop below widened both and took the rows one after another, each a
+ * single dependent chain of multiply-adds, so 4 rows cost ~4 times one. Products of two bf16
+ * values are exact in fp32. */
+ALWAYS_INLINE __m256 widen8(const uint16_t *p)
+{
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+ALWAYS_INLINE float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static void pack_f32(const uint16_t *x, int64_t x_stride, int64_t K, int64_t M, float *xf)
+{
+    const int64_t K8 = (K + 7) / 8 * 8;
+    for (int64_t m = 0; m < M; m++) {
+        int64_t k = 0;
+        for (; k < K; k++)
+            xf[m * K8 + k] = bf16_to_f32(x[m * x_stride + k]);
+        for (; k < K8; k++)
+            xf[m * K8 + k] = 0.0f;
+    }
+}
+
+/* R x rows (fp32, pack_f32's rows of K8) against S weight rows w[0..S), res[s * XR + r]. The
+ * weights are prefetched PF_DIST elements ahead, a line per 32 elements. */
+ALWAYS_INLINE void dot_f32x(const float *xf, int64_t K8, const uint16_t *const *w, const int S,
+                            int64_t K, const int R, float *res)
+{
+    __m256 acc[2][XR];
+    for (int s = 0; s < S; s++)
+        for (int r = 0; r < R; r++)
+            acc[s][r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        for (int s = 0; s < S; s++) /* an address, not a pointer past the matrix */
+            _mm_prefetch((const char *)((uintptr_t)(w[s] + k) + 2 * PF_DIST), _MM_HINT_T0);
+        for (int j = 0; j < 32; j += 8) {
+            __m256 wv[2];
+            for (int s = 0; s < S; s++)
+                wv[s] = widen8(w[s] + k + j);
+            for (int r = 0; r < R; r++) {
+                const __m256 xv = _mm256_loadu_ps(xf + r * K8 + k + j);
+                for (int s = 0; s < S; s++)
+                    acc[s][r] = _mm256_fmadd_ps(xv, wv[s], acc[s][r]);
+            }
+        }
+    }
+    for (; k + 8 <= K; k += 8) {
+        __m256 wv[2];
+        for (int s = 0; s < S; s++)
+            wv[s] = widen8(w[s] + k);
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_loadu_ps(xf + r * K8 + k);
+            for (int s = 0; s < S; s++)
+                acc[s][r] = _mm256_fmadd_ps(xv, wv[s], acc[s][r]);
+        }
+    }
+    if (k < K) {
+        uint16_t tail[2][8] = {{0}};
+        for (int s = 0; s < S; s++)
+            for (int64_t i = k; i < K; i++)
+                tail[s][i - k] = w[s][i];
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_loadu_ps(xf + r * K8 + k);
+            for (int s = 0; s < S; s++)
+                acc[s][r] = _mm256_fmadd_ps(xv, widen8(tail[s]), acc[s][r]);
+        }
+    }
+    for (int s = 0; s < S; s++)
+        for (int r = 0; r < R; r++)
+            res[s * XR + r] = hsum8(acc[s][r]);
+}
+#endif
 ALWAYS_INLINE void dot_rows(const uint16_t *x, int64_t xs, const uint16_t *const *w, const int S,
                             int64_t K, const int R, float *res)
 {
@@ -233,6 +325,43 @@ ALWAYS_INLINE void rows_out(int64_t M, int64_t K, const uint16_t *x, int64_t x_s
                             uint16_t *out, int64_t out_stride, const uint16_t *xp)
 {
     float res[2 * XR];
+#if HAVE_F32X
+    if (xp) { /* x widened by pack_f32: two weight rows side by side for any group */
+        const float *xf = (const float *)(const void *)xp;
+        const int64_t K8 = (K + 7) / 8 * 8;
+        for (int64_t m0 = 0; m0 < M; m0 += XR) {
+            const int64_t R = M - m0 < XR ? M - m0 : XR;
+            for (int s0 = 0; s0 < S; s0 += 2) {
+                const int step = S - s0 < 2 ? 1 : 2;
+                const uint16_t *ws[2] = {w + n[s0] * K, w + n[s0 + step - 1] * K};
+                const float *xm = xf + m0 * K8;
+#define F(s_, r_) dot_f32x(xm, K8, ws, s_, K, r_, res)
+                if (step == 2)
+                    switch (R) { /* constants: each case unrolled on its own */
+                    case 4: F(2, 4); break;
+                    case 3: F(2, 3); break;
+                    case 2: F(2, 2); break;
+                    default: F(2, 1); break;
+                    }
+                else
+                    switch (R) {
+                    case 4: F(1, 4); break;
+                    case 3: F(1, 3); break;
+                    case 2: F(1, 2); break;
+                    default: F(1, 1); break;
+                    }
+#undef F
+                for (int s = 0; s < step; s++) {
+                    const float b = bias ? bf16_to_f32(bias[n[s0 + s]]) : 0.0f;
+                    for (int64_t r = 0; r < R; r++)
+                        out[(m0 + r) * out_stride + n[s0 + s]] =
+                            f32_to_bf16(res[s * XR + r] + b);
+                }
+            }
+        }
+        return;
+    }
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += XR) {
         const uint16_t *xm = x + m0 * x_stride;
         const int64_t R = M - m0 < XR ? M - m0 : XR;
@@ -364,7 +493,8 @@ ALWAYS_INLINE void rows_team(int64_t M, int64_t N, int64_t K, const uint16_t *x,
     const int64_t per = (N + nt - 1) / nt;
     const int64_t lo = t * per < N ? t * per : N, hi = lo + per < N ? lo + per : N;
     const int64_t half = (hi - lo) / 2;
-    uint16_t *xp = NULL; /* groups of 3-4 x rows: this thread's copy of x, packed per group */
+    uint16_t *xp = NULL; /* this thread's copy of x: packed per group of 3-4 rows (pack_rows), or
+                          * every row widened to fp32 on AVX2 (pack_f32) */
 #if HAVE_PACKED
     const int64_t Kc = (K + 31) / 32;
     if (M > 2 && hi > lo && (xp = aligned_alloc(64, (size_t)(M * Kc * 64))) != NULL)
@@ -377,6 +507,9 @@ ALWAYS_INLINE void rows_team(int64_t M, int64_t N, int64_t K, const uint16_t *x,
     if (saved)
         rows_blocked(M, K, xp, w, lo, half, bias, out, out_stride, saved);
     else
+#elif HAVE_F32X
+    if (hi > lo && (xp = aligned_alloc(64, (size_t)((M * ((K + 7) / 8 * 8) * 4 + 63) / 64 * 64))))
+        pack_f32(x, x_stride, K, M, (float *)(void *)xp);
 #endif
         for (int64_t i = 0; i < half; i++) {
             const int64_t n[2] = {lo + i, lo + half + i};
