@@ -397,3 +397,30 @@ def test_measured_choice_needs_a_margin():
     assert bf16_matmul.decide(bf16_s=1.0, fp32_s=0.85) == "fp32"
     assert bf16_matmul.decide(bf16_s=1.0, fp32_s=0.95) == "bf16"  # within noise: keep bf16
     assert bf16_matmul.decide(bf16_s=0.5, fp32_s=1.0) == "bf16"
+
+
+def test_wide_batches_take_the_rows_kernel_without_tiles(matmul_mode, monkeypatch):
+    """Builds without the tile kernel whose rows kernel widens to fp32 (AVX2): batches of 17-127
+    rows take the rows kernel where fp32 arithmetic is chosen, while their fp32 copy fits
+    LINEAR_WIDE_X_BYTES, each row's bits those of the row alone; with bf16 chosen, torch's
+    matmul. Elsewhere the tile kernel (AVX512-BF16) or torch's matmul takes them."""
+    from mambaradix.kernels import native
+
+    widens = bool(native.load("linear").linear_uses_f32x())
+    matmul_mode("fp32")
+    kinds = [cpu._decode_kernel(m, 1024) for m in (17, 64, 127, 128)]
+    if tiles_built():
+        assert kinds == ["tiles", "tiles", "tiles", None]
+        return
+    if not widens:
+        assert kinds == [None] * 4
+        return
+    assert kinds == ["rows", "rows", "rows", None]
+    assert cpu._decode_kernel(64, 8192) is None  # 2 MB of fp32 rows: the fp32 matmul
+    x, w, b = make(40, 1000, 301, seed=21, bias=True)
+    monkeypatch.setattr(cpu.F, "linear", lambda *a: pytest.fail("fell back to torch"))
+    got = cpu.linear(x, w, b)
+    assert torch.equal(got, rows_one_by_one(x, w, b))
+    assert err_in_ulps(got, x, w, b).max() <= 1.0
+    matmul_mode("bf16")
+    assert cpu._decode_kernel(40, 1000) is None

@@ -793,12 +793,19 @@ def mamba2_decode(
 # - tiles: from LINEAR_TILES_MIN_ROWS rows up to bf16_matmul.MIN_ROWS, where the products are the
 #   cost: fp32 FMAs on weights widened in registers, on CPUs where fp32 arithmetic beats the bf16
 #   one (``bf16_matmul.choice() == "fp32"``: the same property its many-row path is chosen for).
+# - without the tile kernel (AVX2 builds: no bf16 dot product, and torch's bf16 matmul a scalar
+#   fallback), the rows kernel takes the tiles' range too, up to bf16_matmul.MIN_ROWS rows while
+#   their fp32 copy takes at most LINEAR_WIDE_X_BYTES, where fp32 arithmetic is chosen: on an
+#   AVX2 EPYC 20-64 rows ran at 24-27 GFMA/s against 7-19 for fp32 copies of the weights and
+#   ~5.5 for torch's bf16 matmul.
 # Beyond, torch's matmul or an fp32 one (``kernels.bf16_matmul``). The measurements behind these
 # bounds, by CPU model, are in docs/benchmarks.md.
 LINEAR_NATIVE_MAX_ROWS = 16
 LINEAR_NATIVE_X_BYTES = 160 << 10
 LINEAR_TILES_MIN_ROWS = 12
+LINEAR_WIDE_X_BYTES = 1 << 20
 _tiles: list[bool] = []  # whether this build has the tile kernel's instructions (cached)
+_widens: list[bool] = []  # whether its rows kernel widens to fp32 with AVX2 (cached)
 
 
 def _use_tiles(m: int) -> bool:
@@ -811,11 +818,24 @@ def _use_tiles(m: int) -> bool:
     return _tiles[0] and bf16_matmul.choice() == "fp32"
 
 
+def _wide_rows(m: int, k: int) -> bool:
+    """Whether ``m`` rows of ``k`` beyond LINEAR_NATIVE_MAX_ROWS take the rows kernel (a build
+    without the tile kernel whose rows kernel widens to fp32; the caller has checked dtypes)."""
+    if m >= bf16_matmul.MIN_ROWS or m * k * 4 > LINEAR_WIDE_X_BYTES:
+        return False
+    if not _widens:
+        lib = native.load("linear")
+        _widens.append(lib is not None and bool(lib.linear_uses_f32x()))
+    return _widens[0] and bf16_matmul.choice() == "fp32"
+
+
 def _decode_kernel(m: int, k: int) -> str | None:
     """Which C kernel takes ``m`` bf16 rows of ``k`` (``tiles``, ``rows``), or None (torch)."""
     if _use_tiles(m):
         return "tiles"
     if 0 < m <= LINEAR_NATIVE_MAX_ROWS and (m == 1 or m * k * 2 <= LINEAR_NATIVE_X_BYTES):
+        return "rows"
+    if m > LINEAR_NATIVE_MAX_ROWS and _wide_rows(m, k):
         return "rows"
     return None
 

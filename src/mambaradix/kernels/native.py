@@ -190,6 +190,7 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR,                  # NULL (few rows) or scratch: M x max(H, I) (rounded up) fp32
         ],
         "linear_uses_dpbf16": [],
+        "linear_uses_f32x": [],
     },
     "rms_norm": {
         "rms_norm": [
@@ -250,12 +251,13 @@ for _lib, _name in (
     SIGNATURES[_lib][_name + "_bf16"] = SIGNATURES[_lib][_name]
 SIGNATURES["moe"]["moe_unpad_bf16"] = [*SIGNATURES["moe"]["moe_unpad"], _INT]  # + out is bf16
 # functions that return a value (the others return nothing)
-RESULTS = {"moe_pad": _I64, "moe_pad_bf16": _I64, "linear_uses_dpbf16": _INT}
+RESULTS = {"moe_pad": _I64, "moe_pad_bf16": _I64, "linear_uses_dpbf16": _INT,
+           "linear_uses_f32x": _INT}
 RESULTS.update({f"{scan}{v}": _INT for scan in ("mamba2_scan", "gated_delta_scan", "conv1d_prefill")
                 for v in ("", "_bf16")})  # fmt: skip
 # of those, the ones whose value depends on the data (a recorded step that calls one cannot be
 # replayed: Python read what the call returned); linear_uses_dpbf16 describes the build
-DATA_RESULTS = frozenset(RESULTS) - {"linear_uses_dpbf16"}
+DATA_RESULTS = frozenset(RESULTS) - {"linear_uses_dpbf16", "linear_uses_f32x"}
 
 
 def cache_dir() -> Path:

@@ -216,19 +216,23 @@ static void pack_rows(const uint16_t *x, int64_t x_stride, int64_t K, int64_t R,
 #else
 #define HAVE_PACKED 0
 #if HAVE_F32X
-/* AVX2 CPUs without a bf16 dot product (AMD Zen 1-3, Intel before Cooper Lake). Each dot keeps
- * one fp32 accumulator of 8 lanes that takes x * w for the chunks of 8 in order, then the tail
- * (K % 8, zero-padded) as one more chunk, and is summed by hsum8: an order fixed by K alone, so a
- * row's result does not depend on how the batch or the weight rows are grouped (a verify step's
- * rows give decode's bits). x comes widened to fp32 once per call (pack_f32: rows of K8 = K
- * rounded up to 8, zeros past K), so the loop widens only the weights, each chunk once for the
- * R rows: the portable loop below widened both and took the rows one after another, each a
- * single dependent chain of multiply-adds, so 4 rows cost ~4 times one. Products of two bf16
- * values are exact in fp32. */
-ALWAYS_INLINE __m256 widen8(const uint16_t *p)
+/* AVX2 CPUs without a bf16 dot product (AMD Zen 1-3, Intel before Cooper Lake). The weights are
+ * widened to fp32 as the tile kernel widens them: 16 bf16 loaded as 8 pairs, the odd elements
+ * by a mask and the even ones by a shift (two instructions per 16, where a zero-extension and a
+ * shift per 8 took a third of the vector pipes the multiply-adds need once several rows share
+ * each chunk). Each dot keeps one fp32 accumulator of 8 lanes that takes, for the chunks of 16
+ * in order (the last one zero-padded), the odd products and then the even ones, and is summed
+ * by hsum8: an order fixed by K alone, so a row's result does not depend on how the batch or the
+ * weight rows are grouped (a verify step's rows give decode's bits). x comes widened and split
+ * the same way once per call (pack_f32), so the loop widens only the weights, each chunk once for
+ * the R rows. Products of two bf16 values are exact in fp32. */
+#define F32X_CH 16
+
+ALWAYS_INLINE void widen16(const uint16_t *p, __m256 *odd, __m256 *even)
 {
-    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
 ALWAYS_INLINE float hsum8(__m256 v)
@@ -239,21 +243,40 @@ ALWAYS_INLINE float hsum8(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
+/* x rows into xf: rows of K16 = K rounded up to 16 floats, each chunk of 16 as its 8 odd
+ * elements then its 8 even ones, zeros past K. */
 static void pack_f32(const uint16_t *x, int64_t x_stride, int64_t K, int64_t M, float *xf)
 {
-    const int64_t K8 = (K + 7) / 8 * 8;
-    for (int64_t m = 0; m < M; m++) {
-        int64_t k = 0;
-        for (; k < K; k++)
-            xf[m * K8 + k] = bf16_to_f32(x[m * x_stride + k]);
-        for (; k < K8; k++)
-            xf[m * K8 + k] = 0.0f;
+    const int64_t K16 = (K + F32X_CH - 1) / F32X_CH * F32X_CH;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t c = 0; c < K16; c += F32X_CH)
+            for (int64_t i = 0; i < 8; i++) {
+                const int64_t ko = c + 2 * i + 1, ke = c + 2 * i;
+                xf[m * K16 + c + i] = ko < K ? bf16_to_f32(x[m * x_stride + ko]) : 0.0f;
+                xf[m * K16 + c + 8 + i] = ke < K ? bf16_to_f32(x[m * x_stride + ke]) : 0.0f;
+            }
+}
+
+/* One chunk of 16 (w[s] at c, x at xf + r * K16 + c) into the R x S accumulators. */
+ALWAYS_INLINE void chunk_f32x(const float *xf, int64_t K16, const uint16_t *const *w, int64_t c,
+                              const int S, const int R, __m256 acc[2][XR])
+{
+    __m256 wo[2], we[2];
+    for (int s = 0; s < S; s++)
+        widen16(w[s] + c, &wo[s], &we[s]);
+    for (int r = 0; r < R; r++) {
+        const float *xc = xf + r * K16 + c;
+        const __m256 xo = _mm256_loadu_ps(xc), xe = _mm256_loadu_ps(xc + 8);
+        for (int s = 0; s < S; s++) {
+            acc[s][r] = _mm256_fmadd_ps(xo, wo[s], acc[s][r]);
+            acc[s][r] = _mm256_fmadd_ps(xe, we[s], acc[s][r]);
+        }
     }
 }
 
-/* R x rows (fp32, pack_f32's rows of K8) against S weight rows w[0..S), res[s * XR + r]. The
- * weights are prefetched PF_DIST elements ahead, a line per 32 elements. */
-ALWAYS_INLINE void dot_f32x(const float *xf, int64_t K8, const uint16_t *const *w, const int S,
+/* R x rows (pack_f32's) against S weight rows w[0..S), res[s * XR + r]. The weights are
+ * prefetched PF_DIST elements ahead, a line per 32 elements. */
+ALWAYS_INLINE void dot_f32x(const float *xf, int64_t K16, const uint16_t *const *w, const int S,
                             int64_t K, const int R, float *res)
 {
     __m256 acc[2][XR];
@@ -264,37 +287,19 @@ ALWAYS_INLINE void dot_f32x(const float *xf, int64_t K8, const uint16_t *const *
     for (; k + 32 <= K; k += 32) {
         for (int s = 0; s < S; s++) /* an address, not a pointer past the matrix */
             _mm_prefetch((const char *)((uintptr_t)(w[s] + k) + 2 * PF_DIST), _MM_HINT_T0);
-        for (int j = 0; j < 32; j += 8) {
-            __m256 wv[2];
-            for (int s = 0; s < S; s++)
-                wv[s] = widen8(w[s] + k + j);
-            for (int r = 0; r < R; r++) {
-                const __m256 xv = _mm256_loadu_ps(xf + r * K8 + k + j);
-                for (int s = 0; s < S; s++)
-                    acc[s][r] = _mm256_fmadd_ps(xv, wv[s], acc[s][r]);
-            }
-        }
+        chunk_f32x(xf, K16, w, k, S, R, acc);
+        chunk_f32x(xf, K16, w, k + 16, S, R, acc);
     }
-    for (; k + 8 <= K; k += 8) {
-        __m256 wv[2];
-        for (int s = 0; s < S; s++)
-            wv[s] = widen8(w[s] + k);
-        for (int r = 0; r < R; r++) {
-            const __m256 xv = _mm256_loadu_ps(xf + r * K8 + k);
-            for (int s = 0; s < S; s++)
-                acc[s][r] = _mm256_fmadd_ps(xv, wv[s], acc[s][r]);
-        }
-    }
-    if (k < K) {
-        uint16_t tail[2][8] = {{0}};
+    for (; k + 16 <= K; k += 16)
+        chunk_f32x(xf, K16, w, k, S, R, acc);
+    if (k < K) { /* the last chunk through a zero-padded copy of the weights */
+        uint16_t tail[2][F32X_CH] = {{0}};
+        const uint16_t *tw[2] = {tail[0], tail[1]};
         for (int s = 0; s < S; s++)
             for (int64_t i = k; i < K; i++)
                 tail[s][i - k] = w[s][i];
-        for (int r = 0; r < R; r++) {
-            const __m256 xv = _mm256_loadu_ps(xf + r * K8 + k);
-            for (int s = 0; s < S; s++)
-                acc[s][r] = _mm256_fmadd_ps(xv, widen8(tail[s]), acc[s][r]);
-        }
+        const float *xk = xf + k; /* chunk_f32x's offset c = 0 into the copies */
+        chunk_f32x(xk, K16, tw, 0, S, R, acc);
     }
     for (int s = 0; s < S; s++)
         for (int r = 0; r < R; r++)
@@ -328,14 +333,14 @@ ALWAYS_INLINE void rows_out(int64_t M, int64_t K, const uint16_t *x, int64_t x_s
 #if HAVE_F32X
     if (xp) { /* x widened by pack_f32: two weight rows side by side for any group */
         const float *xf = (const float *)(const void *)xp;
-        const int64_t K8 = (K + 7) / 8 * 8;
+        const int64_t K16 = (K + F32X_CH - 1) / F32X_CH * F32X_CH;
         for (int64_t m0 = 0; m0 < M; m0 += XR) {
             const int64_t R = M - m0 < XR ? M - m0 : XR;
             for (int s0 = 0; s0 < S; s0 += 2) {
                 const int step = S - s0 < 2 ? 1 : 2;
                 const uint16_t *ws[2] = {w + n[s0] * K, w + n[s0 + step - 1] * K};
-                const float *xm = xf + m0 * K8;
-#define F(s_, r_) dot_f32x(xm, K8, ws, s_, K, r_, res)
+                const float *xm = xf + m0 * K16;
+#define F(s_, r_) dot_f32x(xm, K16, ws, s_, K, r_, res)
                 if (step == 2)
                     switch (R) { /* constants: each case unrolled on its own */
                     case 4: F(2, 4); break;
@@ -508,7 +513,8 @@ ALWAYS_INLINE void rows_team(int64_t M, int64_t N, int64_t K, const uint16_t *x,
         rows_blocked(M, K, xp, w, lo, half, bias, out, out_stride, saved);
     else
 #elif HAVE_F32X
-    if (hi > lo && (xp = aligned_alloc(64, (size_t)((M * ((K + 7) / 8 * 8) * 4 + 63) / 64 * 64))))
+    const size_t xf_bytes = (size_t)((M * ((K + 15) / 16 * 16) * 4 + 63) / 64 * 64);
+    if (hi > lo && (xp = aligned_alloc(64, xf_bytes)) != NULL)
         pack_f32(x, x_stride, K, M, (float *)(void *)xp);
 #endif
         for (int64_t i = 0; i < half; i++) {
@@ -759,3 +765,6 @@ void gated_mlp_bf16(int64_t M, int64_t I, int64_t H, const uint16_t *x, int64_t 
 
 /* Whether this build uses the AVX-512 BF16 dot-product instruction (else the portable loop). */
 int linear_uses_dpbf16(void) { return HAVE_DPBF16; }
+
+/* Whether this build widens to fp32 with AVX2 (dot_f32x: no bf16 dot product here). */
+int linear_uses_f32x(void) { return HAVE_F32X; }
