@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -124,10 +125,15 @@ def decode_rate(eng, batch: int, new: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     eng.generate(input_ids=prompts, sampling_params=[p] * batch)
     seconds = time.perf_counter() - t0
-    after = eng.stats()
+    return batch * new / seconds, accept_length(before, eng.stats())
+
+
+def accept_length(before, after) -> float:
+    """The mean tokens a verify step emitted between two ``Engine.stats()`` (1.0 without
+    speculation)."""
     verify = after.spec_verify_ct - before.spec_verify_ct
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-    return batch * new / seconds, accepted / verify if verify else 1.0
+    return accepted / verify if verify else 1.0
 
 
 def cycles(vocab: int, count: int) -> list[list[int]]:
@@ -166,7 +172,7 @@ def repeat_checkpoint() -> Path:
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
     for f in src.iterdir():
         if f.name != "model.safetensors":
-            (tmp / f.name).write_bytes(f.read_bytes())
+            shutil.copy2(f, tmp / f.name)
     config = json.loads((tmp / "config.json").read_text())
     config["tie_word_embeddings"] = False
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -194,13 +200,10 @@ def repeat_rate(eng, batch: int, new: int) -> tuple[float, float, float]:
     first, _ = run(1)
     before = eng.stats()
     seconds, outs = run(new)
-    after = eng.stats()
-    verify = after.spec_verify_ct - before.spec_verify_ct
-    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    length = accept_length(before, eng.stats())
     follow = sum(o == c[i % CYCLE] for out, c in zip(outs, cycs)
                  for i, o in enumerate(out["output_ids"]))  # fmt: skip
-    rate = batch * (new - 1) / (seconds - first)
-    return rate, accepted / verify if verify else 1.0, follow / (batch * new)
+    return batch * (new - 1) / (seconds - first), length, follow / (batch * new)
 
 
 def workloads(vocab: int) -> dict[str, list[list[list[int]]]]:

@@ -228,6 +228,9 @@ static void pack_rows(const uint16_t *x, int64_t x_stride, int64_t K, int64_t R,
  * the R rows. Products of two bf16 values are exact in fp32. */
 #define F32X_CH 16
 
+/* pack_f32's row length: K rounded up to whole chunks */
+ALWAYS_INLINE int64_t f32x_row(int64_t K) { return (K + F32X_CH - 1) / F32X_CH * F32X_CH; }
+
 ALWAYS_INLINE void widen16(const uint16_t *p, __m256 *odd, __m256 *even)
 {
     const __m256i v = _mm256_loadu_si256((const __m256i *)p);
@@ -247,7 +250,7 @@ ALWAYS_INLINE float hsum8(__m256 v)
  * elements then its 8 even ones, zeros past K. */
 static void pack_f32(const uint16_t *x, int64_t x_stride, int64_t K, int64_t M, float *xf)
 {
-    const int64_t K16 = (K + F32X_CH - 1) / F32X_CH * F32X_CH;
+    const int64_t K16 = f32x_row(K);
     for (int64_t m = 0; m < M; m++)
         for (int64_t c = 0; c < K16; c += F32X_CH)
             for (int64_t i = 0; i < 8; i++) {
@@ -333,7 +336,7 @@ ALWAYS_INLINE void rows_out(int64_t M, int64_t K, const uint16_t *x, int64_t x_s
 #if HAVE_F32X
     if (xp) { /* x widened by pack_f32: two weight rows side by side for any group */
         const float *xf = (const float *)(const void *)xp;
-        const int64_t K16 = (K + F32X_CH - 1) / F32X_CH * F32X_CH;
+        const int64_t K16 = f32x_row(K);
         for (int64_t m0 = 0; m0 < M; m0 += XR) {
             const int64_t R = M - m0 < XR ? M - m0 : XR;
             for (int s0 = 0; s0 < S; s0 += 2) {
@@ -500,6 +503,11 @@ ALWAYS_INLINE void rows_team(int64_t M, int64_t N, int64_t K, const uint16_t *x,
     const int64_t half = (hi - lo) / 2;
     uint16_t *xp = NULL; /* this thread's copy of x: packed per group of 3-4 rows (pack_rows), or
                           * every row widened to fp32 on AVX2 (pack_f32) */
+#if HAVE_F32X
+    const size_t xf_bytes = (size_t)((M * f32x_row(K) * 4 + 63) / 64 * 64);
+    if (hi > lo && (xp = aligned_alloc(64, xf_bytes)) != NULL)
+        pack_f32(x, x_stride, K, M, (float *)(void *)xp);
+#endif
 #if HAVE_PACKED
     const int64_t Kc = (K + 31) / 32;
     if (M > 2 && hi > lo && (xp = aligned_alloc(64, (size_t)(M * Kc * 64))) != NULL)
@@ -512,10 +520,6 @@ ALWAYS_INLINE void rows_team(int64_t M, int64_t N, int64_t K, const uint16_t *x,
     if (saved)
         rows_blocked(M, K, xp, w, lo, half, bias, out, out_stride, saved);
     else
-#elif HAVE_F32X
-    const size_t xf_bytes = (size_t)((M * ((K + 15) / 16 * 16) * 4 + 63) / 64 * 64);
-    if (hi > lo && (xp = aligned_alloc(64, xf_bytes)) != NULL)
-        pack_f32(x, x_stride, K, M, (float *)(void *)xp);
 #endif
         for (int64_t i = 0; i < half; i++) {
             const int64_t n[2] = {lo + i, lo + half + i};
