@@ -164,10 +164,10 @@ class EngineConfig:
         "",
         "Speculative decoding: each decoding request's next k tokens are drafted and verified "
         "in one forward; the outputs are those of decoding without it (greedy: the same "
-        "tokens; sampling: the same distribution). 'NGRAM' drafts from the request's own "
-        "prompt and output (prompt lookup); 'NEXTN' / 'MTP' (one name) chain the "
-        "checkpoint's multi-token-prediction head (Qwen3-Next / Qwen3.5 checkpoints with "
-        "mtp.* weights). Turns overlap off.",
+        "tokens; sampling: the same distribution, with a seed the same tokens). 'NGRAM' "
+        "drafts from the request's own prompt and output (prompt lookup); 'NEXTN' / 'MTP' "
+        "(one name) chain the checkpoint's multi-token-prediction head (Qwen3-Next / Qwen3.5 "
+        "checkpoints with mtp.* weights). Turns overlap off.",
         ["", "NGRAM", "NEXTN", "MTP"],
     )
     speculative_num_steps: int = opt(3, "Draft tokens per verify step (k).")
@@ -180,6 +180,13 @@ class EngineConfig:
     )
     speculative_ngram_max_match_window_size: int = opt(
         4, "NGRAM: the longest suffix looked up (the longest that matches wins)."
+    )
+    speculative_disable_by_batch_size: int = opt(
+        0,
+        "A step with more decoding requests than this drafts nothing (each decodes one token), "
+        "where the products of k + 1 rows a request outweigh reading the weights once: on a "
+        "2-core CPU, NGRAM at k = 3 broke even at 16 requests (docs/benchmarks.md). Outputs do "
+        "not change (greedy: the same tokens; seeded sampling: the same draws). 0: never.",
     )
     speculative_token_map: str = opt(
         "",
@@ -264,6 +271,8 @@ class EngineConfig:
                 f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 ({k + 1}) "
                 "with --speculative-eagle-topk 1"
             )
+        if self.speculative_disable_by_batch_size < 0:
+            raise ValueError("--speculative-disable-by-batch-size must be >= 0 (0: never)")
         if self.speculative_token_map and algo not in ("NEXTN", "MTP"):
             raise ValueError("--speculative-token-map is for --speculative-algorithm NEXTN / MTP")
         lo = self.speculative_ngram_min_match_window_size

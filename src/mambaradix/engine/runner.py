@@ -18,7 +18,7 @@ from mambaradix.core import ForwardBatch, ForwardReq, SamplingParams, StateOps
 from mambaradix.engine.batch import FUTURE_STRIDE, RunBatch, RunResult
 from mambaradix.engine.cuda_graphs import CudaGraphs
 from mambaradix.engine.mtp_draft import DraftHead
-from mambaradix.engine.sampler import sample, sampling_probs, top_logprobs
+from mambaradix.engine.sampler import on_generator_device, sample, sampling_probs, top_logprobs
 from mambaradix.engine.speculative import accept_greedy, accept_sampled
 from mambaradix.engine.step_graph import DecodeGraphs
 from mambaradix.engine.structured import BatchMasks, StructuredOutput
@@ -133,6 +133,7 @@ class ModelRunner:
                 ]
             if sample_rows:
                 index = torch.tensor(sample_rows, dtype=torch.long, device=logits.device)
+                drawn = _seeded_states(batch)  # verify rows draw again from these states
                 result.tokens, result.logprobs, result.top, result.errors = self._sample(
                     logits, index, batch, masks
                 )
@@ -145,6 +146,8 @@ class ModelRunner:
                         continue
                     j = batch.sample_rows[i]
                     rows = logits[first_row[j] : first_row[j] + len(draft) + 1].float()
+                    if i in drawn:
+                        batch.generators[i].set_state(drawn[i])
                     self._verify(result, i, draft, rows, batch)
             for j, offset, targets, k in batch.prompt_rows:
                 start = first_row[j] + offset
@@ -166,15 +169,17 @@ class ModelRunner:
         """Sample row ``i`` verified ``draft``: ``rows`` [k + 1, V] are the target's logits
         after each of its input tokens; the tokens acceptance emits (``engine.speculative``)
         and their logprobs under the model's distribution replace the row's sampled token
-        (which the normal path drew from the last row, its generator draws included, so a
-        seeded request stays deterministic)."""
+        (the normal path's draw from the last row; a seeded generator was set back to its state
+        before it, so the request draws each emitted token as decoding would)."""
         p = batch.params[i]
         greedy, norm = argmax_logsumexp(rows)
         if p.temperature == 0.0 or p.top_k == 1:
             emitted = accept_greedy(draft, greedy.tolist())
         else:
-            probs = torch.stack([sampling_probs(rows[r], p) for r in range(rows.shape[0])])
-            emitted = accept_sampled(draft, probs, batch.generators[i])
+            gen = batch.generators[i]
+            src = on_generator_device(rows, gen)  # where decoding computes a row's distribution
+            probs = [sampling_probs(src[r], p) for r in range(src.shape[0])]
+            emitted = accept_sampled(draft, torch.stack(probs), gen)
         n = len(emitted)
         picked = torch.tensor(emitted, dtype=torch.long, device=rows.device)
         chosen = rows[:n].gather(1, picked[:, None])
@@ -346,6 +351,17 @@ class ModelRunner:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+def _seeded_states(batch: RunBatch) -> dict[int, torch.Tensor]:
+    """The states of the seeded generators of the sampled rows that verify a draft, before
+    the batch's sampling draws from them."""
+    out = {}
+    for i in batch.drafts:
+        gen = batch.generators[i]
+        if gen is not None and batch.params[i].temperature != 0.0:
+            out[i] = gen.get_state()
+    return out
 
 
 def _rng_states(

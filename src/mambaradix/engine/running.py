@@ -48,7 +48,8 @@ class RunningSet:
         slot-row gather for all), then the next chunk of those still in prefill; returns the
         prefill budget left."""
         decodes = [r for r in running if r.seq_len - r.fed_len == 1 and self._schedulable(r)]
-        verifies = self._drafts(decodes) if self.speculation is not None else []
+        spec = self.speculation
+        verifies = self._drafts(decodes) if spec and spec.drafts_for(len(decodes)) else []
         if verifies:
             drafted = {id(r) for r, _ in verifies}
             decodes = [r for r in decodes if id(r) not in drafted]

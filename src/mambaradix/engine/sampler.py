@@ -77,9 +77,22 @@ def _greedy(p: SamplingParams) -> bool:
 
 
 def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    return draw(sampling_probs(on_generator_device(row, gen), p), gen)
+
+
+def on_generator_device(row: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """``row`` where ``gen`` draws: a request's seeded generator draws on the CPU on any
+    device, and its distribution is computed there too (the same bits on every path)."""
     if gen is not None and gen.device != row.device:
-        row = row.to(gen.device)  # a request's seeded generator draws on the CPU on any device
-    return int(torch.multinomial(sampling_probs(row, p), 1, generator=gen).item())
+        return row.to(gen.device)
+    return row
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """One token from ``probs`` (``sampling_probs``) with ``gen`` (None: torch's global
+    generator): the one call every sampled token goes through, decoding's and a verify step's
+    (``speculative.accept_point_drafts``), so both draw the same token from the same state."""
+    return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
 def sampling_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -95,6 +95,7 @@ class Scheduler:
                 track_interval=cfg.mamba_track_interval,
                 page_snapshots=self.strategy.name == EXTRA_BUFFER,
                 draft_head=cfg.speculative_algorithm in DRAFT_HEAD_ALGORITHMS,
+                max_batch=cfg.speculative_disable_by_batch_size,
             )
             self.overlap = False  # a draft needs the tokens the step before accepted
         self.running_set = RunningSet(

@@ -12,15 +12,21 @@ forward: row ``i`` (``0 <= i <= k``) holds the target's distribution of the toke
   from ``q``, is kept with probability ``min(1, p(x) / q(x))``; at the first rejection the
   emitted token is drawn from the residual ``max(p - q, 0)`` normalised, and after ``k`` kept
   tokens the bonus is drawn from row ``k``'s ``p``. Each emitted token is then distributed
-  exactly as ``p`` (Leviathan et al. 2023; Chen et al. 2023). An n-gram draft is
-  deterministic: ``q`` is a point mass on its token (kept with probability ``p(x)``, the
-  residual is ``p`` without ``x``). Draws use the request's own generator, so a seeded request
-  gives the same tokens on every run.
+  exactly as ``p`` (Leviathan et al. 2023; Chen et al. 2023).
+- the engine's drafts are deterministic (n-gram lookups, the MTP head's argmax): ``q`` is a
+  point mass on ``x``, the rule keeps ``x`` with probability ``p(x)`` and otherwise draws from
+  ``p`` without ``x``, which is drawing ``t`` from ``p`` and keeping ``x`` when ``t == x`` (else
+  emitting ``t``). That form is what runs: each emitted token is drawn from its row exactly as
+  decoding without speculation draws it (``sampler.draw``, the request's generator, one draw a
+  token), so a seeded request emits the same tokens with speculation on and off, whatever the
+  drafts, the batch or the step shapes.
 """
 
 from __future__ import annotations
 
 import torch
+
+from mambaradix.engine.sampler import draw
 
 Tensor = torch.Tensor
 
@@ -91,23 +97,22 @@ def accept_sampled(
     """The tokens the speculative rejection rule emits. ``target_probs`` ``[k + 1, V]``: each
     verified row's sampling distribution (``sampler.sampling_probs``: unnormalised is fine);
     ``draft_probs`` ``[k, V]``: the drafter's distributions, or None for a deterministic draft
-    (a point mass on each draft token). One uniform draw per kept or rejected draft token, one
-    draw for the emitted token after a rejection or the bonus, all from ``generator``."""
+    (a point mass on each draft token: ``accept_point_drafts``). Draws come from
+    ``generator``: one uniform per kept or rejected draft token, one for the emitted token
+    after a rejection or the bonus."""
     k = len(draft)
     if target_probs.shape[0] != k + 1:
         raise ValueError(f"{k} draft tokens need {k + 1} rows, got {target_probs.shape[0]}")
+    if draft_probs is None:
+        return accept_point_drafts(draft, target_probs, generator)
     dev = generator.device if generator is not None else target_probs.device
     p_all = target_probs.to(dev, torch.float64)
     p_all = p_all / p_all.sum(dim=-1, keepdim=True)
     out: list[int] = []
     for i, x in enumerate(draft):
         p = p_all[i]
-        if draft_probs is None:
-            q = torch.zeros_like(p)
-            q[x] = 1.0
-        else:
-            q = draft_probs[i].to(dev, torch.float64)
-            q = q / q.sum()
+        q = draft_probs[i].to(dev, torch.float64)
+        q = q / q.sum()
         u = float(torch.rand((), generator=generator, device=dev, dtype=torch.float64))
         if q[x] > 0 and u * float(q[x]) < float(p[x]):  # u < p(x) / q(x), without dividing
             out.append(x)
@@ -118,6 +123,23 @@ def accept_sampled(
         out.append(int(torch.multinomial(residual, 1, generator=generator)))
         return out
     out.append(int(torch.multinomial(p_all[k], 1, generator=generator)))
+    return out
+
+
+def accept_point_drafts(
+    draft: list[int], target_probs: Tensor, generator: torch.Generator | None
+) -> list[int]:
+    """The rejection rule for deterministic drafts: row by row, a token drawn from the row as
+    decoding without speculation draws it (``sampler.draw``); the draft token is kept when the
+    draw is that token, else the draw is emitted and the walk ends (after ``k`` kept tokens the
+    bonus row's draw is the last). ``target_probs`` must be the very tensors the sampler would
+    draw from (``sampling_probs`` of the same logits, on the generator's device) for the
+    tokens to equal decoding's."""
+    out: list[int] = []
+    for i in range(len(draft) + 1):
+        out.append(draw(target_probs[i], generator))
+        if i == len(draft) or out[-1] != draft[i]:
+            return out
     return out
 
 
@@ -135,7 +157,12 @@ class Speculation:
 
     ``draft_head``: the tokens come from the model's MTP head, which the runner chains before
     the verify forward (``engine.mtp_draft``): ``draft`` only decides how many (zeros stand in
-    for them); else they are looked up in the request's own tokens (``NgramDrafter``)."""
+    for them); else they are looked up in the request's own tokens (``NgramDrafter``).
+
+    ``max_batch`` (``--speculative-disable-by-batch-size``; 0: no bound): a step with more
+    decoding requests drafts for none of them. Which steps verify never changes what a request
+    emits (greedy acceptance emits greedy decoding's tokens, sampled acceptance draws each token
+    as decoding does), only how many forwards it takes."""
 
     def __init__(
         self,
@@ -148,13 +175,19 @@ class Speculation:
         track_interval: int,
         page_snapshots: bool,
         draft_head: bool = False,
+        max_batch: int = 0,
     ) -> None:
         self.k, self.min_n, self.max_n = k, min_n, max_n
+        self.max_batch = max_batch
         self.draft_head = draft_head
         self.context_length = context_length
         self.page_size = page_size
         self.track_interval = track_interval
         self.page_snapshots = page_snapshots and page_size > 1
+
+    def drafts_for(self, decoding: int) -> bool:
+        """Whether a step of ``decoding`` decoding requests drafts at all."""
+        return not self.max_batch or decoding <= self.max_batch
 
     def draft(self, req) -> list[int]:
         """Draft tokens for ``req`` (a decoding request, nothing in flight), or [] for an
