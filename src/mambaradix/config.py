@@ -35,7 +35,8 @@ class EngineConfig:
     dtype: str = opt(
         "auto",
         "Weight and activation dtype; 'auto' takes the checkpoint's (config.json 'dtype' / "
-        "'torch_dtype'; float32 when it names none).",
+        "'torch_dtype'; float32 when it names none), a bf16 one in float32 on a CPU where "
+        "neither the CPU (AVX512-BF16 / AMX) nor the kernel backend computes bf16 fast.",
         ["auto", "float32", "bfloat16", "float16"],
     )
     device: str = opt("cpu", "Torch device.")

@@ -144,6 +144,36 @@ def test_auto_computes_bf16_checkpoints_in_fp32_without_bf16_hardware(moe_ckpt, 
     assert next(load_model(str(folder), dtype="bfloat16").parameters()).dtype == torch.bfloat16
     monkeypatch.setattr(cpu_features, "fast_bf16_matmul", lambda: True)
     assert next(load_model(str(folder)).parameters()).dtype == torch.bfloat16
+    # the kernel backend's word (fast_bf16) decides over torch's matmul where it is given
+    assert next(load_model(str(folder), fast_bf16=False).parameters()).dtype == torch.float32
+    monkeypatch.setattr(cpu_features, "fast_bf16_matmul", lambda: False)
+    assert next(load_model(str(folder), fast_bf16=True).parameters()).dtype == torch.bfloat16
+
+
+def test_auto_keeps_bf16_where_the_native_kernels_compute_it(moe_ckpt, monkeypatch):
+    """Without bf16 matmuls in hardware, an engine on the native CPU backend keeps a bf16
+    checkpoint in bf16 where its linear kernels compute bf16 rows in SIMD registers (AVX2 and
+    up: on an AVX2 EPYC bf16 decoded 2.9-3.3x faster than fp32, prefill as fast); on the torch
+    backend (its bf16 matmul a scalar loop there) it computes in float32."""
+    from mambaradix.engine.engine import Engine
+    from mambaradix.kernels import cpu, cpu_features
+    from mambaradix.kernels.cpu_backend import CpuBackend
+
+    if not CpuBackend.available():
+        pytest.skip("the native kernels did not build here")
+    monkeypatch.setattr(cpu_features, "fast_bf16_matmul", lambda: False)
+    folder = str(moe_ckpt / "bf16")
+    opts = dict(skip_warmup=True, max_total_tokens=256, max_mamba_cache_size=4)
+    with Engine(model_path=folder, kernel_backend="torch", **opts) as eng:
+        assert eng.model.dtype == torch.float32
+    if "avx2" in cpu_features.cpu_flags():
+        assert cpu.bf16_linear_kernels()  # every x86 build with AVX2 has one of the two
+    want = torch.bfloat16 if cpu.bf16_linear_kernels() else torch.float32
+    with Engine(model_path=folder, kernel_backend="cpu", **opts) as eng:
+        assert eng.model.dtype == want
+    monkeypatch.setattr(cpu, "bf16_linear_kernels", lambda: False)  # a build without them
+    with Engine(model_path=folder, kernel_backend="cpu", **opts) as eng:
+        assert eng.model.dtype == torch.float32
 
 
 def test_bf16_checkpoint_loads_as_bf16_by_default_with_checkpoint_values(moe_ckpt, monkeypatch):

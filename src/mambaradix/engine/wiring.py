@@ -54,6 +54,7 @@ def load(cfg: EngineConfig) -> tuple[torch.nn.Module, Any]:
     from mambaradix.models.loader import DTYPES, load_model, load_tokenizer, resolve_model_path
 
     path = resolve_model_path(cfg.model_path)
+    backend = choose_backend(cfg.kernel_backend, cfg.device)  # (refused here before the weights)
     t0 = time.perf_counter()
     model = load_model(
         path,
@@ -61,6 +62,7 @@ def load(cfg: EngineConfig) -> tuple[torch.nn.Module, Any]:
         device=cfg.device,
         ssm_dtype=DTYPES[cfg.mamba_ssm_dtype],
         mtp=cfg.speculative_algorithm in DRAFT_HEAD_ALGORITHMS,
+        fast_bf16=backend.fast_bf16_on_cpu(),  # --dtype auto: bf16 where its kernels run it fast
     )
     logger.info("loaded the weights in %.2f s", time.perf_counter() - t0)
     return model, load_tokenizer(path)

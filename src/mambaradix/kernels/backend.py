@@ -56,6 +56,15 @@ class KernelBackend(ABC):
         """Why ``available()`` is false (the log may say more)."""
         return "see the log"
 
+    @classmethod
+    def fast_bf16_on_cpu(cls) -> bool:
+        """Whether this backend computes a bf16 model on this CPU at least about as fast as an
+        fp32 one (``--dtype auto`` keeps a bf16 checkpoint in bf16 where it does, else computes
+        in fp32): here, where torch's bf16 matmul runs in hardware."""
+        from mambaradix.kernels.cpu_features import fast_bf16_matmul
+
+        return fast_bf16_matmul()
+
     def native_ops(self) -> list[str]:
         """The ops this backend runs in its own code rather than the torch reference's."""
         return []

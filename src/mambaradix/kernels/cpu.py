@@ -829,6 +829,13 @@ def _wide_rows(m: int, k: int) -> bool:
     return _widens[0] and bf16_matmul.choice() == "fp32"
 
 
+def bf16_linear_kernels() -> bool:
+    """Whether this build's linear kernels compute bf16 rows in SIMD registers (the bf16 dot
+    product, or AVX2's widening to fp32) rather than the portable loop."""
+    lib = native.load("linear")
+    return lib is not None and bool(lib.linear_uses_dpbf16() or lib.linear_uses_f32x())
+
+
 def _decode_kernel(m: int, k: int) -> str | None:
     """Which C kernel takes ``m`` bf16 rows of ``k`` (``tiles``, ``rows``), or None (torch)."""
     if _use_tiles(m):

@@ -201,10 +201,15 @@ def load_model(
     device: str | torch.device = "cpu",
     ssm_dtype: torch.dtype = torch.float32,
     mtp: bool = False,
+    fast_bf16: bool | None = None,
 ) -> nn.Module:
     """Build the registered model for the checkpoint at ``path`` (or ``tiny:<arch>``) and load
     its weights. The model is in eval mode on ``device`` with parameters in ``dtype`` (``auto``:
     the checkpoint's; modules that keep some parameters in float32 keep them).
+
+    ``fast_bf16``: whether the kernels the model will run on compute bf16 about as fast as fp32
+    on this CPU (``KernelBackend.fast_bf16_on_cpu``); where they do not, ``auto`` computes a
+    bf16 checkpoint in float32 on a CPU. None: where torch's bf16 matmul runs in hardware.
 
     ``mtp``: also build and load the checkpoint's multi-token-prediction draft head
     (``models/mtp.py``: ``model.mtp``, ``model.draft``; its attention layers extend
@@ -233,13 +238,15 @@ def load_model(
         kwargs["mtp"] = True
     target = resolve_dtype(dtype, str(folder))
     if dtype == "auto" and target == torch.bfloat16 and str(device).startswith("cpu"):
-        from mambaradix.kernels.cpu_features import fast_bf16_matmul
+        if fast_bf16 is None:
+            from mambaradix.kernels.cpu_features import fast_bf16_matmul
 
-        if not fast_bf16_matmul():
+            fast_bf16 = fast_bf16_matmul()
+        if not fast_bf16:
             logger.warning(
-                "the checkpoint is bf16 but this CPU has no bf16 matmuls in hardware (no "
-                "AVX512-BF16 / AMX): computing in float32, which is many times faster here; "
-                "--dtype bfloat16 forces bf16"
+                "the checkpoint is bf16 but neither this CPU (no AVX512-BF16 / AMX) nor the "
+                "kernel backend computes bf16 fast here: computing in float32, with twice the "
+                "weight memory; --dtype bfloat16 forces bf16"
             )
             target = torch.float32
     with no_init():
