@@ -20,13 +20,14 @@ it):
 - measured on a workload whose output repeats its prompt (``--part repeat``: the same preset
   with its LM head rewired so that greedy decoding walks a fixed cycle of token ids, the prompt
   that cycle repeated; every layer still computes as in the preset): NGRAM at k = 1, 2, 3
-  against one-token decoding, batch 1 and 16, tokens/s and the accept length it shows;
+  against one-token decoding, batch 1 and 16 (``--batches``), tokens/s and the accept length
+  it shows (where speculation stops paying: ``--speculative-disable-by-batch-size``);
 - the hit rate of the shared-prefix workload (4 groups x 8 requests, 512 + 64 tokens, 16 new)
   and of a multi-turn one (8 conversations x 3 turns, each turn the previous prompt + its
   answer + 32 new tokens), speculation on and off.
 
     HF_HUB_OFFLINE=1 python bench/bench_spec.py [--reps 7] [--threads 2]
-        [--steps-only | --repeat-only]
+        [--steps-only | --repeat-only [--batches 1 4 8 16] [--ks 1 2 3]]
 """
 
 from __future__ import annotations
@@ -288,6 +289,10 @@ def main() -> None:
     ap.add_argument("--steps-only", action="store_true", help="only the step costs")
     ap.add_argument("--repeat-only", action="store_true",
                     help="only the workload whose output repeats its prompt")  # fmt: skip
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 16],
+                    help="the repeat workload's batch sizes")  # fmt: skip
+    ap.add_argument("--ks", type=int, nargs="*", default=[1, 2, 3],
+                    help="the repeat workload's draft lengths")  # fmt: skip
     ap.add_argument("--part", default="", help=argparse.SUPPRESS)
     ap.add_argument("--spec", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
@@ -309,10 +314,10 @@ def main() -> None:
     if args.steps_only:
         return
     repeat_checkpoint()
-    for batch in (1, 16):
+    for batch in args.batches:
         for _ in range(2):  # alternated, twice
             fresh("--part", "repeat", "--batch", str(batch))
-            for k in (1, 2, 3):
+            for k in args.ks:
                 fresh("--part", "repeat", "--batch", str(batch), "--spec", "--k", str(k))
     if args.repeat_only:
         return

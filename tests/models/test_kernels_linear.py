@@ -376,10 +376,16 @@ def test_many_rows_take_the_chosen_path(matmul_mode, monkeypatch):
 
 
 def test_choice_is_measured_once_or_taken_from_the_environment(matmul_mode, monkeypatch):
+    from mambaradix.kernels import cpu_features
+
     measured = []
-    monkeypatch.setattr(bf16_matmul, "_measure", lambda: measured.append(1) or "fp32")
+    monkeypatch.setattr(bf16_matmul, "_measure", lambda: measured.append(1) or "bf16")
+    monkeypatch.setattr(cpu_features, "x86_without_bf16", lambda: True)  # AVX2: nothing measured
     matmul_mode("auto")
-    assert bf16_matmul.choice() == "fp32" and bf16_matmul.choice() == "fp32"
+    assert bf16_matmul.choice() == "fp32" and measured == []
+    monkeypatch.setattr(cpu_features, "x86_without_bf16", lambda: False)
+    matmul_mode("auto")
+    assert bf16_matmul.choice() == "bf16" and bf16_matmul.choice() == "bf16"
     assert measured == [1]
     for env in ("bf16", "FP32 "):
         monkeypatch.setenv("MAMBARADIX_BF16_MATMUL", env)

@@ -10,11 +10,13 @@ order of the fp32 sums: a bf16 x bf16 product is exact in fp32, both accumulate 
 the bias in fp32 and round once to bf16.
 
 Which one runs is measured once per process, on the first call that could use either (the
-engine's warm-up pays it, ~0.2 s), unless ``$MAMBARADIX_BF16_MATMUL`` names one (``bf16`` or
-``fp32``; ``auto`` measures). The fp32 path converts the weight in blocks of at most
-``BLOCK_BYTES`` so a large matrix never holds a whole fp32 copy. The same choice sends decode
-batches of tens of rows (``kernels.cpu``: from ``LINEAR_TILES_MIN_ROWS`` to ``MIN_ROWS``) to a C
-kernel that widens the weights to fp32 in registers, or to torch's bf16 matmul.
+engine's warm-up pays it, ~0.2 s; on an x86 CPU without bf16 instructions, where torch's bf16
+matmul is a fallback, fp32 without measuring: that took ~2 s there), unless
+``$MAMBARADIX_BF16_MATMUL`` names one (``bf16`` or ``fp32``; ``auto`` decides). The fp32 path
+converts the weight in blocks of at most ``BLOCK_BYTES`` so a large matrix never holds a whole
+fp32 copy. The same choice sends decode batches of tens of rows (``kernels.cpu``: from
+``LINEAR_TILES_MIN_ROWS`` to ``MIN_ROWS``) to a C kernel that widens the weights to fp32 in
+registers, or to torch's bf16 matmul.
 """
 
 from __future__ import annotations
@@ -101,8 +103,22 @@ def choice() -> str:
                     raise ValueError(
                         f"MAMBARADIX_BF16_MATMUL={env!r}: expected one of {', '.join(MODES)}"
                     )
-                _choice = _measure() if env == "auto" else env
+                _choice = _auto() if env == "auto" else env
     return _choice
+
+
+def _auto() -> str:
+    """fp32 without measuring on an x86 CPU without bf16 instructions, else measured."""
+    from mambaradix.kernels import cpu_features
+
+    if cpu_features.x86_without_bf16():
+        logger.info(
+            "bf16 matmuls of >= %d rows run in fp32: no bf16 instructions on this CPU "
+            "($MAMBARADIX_BF16_MATMUL=bf16|fp32 fixes the choice)",
+            MIN_ROWS,
+        )
+        return "fp32"
+    return _measure()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
