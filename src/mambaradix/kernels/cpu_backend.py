@@ -42,7 +42,7 @@ class CpuBackend(TorchBackend):
         bf16 instructions (AVX2): decode reads half the bytes and prefill takes fp32 matmuls
         either way (on an AVX2-only EPYC, bf16 decoded Qwen3.5-0.8B 2.9x and Granite-4.0-H-350M
         3.3x faster than fp32 at batch 1, prefill as fast: docs/benchmarks.md)."""
-        return super().fast_bf16_on_cpu() or (cls.available() and cpu.bf16_linear_kernels())
+        return super().fast_bf16_on_cpu() or cpu.bf16_linear_kernels()
 
     def native_ops(self) -> list[str]:
         return [
