@@ -190,6 +190,14 @@ class EngineConfig:
         "0.95x at 16 (docs/benchmarks.md). Outputs do not change (greedy: the same tokens; "
         "seeded sampling: the same draws). 0: never.",
     )
+    speculative_adaptive: bool = opt(
+        False,
+        "Each step verifies at most as many draft tokens (0 to k, one cap for the step) as pay "
+        "on this machine: the cap that maximises the expected tokens per second, from the "
+        "step times measured for each batch size and row count and each request's recent "
+        "accept rate; at cap 0, one step in 32 verifies one token to see whether drafts pay "
+        "again (engine/spec_policy.py). Outputs do not change, as with any cap.",
+    )
     speculative_token_map: str = opt(
         "",
         "NEXTN / MTP: a JSON file listing the token ids the head drafts from (a hot "

@@ -29,6 +29,7 @@ class EngineStats:
     generated_tokens: int = 0
     spec_verify_ct: int = 0  # speculative verify forwards (one per request per step)
     spec_accepted_tokens: int = 0  # tokens those verify steps emitted
+    spec_draft_tokens: int = 0  # draft tokens those verify steps scored
     retractions: int = 0
     admission_waits: int = 0
     held_for_sharing: int = 0

@@ -13,6 +13,8 @@ cache's behaviour equal decoding without it.
 - Seeded sampling: the tokens and logprobs with speculation equal those without (each emitted
   token drawn from its row as decoding draws it; the distribution: test_speculative_accept.py).
 - ``--speculative-disable-by-batch-size``: steps of more decodes verify nothing, outputs equal.
+- ``--speculative-adaptive``: fed the step times of a machine where drafts are free it keeps
+  drafting, of one where they cannot pay it stops; outputs equal either way.
 - Flags: what is not supported is refused with the reason.
 """
 
@@ -33,6 +35,7 @@ from mambaradix.config import EngineConfig
 from mambaradix.core import ForwardReq
 from mambaradix.engine.engine import Engine
 from mambaradix.engine.running import RunningSet
+from mambaradix.engine.spec_policy import AdaptiveDrafts
 from mambaradix.engine.speculative import accept_sampled
 from mambaradix.kernels.backend import create_backend
 from mambaradix.layout import ForwardContext, ForwardLayout
@@ -221,6 +224,61 @@ def test_a_step_of_more_decodes_than_the_bound_drafts_nothing(monkeypatch):
     assert any(v > 0 for n, v in steps if n <= 2), steps
 
 
+@pytest.mark.parametrize("machine", ["flat", "superlinear"])
+def test_the_adaptive_cap_follows_the_step_costs_and_outputs_stay(machine, monkeypatch):
+    """``--speculative-adaptive`` fed step times of a machine where drafts are free (every
+    step the same time) keeps the full draft but for a few steps that try shapes not yet
+    measured; on one where rows cost more than in proportion (no draft can pay) it settles on
+    cap 0 after trying the shapes; the outputs are those of
+    decoding without speculation either way, and every verify was cut to the cap."""
+    path = resolve_model_path("tiny:lfm2")
+    model, tok = load_model(path), load_tokenizer(path)
+    prompts = _prompts(model.vocab_size, n=6, seed=5)
+    run = runner_module.ModelRunner.run
+
+    def timed(runner, batch):  # the step times of the simulated machine
+        result = run(runner, batch)
+        rows = result.extend_tokens
+        result.seconds = 0.05 if machine == "flat" else 0.01 * rows * rows
+        return result
+
+    caps: list[int] = []
+    choose = AdaptiveDrafts.choose
+
+    def chosen(policy, reqs, drafts, batch):
+        caps.append(choose(policy, reqs, drafts, batch))
+        return caps[-1]
+
+    steps: list[tuple[int | None, int]] = []  # per step: its cap, the longest draft verified
+    schedule = RunningSet.schedule
+
+    def counted(running_set, batch, running, budget):
+        n = len(caps)
+        left = schedule(running_set, batch, running, budget)
+        longest = max(map(len, batch.run.drafts.values()), default=0)
+        steps.append((caps[-1] if len(caps) > n else None, longest))
+        return left
+
+    monkeypatch.setattr(runner_module.ModelRunner, "run", timed)
+    monkeypatch.setattr(AdaptiveDrafts, "choose", chosen)
+    monkeypatch.setattr(RunningSet, "schedule", counted)
+    flags = dict(CONFIGS[1])
+    ref, _ = _run(model, tok, prompts, flags, max_new_tokens=40)
+    got, stats = _run(
+        model, tok, prompts, dict(flags, speculative_algorithm="NGRAM", speculative_adaptive=True),
+        max_new_tokens=40,
+    )  # fmt: skip
+    ties, worst = compare(ref, got)
+    assert ties == 0 and worst <= LOGPROB_ATOL, (ties, worst)
+    assert len(caps) > 10 and stats.spec_draft_tokens > 0
+    assert all(longest <= (cap or 0) for cap, longest in steps), steps
+    if machine == "flat":
+        assert caps.count(3) >= 0.75 * len(caps), caps  # the full draft but for a few tries
+    else:
+        late = caps[len(caps) // 2 :]
+        assert late.count(0) >= len(late) - 1, caps  # cap 0, a probe at most
+
+
 # --------------------------------------------------------------------------- rollback
 
 
@@ -288,6 +346,7 @@ def test_rollback_leaves_no_trace_of_the_rejected_tokens(arch):
         (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=9), "num-steps \\+ 1"),
         (dict(speculative_algorithm="NGRAM", speculative_num_steps=0), ">= 1"),
         (dict(speculative_num_steps=5), "needs --speculative-algorithm"),
+        (dict(speculative_adaptive=True), "needs --speculative-algorithm"),
         (dict(speculative_algorithm="NGRAM", speculative_disable_by_batch_size=-1), ">= 0"),
     ],
 )

@@ -60,6 +60,7 @@ class Req:
     drafter: object = None  # engine.speculative.NgramDrafter over its tokens (speculation on)
     spec_verify_ct: int = 0  # verify steps run (SGLang's meta_info name)
     spec_accepted: int = 0  # tokens those steps emitted
+    spec_rate: tuple[float, float] | None = None  # engine.spec_policy: (kept, trials), decayed
     stream: object = None  # engine-side output sink
     detok: object = None
 

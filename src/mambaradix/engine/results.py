@@ -15,6 +15,7 @@ from mambaradix.core import FinishReason
 from mambaradix.engine.batch import RunResult
 from mambaradix.engine.forwards import Entry, ScheduledBatch
 from mambaradix.engine.request import Req, ReqStatus
+from mambaradix.engine.spec_policy import AdaptiveDrafts
 from mambaradix.engine.strategies import SnapshotStrategy
 from mambaradix.stats import EngineStats
 
@@ -34,7 +35,9 @@ class ResultProcessor:
         on_tokens: Callable[[Req, list[int], list[float]], bool],
         finish: Callable[[Req, FinishReason], None],
         fail: Callable[[Req, BaseException], None],
+        adaptive: AdaptiveDrafts | None = None,
     ) -> None:
+        self.adaptive = adaptive  # --speculative-adaptive: told each verify's outcome
         self.cache = cache
         self.strategy = strategy
         self.stats = stats
@@ -75,6 +78,9 @@ class ResultProcessor:
             self.fail(req, result.errors[row])
             return
         emitted, lps = result.accepted[row]
+        if self.adaptive is not None:
+            self.adaptive.observe_verify(req, len(e.draft), len(emitted))
+        self.stats.spec_draft_tokens += len(e.draft)
         start = e.end - 1 - len(e.draft)
         kept, reason, error = 0, None, None
         for tok, lp in zip(emitted, lps):

@@ -69,19 +69,26 @@ class RunningSet:
         for req, draft in verifies:  # after the plain decodes (the decode table's rows)
             self.builder.add_verify(batch, req, draft)
             budget -= 1 + len(draft)
+        if spec:
+            n = len(decodes) + len(verifies)
+            batch.decode_rows = (n, n + sum(len(d) for _, d in verifies))
         for req in running:
             if req.seq_len - req.fed_len > 1 and budget > 0:
                 budget -= self.builder.add_prefill(batch, req, budget)
         return budget
 
     def _drafts(self, decodes: list[Req]) -> list[tuple[Req, list[int]]]:
-        """The decodes that verify a draft this step, with their KV and scratch state slots
-        taken; the others decode one token."""
+        """The decodes that verify a draft this step (cut to the adaptive cap where one is
+        chosen), with their KV and scratch state slots taken; the others decode one token."""
+        spec = self.speculation
+        offers = [(req, draft) for req in decodes if (draft := spec.draft(req))]
+        if spec.adaptive is not None and offers:
+            cap = spec.adaptive.choose(
+                [r for r, _ in offers], [len(d) for _, d in offers], len(decodes)
+            )
+            offers = [(r, d[:cap]) for r, d in offers if cap]
         out = []
-        for req in decodes:
-            draft = self.speculation.draft(req)
-            if not draft:
-                continue
+        for req, draft in offers:
             rc = req.rc
             if self.cache.ensure_kv(rc, req.fed_len + 1 + len(draft)) and (
                 self.cache.alloc_spec_slots(rc, len(draft))

@@ -96,6 +96,7 @@ class Scheduler:
                 page_snapshots=self.strategy.name == EXTRA_BUFFER,
                 draft_head=cfg.speculative_algorithm in DRAFT_HEAD_ALGORITHMS,
                 max_batch=cfg.speculative_disable_by_batch_size,
+                adaptive=cfg.speculative_adaptive,
             )
             self.overlap = False  # a draft needs the tokens the step before accepted
         self.running_set = RunningSet(
@@ -116,6 +117,7 @@ class Scheduler:
             on_tokens=on_tokens,
             finish=self._finish,
             fail=self.fail,
+            adaptive=speculation.adaptive if speculation else None,
         )
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -223,6 +225,10 @@ class Scheduler:
             cost = result.seconds / result.extend_tokens
             old = self.admission.s_per_token
             self.admission.s_per_token = cost if old <= 0 else 0.8 * old + 0.2 * cost
+        adaptive = self.results.adaptive
+        shape = batch.decode_rows
+        if adaptive is not None and shape and shape[1] == getattr(result, "extend_tokens", -1):
+            adaptive.observe_step(*shape, result.seconds)  # decodes and verifies alone
         self.results.process(batch, result)
 
     # ------------------------------------------------------------------ the end of a request

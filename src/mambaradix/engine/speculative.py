@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from mambaradix.engine.sampler import draw
+from mambaradix.engine.spec_policy import AdaptiveDrafts
 
 Tensor = torch.Tensor
 
@@ -162,7 +163,10 @@ class Speculation:
     ``max_batch`` (``--speculative-disable-by-batch-size``; 0: no bound): a step with more
     decoding requests drafts for none of them. Which steps verify never changes what a request
     emits (greedy acceptance emits greedy decoding's tokens, sampled acceptance draws each token
-    as decoding does), only how many forwards it takes."""
+    as decoding does), only how many forwards it takes.
+
+    ``adaptive`` (``--speculative-adaptive``): each step verifies at most as many draft tokens
+    as ``engine.spec_policy`` expects to pay on this machine, 0 to k."""
 
     def __init__(
         self,
@@ -176,9 +180,11 @@ class Speculation:
         page_snapshots: bool,
         draft_head: bool = False,
         max_batch: int = 0,
+        adaptive: bool = False,
     ) -> None:
         self.k, self.min_n, self.max_n = k, min_n, max_n
         self.max_batch = max_batch
+        self.adaptive = AdaptiveDrafts(k) if adaptive else None
         self.draft_head = draft_head
         self.context_length = context_length
         self.page_size = page_size

@@ -59,6 +59,7 @@ _ENGINE_COUNTERS = {
     "decode_graph_replays": ("decode_graph_replays", "Decode steps replayed from a recording."),
     "spec_verify_ct": ("spec_verify_ct", "Speculative verify steps (one per request per step)."),
     "spec_accepted_tokens": ("spec_accepted_tokens", "Tokens emitted by speculative verify steps."),
+    "spec_draft_tokens": ("spec_draft_tokens", "Draft tokens scored by speculative verify steps."),
     "decode_graph_recordings": ("decode_graph_recordings", "Decode steps recorded for replay."),
     "lost_reuse_requests": (
         "lost_reuse_requests",
