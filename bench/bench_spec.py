@@ -22,12 +22,16 @@ it):
   that cycle repeated; every layer still computes as in the preset): NGRAM at k = 1, 2, 3
   against one-token decoding, batch 1 and 16 (``--batches``), tokens/s and the accept length
   it shows (where speculation stops paying: ``--speculative-disable-by-batch-size``);
+- with ``--adaptive``, the repeat workload and the measured decode also with
+  ``--speculative-adaptive`` (at the largest k): the cap it settles on should give the better
+  of speculation and one-token decoding at each batch size;
 - the hit rate of the shared-prefix workload (4 groups x 8 requests, 512 + 64 tokens, 16 new)
   and of a multi-turn one (8 conversations x 3 turns, each turn the previous prompt + its
   answer + 32 new tokens), speculation on and off.
 
     HF_HUB_OFFLINE=1 python bench/bench_spec.py [--reps 7] [--threads 2]
-        [--steps-only | --repeat-only [--batches 1 4 8 16] [--ks 1 2 3]]
+        [--steps-only | --repeat-only [--batches 1 4 8 16] [--ks 1 2 3] | --decode-only]
+        [--adaptive]
 """
 
 from __future__ import annotations
@@ -240,6 +244,9 @@ def part(args) -> None:
     folder = str(checkpoint(PRESET))
     kw = dict(model_path=folder, num_threads=args.threads, dtype="bfloat16")
     spec = dict(speculative_algorithm="NGRAM", speculative_num_steps=3) if args.spec else {}
+    if args.spec and args.adaptive:
+        spec["speculative_adaptive"] = True
+    name = ("NGRAM" + (" adaptive" if args.adaptive else "")) if spec else "off"
     if args.part == "steps":
         with Engine(disable_radix_cache=True, **kw) as eng:
             costs = step_costs(eng, args.reps)
@@ -258,7 +265,7 @@ def part(args) -> None:
     elif args.part == "decode":
         with Engine(disable_radix_cache=True, **kw, **spec) as eng:
             rate, length = decode_rate(eng, args.batch, args.new)
-        print(f"measured batch {args.batch} {'NGRAM' if spec else 'off'}: {rate:.2f} tok/s "
+        print(f"measured batch {args.batch} {name}: {rate:.2f} tok/s "
               f"(accept length {length:.3f})")  # fmt: skip
     elif args.part == "repeat":
         kw["model_path"] = str(repeat_checkpoint())
@@ -266,7 +273,7 @@ def part(args) -> None:
             spec["speculative_num_steps"] = args.k
         with Engine(disable_radix_cache=True, **kw, **spec) as eng:
             rate, length, follow = repeat_rate(eng, args.batch, args.new)
-        label = f"NGRAM k={args.k}" if spec else "off"
+        label = f"{name} k={args.k}" if spec else "off"
         print(f"repeat workload, batch {args.batch} {label}: {rate:.2f} tok/s after the first "
               f"token (accept length {length:.3f}; {follow:.3f} of the output continues the "
               f"prompt's cycle)")  # fmt: skip
@@ -293,6 +300,10 @@ def main() -> None:
                     help="the repeat workload's batch sizes")  # fmt: skip
     ap.add_argument("--ks", type=int, nargs="*", default=[1, 2, 3],
                     help="the repeat workload's draft lengths")  # fmt: skip
+    ap.add_argument("--adaptive", action="store_true",
+                    help="also measure --speculative-adaptive (at the largest k)")  # fmt: skip
+    ap.add_argument("--decode-only", action="store_true",
+                    help="only the measured decode of random prompts")  # fmt: skip
     ap.add_argument("--part", default="", help=argparse.SUPPRESS)
     ap.add_argument("--spec", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
@@ -309,21 +320,29 @@ def main() -> None:
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         print(out.stdout.strip(), flush=True)
 
-    if not args.repeat_only:
+    adaptive = [("--spec", "--adaptive")] if args.adaptive else []
+    if not (args.repeat_only or args.decode_only):
         fresh("--part", "steps")
     if args.steps_only:
         return
-    repeat_checkpoint()
-    for batch in args.batches:
-        for _ in range(2):  # alternated, twice
-            fresh("--part", "repeat", "--batch", str(batch))
-            for k in args.ks:
-                fresh("--part", "repeat", "--batch", str(batch), "--spec", "--k", str(k))
+    if not args.decode_only:
+        repeat_checkpoint()
+        for batch in args.batches:
+            for _ in range(2):  # alternated, twice
+                fresh("--part", "repeat", "--batch", str(batch))
+                for k in args.ks:
+                    fresh("--part", "repeat", "--batch", str(batch), "--spec", "--k", str(k))
+                for extra in adaptive:
+                    fresh("--part", "repeat", "--batch", str(batch), "--k", str(max(args.ks)),
+                          *extra)  # fmt: skip
     if args.repeat_only:
         return
-    for batch in (1, 16):
-        for spec in ((), ("--spec",), (), ("--spec",)):  # alternated, twice
-            fresh("--part", "decode", "--batch", str(batch), *spec)
+    for batch in (1, 16) if not args.decode_only else args.batches:
+        for _ in range(2):  # alternated, twice
+            for spec in [(), ("--spec",), *adaptive]:
+                fresh("--part", "decode", "--batch", str(batch), *spec)
+    if args.decode_only:
+        return
     for name in ("gsp", "multi-turn"):
         for spec in ((), ("--spec",)):
             fresh("--part", name, *spec)

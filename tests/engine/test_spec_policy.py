@@ -1,5 +1,6 @@
 """``--speculative-adaptive``'s policy (``engine.spec_policy``) on its own: the step-cost
-estimates, the accept rates, and the cap it settles on against simulated machines whose step
+estimates (medians of recent steps, unconfirmed shapes taken at their neighbours' word), the
+accept rates, and the cap it settles on against simulated machines whose step
 costs and accept rates are known, so the best fixed cap is known too.
 
 The simulations draw each draft token's fate with the given accept rate and each step's time
@@ -19,7 +20,9 @@ from dataclasses import dataclass
 import pytest
 
 from mambaradix.engine.spec_policy import (
+    CONFIRM,
     PROBE_EVERY,
+    SAMPLES,
     AcceptRates,
     AdaptiveDrafts,
     StepCosts,
@@ -35,36 +38,59 @@ class FakeReq:
 # ------------------------------------------------------------------------------- step costs
 
 
+def seen(costs, batch: int, rows: int, seconds: float, times: int = CONFIRM) -> None:
+    for _ in range(times):
+        costs.observe(batch, rows, seconds)
+
+
 def test_costs_interpolate_and_extend_the_measured_rows():
     c = StepCosts()
     assert c.estimate(1, 2) is None  # nothing measured
-    c.observe(1, 1, 1.0)
+    seen(c, 1, 1, 1.0)
     assert c.estimate(1, 1) == 1.0
     assert c.estimate(1, 4) == 1.0  # one point, no slope anywhere: more rows assumed free
-    c.observe(1, 4, 2.5)
+    seen(c, 1, 4, 2.5)
     assert c.estimate(1, 2) == pytest.approx(1.5)  # between two measured rows: linear
-    c.observe(1, 3, 1.6)
+    seen(c, 1, 3, 1.6)
     assert c.estimate(1, 5) == pytest.approx(2.5 + 0.9)  # beyond: the last segment's slope
-    c.observe(1, 4, 4.5)  # a moving average: a quarter of the way to the new time
+    c.observe(1, 4, 10.0)  # one slow step (the machine's load): the median ignores it
+    assert c.estimate(1, 4) == pytest.approx(2.5)
+    seen(c, 1, 4, 3.0, times=SAMPLES)  # the last SAMPLES steps: the cost moved
     assert c.estimate(1, 4) == pytest.approx(3.0)
+
+
+def test_an_unconfirmed_shape_is_no_dearer_than_its_neighbours_suggest():
+    """The first step of a shape is the Python forward, or the first of its kind in the
+    process: until CONFIRM steps of it are in, its cost is at most what the confirmed shapes
+    around it give."""
+    c = StepCosts()
+    seen(c, 1, 1, 1.0)
+    seen(c, 1, 3, 2.0)
+    c.observe(1, 2, 3.0)  # a first step, 2x its steady cost
+    assert not c.confirmed(1, 2)
+    assert c.estimate(1, 2) == pytest.approx(1.5)
+    c.observe(1, 2, 1.2)
+    assert c.estimate(1, 2) == pytest.approx(1.2)  # or its own fastest step, if lower
+    c.observe(1, 2, 1.4)
+    assert c.confirmed(1, 2) and c.estimate(1, 2) == pytest.approx(1.4)  # the median of 3
 
 
 def test_costs_of_an_unmeasured_batch_come_from_the_nearest_one():
     c = StepCosts()
-    c.observe(4, 4, 2.0)
-    c.observe(4, 8, 3.0)
+    seen(c, 4, 4, 2.0)
+    seen(c, 4, 8, 3.0)
     # 6 requests of one row each read as 4 requests with 2 rows more, 3 as 4 with one less
     assert c.estimate(6, 6) == pytest.approx(2.5)
     assert c.estimate(3, 3) == pytest.approx(1.75)
-    c.observe(1, 1, 1.0)  # one point at batch 1: the other batch's slope (0.25 a row)
+    seen(c, 1, 1, 1.0)  # one point at batch 1: the other batch's slope (0.25 a row)
     assert c.estimate(1, 3) == pytest.approx(1.5)
 
 
 def test_fewer_rows_than_measured_cost_at_least_their_share():
     c = StepCosts()
-    c.observe(2, 8, 4.0)
+    seen(c, 2, 8, 4.0)
     assert c.estimate(2, 2) == pytest.approx(1.0)  # no slope known: in proportion
-    c.observe(2, 6, 3.9)  # a flat segment would extend to 3.9 - 0.05 * 4 = 3.7
+    seen(c, 2, 6, 3.9)  # a flat segment would extend to 3.9 - 0.05 * 4 = 3.7
     assert c.estimate(2, 2) == pytest.approx(3.7)
 
 
@@ -192,9 +218,9 @@ def test_small_gains_do_not_switch_the_cap():
     policy = AdaptiveDrafts(3)
     reqs = [FakeReq()]
     policy.rates.kept = policy.rates.trials = 1.0  # every draft kept: tokens = 1 + cap
-    for rows in range(1, 5):  # 1 + cap tokens for 1.0, 2.02, 3.04, 4.06 s: cap 0 best by 2%
-        policy.observe_step(1, rows, 1.0 + 1.02 * (rows - 1) if rows > 1 else 1.0)
+    for rows in range(1, 5):  # 1 + cap tokens for 1.0, 2.02, 3.04, 4.06 s: cap 0 best by 1.5%
+        seen(policy.costs, 1, rows, 1.0 + 1.02 * (rows - 1))
     policy.cap = 3
     assert policy.choose(reqs, [3], 1) == 3  # 1.5% short of cap 0: kept
-    policy.observe_step(1, 4, 5.0)  # now clearly dearer
+    seen(policy.costs, 1, 4, 5.0, times=SAMPLES)  # now clearly dearer
     assert policy.choose(reqs, [3], 1) == 0

@@ -55,6 +55,7 @@ class RunResult:
     grammar_ended: set[int] = field(default_factory=set)  # sample rows whose grammar ended
     seconds: float = 0.0  # the forward and its sampling, on the runner's thread
     extend_tokens: int = 0  # tokens the forward computed (prefill + decode rows)
+    recorded: bool = False  # a step graph was recorded in it (its time is not a step's)
 
 
 class Runner(Protocol):

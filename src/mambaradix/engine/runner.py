@@ -102,6 +102,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: RunBatch) -> RunResult:
         t0 = time.perf_counter()
+        recorded = self._recordings()
         fb = batch.forward
         for r in fb.reqs:
             if any(t < 0 for t in r.input_ids):
@@ -161,7 +162,14 @@ class ModelRunner:
         self._sampled.pop(batch.batch_id - _KEEP_BATCHES, None)
         result.extend_tokens = sum(r.extend_len for r in fb.reqs)
         result.seconds = time.perf_counter() - t0
+        result.recorded = self._recordings() != recorded
         return result
+
+    def _recordings(self) -> int:
+        """Step graphs recorded so far (the model's and the draft head's)."""
+        n = self.graphs.stats["recorded"] if self.graphs is not None else 0
+        head = self.draft_head.graphs if self.draft_head is not None else None
+        return n + (head.stats["recorded"] if head is not None else 0)
 
     def _verify(
         self, result: RunResult, i: int, draft: list[int], rows: torch.Tensor, batch: RunBatch

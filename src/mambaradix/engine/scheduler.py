@@ -227,8 +227,13 @@ class Scheduler:
             self.admission.s_per_token = cost if old <= 0 else 0.8 * old + 0.2 * cost
         adaptive = self.results.adaptive
         shape = batch.decode_rows
-        if adaptive is not None and shape and shape[1] == getattr(result, "extend_tokens", -1):
-            adaptive.observe_step(*shape, result.seconds)  # decodes and verifies alone
+        if (
+            adaptive is not None
+            and shape
+            and shape[1] == getattr(result, "extend_tokens", -1)  # decodes and verifies alone
+            and not result.recorded
+        ):
+            adaptive.observe_step(*shape, result.seconds)
         self.results.process(batch, result)
 
     # ------------------------------------------------------------------ the end of a request

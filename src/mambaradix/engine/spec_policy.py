@@ -18,7 +18,8 @@ expected tokens per second:
 
 where ``a`` is the request's accept rate: the chance a draft token is kept given the one before
 was (``AcceptRates``: its own recent verifies, pulled towards the rate of all requests while it
-has few). A cap changes only for an expected gain of more than ``SWITCH_GAIN``. After
+has few). A cap runs until its step shape's cost is confirmed (``StepCosts``), then changes
+only for an expected gain of more than ``SWITCH_GAIN``. After
 ``PROBE_EVERY`` steps at cap 0 with drafts on offer, one step verifies one token (a probe), so
 that a rate that has risen is seen; a probe costs one row.
 
@@ -28,74 +29,96 @@ acceptance draws each token as decoding does), only the number of forwards does.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Sequence
 
-EMA = 0.25  # weight of a new step time
+SAMPLES = 9  # recent step times kept per shape (their median is its cost)
+CONFIRM = 3  # of them, before a shape's cost is taken as measured
 SWITCH_GAIN = 1.03  # a cap changes for an expected gain above this
 PROBE_EVERY = 32  # steps at cap 0 (with drafts on offer) before a one-token probe
 PRIOR_WEIGHT = 2.0  # the pooled rate counts as this many trials of a request's own
 REQ_DECAY = 0.8  # a request's counts: the weight of a verify n verifies ago is 0.8^n
-POOL_DECAY = 0.98  # the pooled counts, per verify
+POOL_DECAY = 0.9  # the pooled counts, per verify
 START_RATE = 0.5  # the pooled rate before any verify
 
 
 class StepCosts:
-    """Measured seconds of decode / verify steps (no prompt chunks) by the number of decoding
-    requests ``batch`` and the rows the forward computed ``rows`` (``batch`` plus the verified
-    drafts), each an exponential moving average. ``estimate`` interpolates between the rows
-    measured at that batch size; outside them it extends the nearest segment (or, with one
-    point, the slope other batch sizes show). With nothing to go on it is optimistic toward
-    the shape not yet tried (rows beyond cost nothing more, fewer rows cost proportionally
-    less), so the policy tries it and measures it."""
+    """Measured seconds of decode / verify steps (no prompt chunks, no step-graph recording)
+    by the number of decoding requests ``batch`` and the rows the forward computed ``rows``
+    (``batch`` plus the verified drafts): the median of the last ``SAMPLES`` steps of each
+    shape, *confirmed* from ``CONFIRM`` of them. The first steps of a shape are the dear ones
+    (the first of a kind in the process, the Python forward before its step graph replays:
+    up to 2.8x the steady time here), so an unconfirmed shape counts as no dearer than the
+    confirmed ones around it suggest, and the policy runs it until it is confirmed.
+
+    ``estimate`` interpolates between the confirmed rows of that batch size (or, without any,
+    all its rows); outside them it extends the nearest segment (or, with one point, the slope
+    other batch sizes show). With nothing to go on it is optimistic toward the shape not yet
+    tried (rows beyond cost nothing more, fewer rows cost proportionally less), so the policy
+    tries it and measures it."""
 
     def __init__(self) -> None:
-        self._at: dict[int, dict[int, float]] = {}
+        self._at: dict[int, dict[int, deque[float]]] = {}
 
     def observe(self, batch: int, rows: int, seconds: float) -> None:
         if batch < 1 or rows < batch or seconds <= 0:
             return
-        knots = self._at.setdefault(batch, {})
-        old = knots.get(rows)
-        knots[rows] = seconds if old is None else old + EMA * (seconds - old)
+        self._at.setdefault(batch, {}).setdefault(rows, deque(maxlen=SAMPLES)).append(seconds)
 
-    def known(self, batch: int, rows: int) -> bool:
-        return rows in self._at.get(batch, ())
+    def confirmed(self, batch: int, rows: int) -> bool:
+        return len(self._at.get(batch, {}).get(rows, ())) >= CONFIRM
 
     def estimate(self, batch: int, rows: int) -> float | None:
-        knots = self._at.get(batch)
-        if not knots:
+        at = self._at.get(batch)
+        if not at:
             if not self._at:
                 return None
             near = min(self._at, key=lambda b: (abs(b - batch), b))
             return self.estimate(near, rows)  # requests more or fewer than there: as rows
-        if rows in knots:
-            return knots[rows]
-        ts = sorted(knots)
-        below = [t for t in ts if t < rows]
-        above = [t for t in ts if t > rows]
-        if below and above:
-            lo, hi = below[-1], above[0]
-            return knots[lo] + (knots[hi] - knots[lo]) * (rows - lo) / (hi - lo)
-        if above:  # fewer rows than any measured here
-            top = ts[0]
-            s = self._slope(knots, ts[:2])
-            floor = knots[top] * rows / top
-            return floor if s is None else max(floor, knots[top] - s * (top - rows))
-        top = ts[-1]
-        s = self._slope(knots, ts[-2:])
-        return knots[top] + (s or 0.0) * (rows - top)
+        sure = {t: statistics.median(v) for t, v in at.items() if len(v) >= CONFIRM}
+        if rows in sure:
+            return sure[rows]
+        if not sure:
+            return _extend({t: statistics.median(v) for t, v in at.items()}, rows, self._slopes)
+        around = _extend(sure, rows, self._slopes)
+        return min(around, min(at[rows])) if rows in at else around
 
-    def _slope(self, knots: dict[int, float], pair: Sequence[int]) -> float | None:
-        """Seconds per row: of ``pair`` when it is two measured rows, else the mean of the
-        other batch sizes' (first to last point), None without any."""
-        if len(pair) == 2:
-            return max(0.0, (knots[pair[1]] - knots[pair[0]]) / (pair[1] - pair[0]))
+    def _slopes(self) -> float | None:
+        """Seconds per row over every batch size with two rows measured (first to last,
+        averaged), None without any."""
         slopes = []
-        for other in self._at.values():
-            if len(other) >= 2:
-                lo, hi = min(other), max(other)
-                slopes.append(max(0.0, (other[hi] - other[lo]) / (hi - lo)))
+        for at in self._at.values():
+            if len(at) >= 2:
+                lo, hi = min(at), max(at)
+                med = statistics.median
+                slopes.append(max(0.0, (med(at[hi]) - med(at[lo])) / (hi - lo)))
         return sum(slopes) / len(slopes) if slopes else None
+
+
+def _extend(knots: dict[int, float], rows: int, slopes) -> float:
+    """The seconds at ``rows`` from ``knots`` (rows -> seconds): linear between two, the end
+    segment beyond them, ``slopes()`` (or optimism) with one."""
+    if rows in knots:
+        return knots[rows]
+    ts = sorted(knots)
+    below = [t for t in ts if t < rows]
+    above = [t for t in ts if t > rows]
+    if below and above:
+        lo, hi = below[-1], above[0]
+        return knots[lo] + (knots[hi] - knots[lo]) * (rows - lo) / (hi - lo)
+    pair = ts[:2] if above else ts[-2:]
+    s = (
+        max(0.0, (knots[pair[1]] - knots[pair[0]]) / (pair[1] - pair[0]))
+        if len(pair) == 2
+        else slopes()
+    )
+    if above:  # fewer rows than any measured: never cheaper than their share
+        first = ts[0]
+        floor = knots[first] * rows / first
+        return floor if s is None else max(floor, knots[first] - s * (first - rows))
+    last = ts[-1]
+    return knots[last] + (s or 0.0) * (rows - last)
 
 
 class AcceptRates:
@@ -141,6 +164,7 @@ class AdaptiveDrafts:
         self.rates = AcceptRates()
         self.cap = k
         self._idle = 0  # steps at cap 0 with drafts on offer since the last verify
+        self._held = 0  # steps at this cap since it was chosen
         self.steps_at_cap = [0] * (k + 1)
         self.probes = 0
 
@@ -154,12 +178,13 @@ class AdaptiveDrafts:
         good = {j: self._goodput(j, rates, drafts, batch) for j in range(self.k + 1)}
         if good[self.cap] is None:
             best = self.k  # nothing measured at all: the full draft first
-        else:
+        elif self._confirmed(self.cap, drafts, batch) or self._held > CONFIRM:
             top = max(good, key=lambda j: (good[j], -j))
-            if good[top] > good[self.cap] * SWITCH_GAIN or not self._measured(
-                self.cap, drafts, batch
-            ):
+            if good[top] > good[self.cap] * SWITCH_GAIN:
                 best = top
+        # else: a cap whose shape is not confirmed runs on until it is (a recorded step and
+        # shapes that move with the drafts on offer: one step more at most)
+        self._held = self._held + 1 if best == self.cap else 1
         self.cap = best
         cap = best
         if best == 0:
@@ -175,8 +200,8 @@ class AdaptiveDrafts:
     def _rows(self, j: int, drafts: Sequence[int], batch: int) -> int:
         return batch + sum(min(j, d) for d in drafts)
 
-    def _measured(self, j: int, drafts: Sequence[int], batch: int) -> bool:
-        return self.costs.known(batch, self._rows(j, drafts, batch))
+    def _confirmed(self, j: int, drafts: Sequence[int], batch: int) -> bool:
+        return self.costs.confirmed(batch, self._rows(j, drafts, batch))
 
     def _goodput(
         self, j: int, rates: Sequence[float], drafts: Sequence[int], batch: int
