@@ -18,6 +18,10 @@ published shape added (``mtp.*``: seeded random, bf16), ``--threads`` threads, b
 - the hit rate of bench_spec's shared-prefix and multi-turn workloads, MTP on and off.
 
     HF_HUB_OFFLINE=1 python bench/bench_mtp.py [--reps 7] [--threads 2] [--map-size 32768]
+        [--steps-only | --decode-only] [--batches 1 16] [--adaptive]
+
+With ``--adaptive`` the measured decode also runs ``--speculative-adaptive``: random weights
+keep almost no draft, so it should settle on cap 0 and decode near one-token decoding's rate.
 """
 
 from __future__ import annotations
@@ -73,7 +77,12 @@ def part(args) -> None:
     spec = dict(speculative_algorithm="MTP", speculative_num_steps=3) if args.spec else {}
     if args.map:
         spec["speculative_token_map"] = token_map(args.map_size)
-    label = ("MTP" + (f", map {args.map_size}" if args.map else "")) if args.spec else "off"
+    if args.spec and args.adaptive:
+        spec["speculative_adaptive"] = True
+    label = "off"
+    if args.spec:
+        label = "MTP" + (f", map {args.map_size}" if args.map else "")
+        label += ", adaptive" if args.adaptive else ""
     if args.part == "steps":
         with Engine(disable_radix_cache=True, **kw, **spec) as eng:
             head = eng.runner.draft_head
@@ -126,6 +135,11 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--map-size", type=int, default=32768)
     ap.add_argument("--steps-only", action="store_true", help="only the step costs")
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 16],
+                    help="the measured decode's batch sizes")  # fmt: skip
+    ap.add_argument("--adaptive", action="store_true",
+                    help="also measure --speculative-adaptive")  # fmt: skip
+    ap.add_argument("--decode-only", action="store_true", help="only the measured decode")
     ap.add_argument("--part", default="", help=argparse.SUPPRESS)
     ap.add_argument("--spec", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--map", action="store_true", help=argparse.SUPPRESS)
@@ -153,13 +167,20 @@ def main() -> None:
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         print(out.stdout.strip(), flush=True)
 
-    fresh("--part", "steps", "--spec")
-    fresh("--part", "steps", "--spec", "--map")
+    if not args.decode_only:
+        fresh("--part", "steps", "--spec")
+        fresh("--part", "steps", "--spec", "--map")
     if args.steps_only:
         return
-    for batch in (1, 16):
-        for spec in ((), ("--spec", "--map"), (), ("--spec", "--map")):  # alternated, twice
-            fresh("--part", "decode", "--batch", str(batch), *spec)
+    sides = [(), ("--spec", "--map")]
+    if args.adaptive:
+        sides.append(("--spec", "--map", "--adaptive"))
+    for batch in args.batches:
+        for _ in range(2):  # alternated, twice
+            for spec in sides:
+                fresh("--part", "decode", "--batch", str(batch), *spec)
+    if args.decode_only:
+        return
     for name in ("gsp", "multi-turn"):
         for spec in ((), ("--spec", "--map")):
             fresh("--part", name, *spec)
