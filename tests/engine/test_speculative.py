@@ -20,6 +20,7 @@ cache's behaviour equal decoding without it.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -165,7 +166,8 @@ def _textbook_rule(draft, target_probs, generator, draft_probs=None):
 @pytest.mark.parametrize("arch", ["lfm2", pytest.param("qwen3_next", marks=pytest.mark.slow)])
 def test_seeded_sampling_equals_decoding_without_speculation(arch, monkeypatch):
     """A seeded request draws each emitted token from its row as decoding does, so its tokens
-    and logprobs with speculation equal those without, fp32, drafts kept and rejected.
+    and logprobs with speculation equal those without, fp32, drafts kept and rejected, and
+    with an adaptive cap that moves every step.
     Negative controls: the verify rows drawing after the batch's own draw (no rewind of the
     generator), and the textbook form of the rule (a uniform against p(x)): both differ.
     (~10 s for lfm2, ~40 s for qwen3_next: the Gated DeltaNet one slow-marked.)"""
@@ -183,6 +185,13 @@ def test_seeded_sampling_equals_decoding_without_speculation(arch, monkeypatch):
     assert kept < stats.spec_verify_ct * 3, (kept, stats.spec_verify_ct)  # drafts rejected
     if arch == "lfm2":  # its outputs repeat (qwen3_next's rarely do)
         assert kept > 0  # and drafts kept
+    caps = itertools.cycle([3, 0, 1, 2])  # the adaptive cap moving every step
+    with monkeypatch.context() as m:
+        m.setattr(AdaptiveDrafts, "choose", lambda policy, reqs, drafts, batch: next(caps))
+        varied, _ = _run(
+            model, tok, prompts, dict(spec, speculative_adaptive=True), _seeded(len(prompts))
+        )
+    assert [g["output_ids"] for g in varied] == [r["output_ids"] for r in ref]
     other, _ = _run(model, tok, prompts, spec, _seeded(len(prompts), seed=200))
     assert [g["output_ids"] for g in other] != [r["output_ids"] for r in ref]  # seeds matter
     for mutant in ("no_rewind", "textbook"):
