@@ -20,6 +20,7 @@ engine, on a tiny dense Qwen3.5 with MTP weights in the published layout (fp32).
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
@@ -34,6 +35,8 @@ from mambaradix.core import ForwardReq
 from mambaradix.engine.engine import Engine
 from mambaradix.engine.mtp_draft import DraftHead, _DraftStep
 from mambaradix.engine.runner import ModelRunner
+from mambaradix.engine.running import RunningSet
+from mambaradix.engine.spec_policy import AdaptiveDrafts
 from mambaradix.engine.speculative import Speculation
 from mambaradix.kernels.backend import create_backend
 from mambaradix.layout import ForwardContext
@@ -174,6 +177,35 @@ def test_greedy_outputs_equal_and_every_draft_is_the_sequences_own(models, monke
     if not flags.get("disable_radix_cache"):
         assert stats.cached_tokens > 0  # the second wave resumed from the cache
     assert draft_mismatches(model, rec.drafts) == 0
+
+
+def test_an_adaptive_cap_that_moves_every_step_keeps_outputs_hits_and_drafts(models, monkeypatch):
+    """``--speculative-adaptive`` cuts each step's drafts to its cap: with the cap moving
+    every step (3, 0, 1, 2) the head chains only as many steps as the cap allows, the outputs
+    and hits equal the plain model's, and every draft is still the sequence's own."""
+    model, plain, tok = models
+    waves = _waves(model.vocab_size)
+    flags = CONFIGS[1]
+    ref, ref_stats = _run(plain, tok, waves, flags)
+    caps = itertools.cycle([3, 0, 1, 2])
+    monkeypatch.setattr(AdaptiveDrafts, "choose", lambda policy, reqs, drafts, batch: next(caps))
+    drafts: list[tuple[list[int], list[int]]] = []  # the cut drafts, filled by the runner
+    cut = RunningSet._drafts
+
+    def recorded(running_set, decodes):
+        out = cut(running_set, decodes)
+        drafts.extend((r.token_slice(0, r.fed_len + 1), d) for r, d in out)
+        return out
+
+    monkeypatch.setattr(RunningSet, "_drafts", recorded)
+    got, stats = _run(model, tok, waves, dict(flags, speculative_algorithm="MTP",
+                                              speculative_adaptive=True))  # fmt: skip
+    ties, worst = compare(ref, got)
+    assert ties <= MAX_TIES and worst <= 10 * LOGPROB_ATOL, (ties, worst)
+    assert {len(d) for _, d in drafts} >= {1, 2, 3}, drafts  # drafts cut to each cap
+    assert stats.spec_draft_tokens == sum(len(d) for _, d in drafts)
+    assert stats.cached_tokens == ref_stats.cached_tokens > 0
+    assert draft_mismatches(model, drafts) == 0
 
 
 def test_a_head_whose_snapshots_lack_the_hidden_state_drafts_differently(models, monkeypatch):
