@@ -165,8 +165,6 @@ class AdaptiveDrafts:
         self.cap = k
         self._idle = 0  # steps at cap 0 with drafts on offer since the last verify
         self._held = 0  # steps at this cap since it was chosen
-        self.steps_at_cap = [0] * (k + 1)
-        self.probes = 0
 
     def choose(self, reqs: Sequence, drafts: Sequence[int], batch: int) -> int:
         """The cap for a step of ``batch`` decoding requests, ``drafts[i]`` the draft tokens
@@ -191,10 +189,8 @@ class AdaptiveDrafts:
             self._idle += 1
             if self._idle >= PROBE_EVERY:
                 cap, self._idle = 1, 0
-                self.probes += 1
         else:
             self._idle = 0
-        self.steps_at_cap[cap] += 1
         return cap
 
     def _rows(self, j: int, drafts: Sequence[int], batch: int) -> int:
