@@ -45,8 +45,8 @@ class ScheduledBatch:
     run: RunBatch
     entries: list[Entry]
     copies: list[tuple[Req, int, int]] = field(default_factory=list)  # no_buffer (req, pos, slot)
-    # (decoding requests, rows they compute: one each plus the drafts verified), set when
-    # speculation is on: a step of those alone times what such a shape costs
+    # (decoding requests, rows they compute: one each plus the drafts verified), set with
+    # --speculative-adaptive: a step of those alone times what such a shape costs
     decode_rows: tuple[int, int] | None = None
 
     @staticmethod

@@ -69,7 +69,7 @@ class RunningSet:
         for req, draft in verifies:  # after the plain decodes (the decode table's rows)
             self.builder.add_verify(batch, req, draft)
             budget -= 1 + len(draft)
-        if spec:
+        if spec and spec.adaptive is not None:  # the policy times steps of this shape
             n = len(decodes) + len(verifies)
             batch.decode_rows = (n, n + sum(len(d) for _, d in verifies))
         for req in running:

@@ -99,6 +99,7 @@ class Scheduler:
                 adaptive=cfg.speculative_adaptive,
             )
             self.overlap = False  # a draft needs the tokens the step before accepted
+        self.adaptive = speculation.adaptive if speculation else None
         self.running_set = RunningSet(
             cache,
             self.strategy,
@@ -117,7 +118,7 @@ class Scheduler:
             on_tokens=on_tokens,
             finish=self._finish,
             fail=self.fail,
-            adaptive=speculation.adaptive if speculation else None,
+            adaptive=self.adaptive,
         )
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -225,15 +226,14 @@ class Scheduler:
             cost = result.seconds / result.extend_tokens
             old = self.admission.s_per_token
             self.admission.s_per_token = cost if old <= 0 else 0.8 * old + 0.2 * cost
-        adaptive = self.results.adaptive
         shape = batch.decode_rows
         if (
-            adaptive is not None
+            self.adaptive is not None
             and shape
             and shape[1] == getattr(result, "extend_tokens", -1)  # decodes and verifies alone
             and not result.recorded
         ):
-            adaptive.observe_step(*shape, result.seconds)
+            self.adaptive.observe_step(*shape, result.seconds)
         self.results.process(batch, result)
 
     # ------------------------------------------------------------------ the end of a request
