@@ -17,6 +17,7 @@ work over threads (``THREADED``, and any test marked ``threaded``) run on every 
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import sys
@@ -57,6 +58,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.relative_to(root).as_posix().startswith(THREADED):
             item.add_marker(pytest.mark.threaded)
+
+
+@pytest.fixture(autouse=True)
+def _own_spec_costs(request: pytest.FixtureRequest, tmp_path_factory, monkeypatch) -> None:
+    """Each test keeps ``--speculative-adaptive``'s step costs in a folder of its own
+    (``engine/spec_costs.py``; not created until written): costs one test's engine measured
+    never steer another's."""
+    base = tmp_path_factory.getbasetemp() / "spec-costs"
+    digest = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+    monkeypatch.setenv("MAMBARADIX_SPEC_COSTS", str(base / digest))
 
 
 @pytest.fixture(autouse=True)

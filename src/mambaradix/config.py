@@ -198,6 +198,14 @@ class EngineConfig:
         "accept rate; at cap 0, one step in 32 verifies one token to see whether drafts pay "
         "again (engine/spec_policy.py). Outputs do not change, as with any cap.",
     )
+    speculative_adaptive_costs: str = opt(
+        "",
+        "Where --speculative-adaptive keeps the step costs it measured, read at start and "
+        "written at shutdown, so that a restarted engine on the same machine, model and "
+        "settings starts from them instead of measuring again (a JSON file; one measured for "
+        "anything else, or unreadable, is ignored). '' takes "
+        "~/.cache/mambaradix/spec-costs/<digest of those>.json; 'none' keeps nothing.",
+    )
     speculative_token_map: str = opt(
         "",
         "NEXTN / MTP: a JSON file listing the token ids the head drafts from (a hot "
@@ -283,6 +291,8 @@ class EngineConfig:
             )
         if self.speculative_disable_by_batch_size < 0:
             raise ValueError("--speculative-disable-by-batch-size must be >= 0 (0: never)")
+        if self.speculative_adaptive_costs and not self.speculative_adaptive:
+            raise ValueError("--speculative-adaptive-costs needs --speculative-adaptive")
         if self.speculative_token_map and algo not in ("NEXTN", "MTP"):
             raise ValueError("--speculative-token-map is for --speculative-algorithm NEXTN / MTP")
         lo = self.speculative_ngram_min_match_window_size

@@ -13,6 +13,7 @@ import itertools
 import logging
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from mambaradix.cache.tree_view import check_args, render_tree
 from mambaradix.config import EngineConfig
 from mambaradix.core import SamplingParams
+from mambaradix.engine import spec_costs
 from mambaradix.engine.cpu_runtime import release_thread_pool
 from mambaradix.engine.detokenizer import DetokState
 from mambaradix.engine.health import EngineHealth, HealthReport
@@ -70,6 +72,7 @@ class Engine:
             debug_integrity or cfg.debug_integrity,
         )  # fmt: skip
         self.scheduler = make_scheduler(parts, self.outputs.on_tokens, self.loop.finished)
+        self._spec_costs = self._load_spec_costs(model)
         self._ids = itertools.count()
         # Loading ran torch on this thread; its OpenMP pool would slow the runner's
         # (engine.cpu_runtime).
@@ -246,10 +249,25 @@ class Engine:
                 self.cache.close_storage()
             except Exception:  # after an engine fault the tree may be what failed
                 logger.exception("storage tier: the writes at shutdown failed")
+            if self._spec_costs is not None:
+                spec_costs.save(*self._spec_costs, self.scheduler.adaptive.costs)
         self.runner.shutdown()
         self.structured.close()
         self._health.stopped = True
         self.loop.fail_inbox()  # anything queued after the loop ended
+
+    def _load_spec_costs(self, model: torch.nn.Module) -> tuple[Path, dict] | None:
+        """Where ``--speculative-adaptive`` keeps its step costs, loaded from there (None:
+        no adaptive speculation, or ``--speculative-adaptive-costs none``)."""
+        if self.scheduler.adaptive is None:
+            return None
+        key = spec_costs.cost_key(self.config, model, self.kernel_backend)
+        path = spec_costs.cost_path(self.config.speculative_adaptive_costs, key)
+        if path is None:
+            return None
+        n = spec_costs.load(path, key, self.scheduler.adaptive.costs)
+        logger.info("speculative step costs: %d shapes from %s", n, path)
+        return path, key
 
     def __enter__(self) -> Engine:
         return self

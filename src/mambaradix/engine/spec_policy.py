@@ -66,6 +66,10 @@ class StepCosts:
             return
         self._at.setdefault(batch, {}).setdefault(rows, deque(maxlen=SAMPLES)).append(seconds)
 
+    def samples(self) -> dict[int, list[tuple[int, list[float]]]]:
+        """The kept step times: batch -> (rows, times oldest first) by rows."""
+        return {b: [(t, list(v)) for t, v in sorted(at.items())] for b, at in self._at.items()}
+
     def confirmed(self, batch: int, rows: int) -> bool:
         return len(self._at.get(batch, {}).get(rows, ())) >= CONFIRM
 
