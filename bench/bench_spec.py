@@ -23,8 +23,10 @@ it):
   against one-token decoding, batch 1 and 16 (``--batches``), tokens/s and the accept length
   it shows (where speculation stops paying: ``--speculative-disable-by-batch-size``);
 - with ``--adaptive``, the repeat workload and the measured decode also with
-  ``--speculative-adaptive`` (at the largest k): the cap it settles on should give the better
-  of speculation and one-token decoding at each batch size;
+  ``--speculative-adaptive`` (at the largest k), twice in a row as a restarted server would
+  run: "fresh" measures its step costs from nothing, "kept" starts from the costs the fresh
+  run left (``--speculative-adaptive-costs``, a file of the benchmark's own). The cap it
+  settles on should give the better of speculation and one-token decoding at each batch size;
 - the hit rate of the shared-prefix workload (4 groups x 8 requests, 512 + 64 tokens, 16 new)
   and of a multi-turn one (8 conversations x 3 turns, each turn the previous prompt + its
   answer + 32 new tokens), speculation on and off.
@@ -244,9 +246,13 @@ def part(args) -> None:
     folder = str(checkpoint(PRESET))
     kw = dict(model_path=folder, num_threads=args.threads, dtype="bfloat16")
     spec = dict(speculative_algorithm="NGRAM", speculative_num_steps=3) if args.spec else {}
+    name = "NGRAM" if spec else "off"
     if args.spec and args.adaptive:
-        spec["speculative_adaptive"] = True
-    name = ("NGRAM" + (" adaptive" if args.adaptive else "")) if spec else "off"
+        costs = Path(args.costs)
+        if args.fresh:
+            costs.unlink(missing_ok=True)
+        spec.update(speculative_adaptive=True, speculative_adaptive_costs=str(costs))
+        name += " adaptive " + ("fresh" if args.fresh else "kept")
     if args.part == "steps":
         with Engine(disable_radix_cache=True, **kw) as eng:
             costs = step_costs(eng, args.reps)
@@ -308,6 +314,8 @@ def main() -> None:
     ap.add_argument("--spec", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--k", type=int, default=3, help=argparse.SUPPRESS)
+    ap.add_argument("--costs", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--fresh", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.part:
         part(args)
@@ -320,7 +328,9 @@ def main() -> None:
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         print(out.stdout.strip(), flush=True)
 
-    adaptive = [("--spec", "--adaptive")] if args.adaptive else []
+    costs = str(CACHE / "bench-spec-costs.json")  # the fresh run's costs, the kept run's start
+    kinds = (("--fresh",), ()) if args.adaptive else ()
+    adaptive = [("--spec", "--adaptive", "--costs", costs, *kind) for kind in kinds]
     if not (args.repeat_only or args.decode_only):
         fresh("--part", "steps")
     if args.steps_only:
