@@ -22,6 +22,10 @@ published shape added (``mtp.*``: seeded random, bf16), ``--threads`` threads, b
 
 With ``--adaptive`` the measured decode also runs ``--speculative-adaptive``: random weights
 keep almost no draft, so it should settle on cap 0 and decode near one-token decoding's rate.
+It runs twice in a row as a restarted server would: "fresh" measures its step costs from
+nothing, "kept" starts from the costs the fresh run left (``--speculative-adaptive-costs``, a
+file of the benchmark's own); each prints the draft tokens it verified a new token, what
+trying shapes early costs whatever the machine's load.
 """
 
 from __future__ import annotations
@@ -78,11 +82,14 @@ def part(args) -> None:
     if args.map:
         spec["speculative_token_map"] = token_map(args.map_size)
     if args.spec and args.adaptive:
-        spec["speculative_adaptive"] = True
+        costs = Path(args.costs)
+        if args.fresh:
+            costs.unlink(missing_ok=True)
+        spec.update(speculative_adaptive=True, speculative_adaptive_costs=str(costs))
     label = "off"
     if args.spec:
         label = "MTP" + (f", map {args.map_size}" if args.map else "")
-        label += ", adaptive" if args.adaptive else ""
+        label += (", adaptive " + ("fresh" if args.fresh else "kept")) if args.adaptive else ""
     if args.part == "steps":
         with Engine(disable_radix_cache=True, **kw, **spec) as eng:
             head = eng.runner.draft_head
@@ -118,8 +125,10 @@ def part(args) -> None:
     elif args.part == "decode":
         with Engine(disable_radix_cache=True, **kw, **spec) as eng:
             rate, length = decode_rate(eng, args.batch, args.new)
+            drafts = eng.stats().spec_draft_tokens / (args.batch * args.new)
         print(
-            f"measured batch {args.batch} [{label}]: {rate:.2f} tok/s (accept length {length:.3f})"
+            f"measured batch {args.batch} [{label}]: {rate:.2f} tok/s (accept length {length:.3f}"
+            f"; {drafts:.3f} draft tokens verified a new token)"
         )
     else:
         vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
@@ -144,6 +153,8 @@ def main() -> None:
     ap.add_argument("--spec", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--map", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--costs", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--fresh", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.part:
         part(args)
@@ -173,8 +184,10 @@ def main() -> None:
     if args.steps_only:
         return
     sides = [(), ("--spec", "--map")]
-    if args.adaptive:
-        sides.append(("--spec", "--map", "--adaptive"))
+    if args.adaptive:  # the fresh run's costs are the kept run's start
+        costs = str(CACHE / "bench-mtp-costs.json")
+        sides += [("--spec", "--map", "--adaptive", "--costs", costs, *kind)
+                  for kind in (("--fresh",), ())]  # fmt: skip
     for batch in args.batches:
         for _ in range(2):  # alternated, twice
             for spec in sides:
