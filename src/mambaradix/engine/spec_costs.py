@@ -10,9 +10,10 @@ steps then replace one by one (a shape's cost is their median, so a first dear s
 nothing).
 
 The file is JSON (never unpickled), read at start and written whole at shutdown (a temporary
-file renamed over it). It names what the costs depend on (``cost_key``: the CPU model and
-thread count, the model's parameter shapes and dtype, the kernel backend, device, page size,
-decode graphs, the speculative algorithm, k and token map); a file whose key differs is
+file renamed over it). It names what the costs depend on (``cost_key``: the CPU's model and
+feature flags as the native kernels' cache names them, its cores and the thread count, the
+model's parameter shapes and dtype, the kernel backend, device, page size, decode graphs, the
+speculative algorithm, k and token map); a file whose key differs is
 ignored, as is one that is too large, malformed or holds a sample out of range: a bad file
 costs a fresh start, never the engine. Where it lives: ``--speculative-adaptive-costs PATH``,
 or by default ``<$MAMBARADIX_SPEC_COSTS or ~/.cache/mambaradix/spec-costs>/<key digest>.json``;
@@ -26,13 +27,13 @@ import json
 import logging
 import math
 import os
-import platform
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mambaradix.engine.spec_policy import SAMPLES, StepCosts
+from mambaradix.kernels.native_build import cpu_id
 from mambaradix.models.loader import cache_root
 
 logger = logging.getLogger(__name__)
@@ -44,25 +45,13 @@ MAX_ROWS = 1 << 20  # batch and rows bounds
 MAX_SECONDS = 3600.0  # a step time beyond this is not one
 
 
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def cost_key(cfg: Any, model: torch.nn.Module, backend: str) -> dict[str, Any]:
     """What the step costs of this engine depend on; equal keys, comparable costs."""
     shapes = hashlib.sha256()
     for name, p in model.state_dict().items():
         shapes.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
     return {
-        "cpu": cpu_model(),
+        "cpu": hashlib.sha256(cpu_id().encode()).hexdigest()[:32],  # model and features
         "cores": os.cpu_count() or 0,
         "threads": torch.get_num_threads(),
         "model": shapes.hexdigest()[:32],
