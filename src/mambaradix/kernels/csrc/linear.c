@@ -233,7 +233,8 @@ ALWAYS_INLINE int64_t f32x_row(int64_t K) { return (K + F32X_CH - 1) / F32X_CH *
 
 ALWAYS_INLINE void widen16(const uint16_t *p, __m256 *odd, __m256 *even)
 {
-    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    __asm__("" : "+x"(v)); /* one load for both halves (GCC loaded the chunk again for the mask) */
     *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
     *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
@@ -260,7 +261,12 @@ static void pack_f32(const uint16_t *x, int64_t x_stride, int64_t K, int64_t M, 
             }
 }
 
-/* One chunk of 16 (w[s] at c, x at xf + r * K16 + c) into the R x S accumulators. */
+/* One chunk of 16 (w[s] at c, x at xf + r * K16 + c) into the R x S accumulators. With two
+ * weight rows each x vector is loaded once into a register for both: left to itself GCC folded
+ * the loads into the multiply-adds, loading every x vector twice, and Zen 1 (one 256-bit load a
+ * cycle) then spent more cycles on loads than on the multiply-adds: 4 rows ran at 31-32 GFMA/s
+ * of the 47 its two cores reach, 38-39 with the loads held (docs/benchmarks.md, 2026-12-05).
+ * The arithmetic, and so every bit, is the same. */
 ALWAYS_INLINE void chunk_f32x(const float *xf, int64_t K16, const uint16_t *const *w, int64_t c,
                               const int S, const int R, __m256 acc[2][XR])
 {
@@ -269,7 +275,9 @@ ALWAYS_INLINE void chunk_f32x(const float *xf, int64_t K16, const uint16_t *cons
         widen16(w[s] + c, &wo[s], &we[s]);
     for (int r = 0; r < R; r++) {
         const float *xc = xf + r * K16 + c;
-        const __m256 xo = _mm256_loadu_ps(xc), xe = _mm256_loadu_ps(xc + 8);
+        __m256 xo = _mm256_loadu_ps(xc), xe = _mm256_loadu_ps(xc + 8);
+        if (S == 2)
+            __asm__("" : "+x"(xo), "+x"(xe));
         for (int s = 0; s < S; s++) {
             acc[s][r] = _mm256_fmadd_ps(xo, wo[s], acc[s][r]);
             acc[s][r] = _mm256_fmadd_ps(xe, we[s], acc[s][r]);
