@@ -123,12 +123,12 @@ static inline __attribute__((always_inline)) void attend_own(
 #pragma omp simd reduction(max : m)
         for (int64_t j = 0; j < n; j++)
             m = si[j] > m ? si[j] : m;
-        float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < n; j++) {
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++)
             si[j] = exp_poly(si[j] - m);
+        float total = 0.0f; /* summed in order: the same bits however the loop above ran */
+        for (int64_t j = 0; j < n; j++)
             total += si[j];
-        }
         float w = 0.0f;
         if (sl != NULL) {
             w = exp_poly(sl[i] - m);
