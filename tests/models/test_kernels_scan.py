@@ -183,6 +183,7 @@ def test_native_gdn_scan_snapshot_control(monkeypatch):
         (1024, 3, None, False, torch.bfloat16),  # LFM2-350M's short conv
         (40, 4, "silu", True, torch.bfloat16),  # 8 channels past the vectors: scalar tail
         (37, 2, "silu", True, torch.float32),  # fp32, odd channels, width 2
+        (50, 4, "silu", True, torch.float32),  # fp32: 32 lanes, 8 lanes, then 2 channels alone
     ],
 )
 def test_native_conv_prefill_matches_the_reference(channels, width, activation, bias, dtype,

@@ -21,7 +21,8 @@
 #include "vec_math.h"
 
 #define CH 32 /* channels a task carries (one 64-byte line of bf16) */
-#define KMAX 8 /* widest kernel the vector path holds in registers */
+#define KMAX 8 /* widest kernel the vector paths hold in registers */
+#define VL CH  /* conv_lanes' widest lane count */
 
 /* Channels c0 .. c1 - 1 of segment s, one channel at a time. */
 static inline __attribute__((always_inline)) void conv_scalar(
@@ -109,6 +110,68 @@ static inline __attribute__((always_inline)) void conv_vec16(
 }
 #endif
 
+/* N channels c .. c + N - 1 of segment s (N a constant <= VL; any dtype, any CPU), each step's
+ * arithmetic in loops over the N lanes, which vectorise, and a token's N inputs read together:
+ * conv_scalar goes one channel at a time down the tokens, a cache line (C apart) for every
+ * token of every channel. On an AVX2 EPYC a Qwen3.5-0.8B-shaped Gated DeltaNet layer's conv
+ * over 2,048 bf16 tokens took 533 ms that way, 127 ms at 8 lanes, 56 ms at 32 (a line of
+ * bf16). The same operations in the same order as conv_scalar: the same bits. */
+static inline __attribute__((always_inline)) void conv_lanes(
+    const int N, int64_t s, int64_t c, const int64_t *cu, const int64_t *slots, const void *x,
+    int64_t xs, void *pool, const void *w, const void *bias, void *out, int64_t C, int64_t K,
+    int silu, int64_t NS, const int64_t *snap_seq, const int64_t *snap_off,
+    const int64_t *snap_slot, const int bf)
+{
+    const int64_t k1 = K - 1;
+    float win[KMAX][VL], wv[KMAX][VL], b[VL];
+    for (int64_t j = 0; j < K; j++)
+        for (int i = 0; i < N; i++)
+            wv[j][i] = ld(w, (c + i) * K + j, bf);
+    for (int64_t j = 0; j < k1; j++)
+        for (int i = 0; i < N; i++)
+            win[j][i] = ld(pool, (slots[s] * C + c + i) * k1 + j, bf);
+    for (int i = 0; i < N; i++)
+        b[i] = bias ? ld(bias, c + i, bf) : 0.0f;
+    int64_t t = cu[s];
+    for (int64_t k = 0; k <= NS; k++) {
+        const int64_t stop = scan_piece(s, &k, cu, NS, snap_seq, snap_off);
+        for (; t < stop; t++) {
+            float acc[VL], xt[VL];
+#pragma omp simd
+            for (int i = 0; i < N; i++) {
+                xt[i] = ld(x, t * xs + c + i, bf);
+                acc[i] = b[i];
+            }
+            for (int64_t j = 0; j < k1; j++)
+#pragma omp simd
+                for (int i = 0; i < N; i++)
+                    acc[i] += wv[j][i] * win[j][i];
+#pragma omp simd
+            for (int i = 0; i < N; i++)
+                acc[i] = rnd(acc[i] + wv[k1][i] * xt[i], bf);
+            for (int64_t j = 0; j + 1 < k1; j++)
+                for (int i = 0; i < N; i++)
+                    win[j][i] = win[j + 1][i];
+            if (k1 > 0)
+                for (int i = 0; i < N; i++)
+                    win[k1 - 1][i] = xt[i];
+            if (silu) {
+#pragma omp simd
+                for (int i = 0; i < N; i++)
+                    st(out, t * C + c + i, acc[i] / (1.0f + exp_poly(-acc[i])), bf);
+            } else {
+#pragma omp simd
+                for (int i = 0; i < N; i++)
+                    st(out, t * C + c + i, acc[i], bf);
+            }
+        }
+        const int64_t dst = k < NS ? snap_slot[k] : slots[s];
+        for (int64_t j = 0; j < k1; j++)
+            for (int i = 0; i < N; i++)
+                st(pool, (dst * C + c + i) * k1 + j, win[j][i], bf);
+    }
+}
+
 #define CONV_PREFILL_ARGS                                                                    \
     int64_t S, const int64_t *cu, const int64_t *slots, const void *x, int64_t xs,          \
         void *pool, const void *w, const void *bias, void *out, int64_t C, int64_t K,       \
@@ -135,14 +198,22 @@ static inline __attribute__((always_inline)) void conv_vec16(
     } while (0)
 
 #if HAVE_CONV_WINDOW
-#define VEC_CHANNELS(bf)                                                                     \
+#define VEC16_CHANNELS(bf)                                                                   \
     if (bf && K <= KMAX)                                                                     \
         for (; c + 16 <= c1; c += 16)                                                        \
             conv_vec16(s, c, cu, slots, x, xs, pool, w, bias, out, C, K, silu, NS, snap_seq, \
                        snap_off, snap_slot)
 #else
-#define VEC_CHANNELS(bf) (void)0
+#define VEC16_CHANNELS(bf) (void)0
 #endif
+#define VEC_CHANNELS(bf)                                                                     \
+    VEC16_CHANNELS(bf);                                                                      \
+    if (K <= KMAX) {                                                                         \
+        for (; c + CH <= c1; c += CH) /* a whole block, then 8 channels at a time */         \
+            conv_lanes(CH, s, c, CONV_PASS, bf);                                             \
+        for (; c + 8 <= c1; c += 8)                                                          \
+            conv_lanes(8, s, c, CONV_PASS, bf);                                              \
+    }
 
 int conv1d_prefill(CONV_PREFILL_ARGS) { CONV_PREFILL(0); }
 
