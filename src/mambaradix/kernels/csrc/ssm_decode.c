@@ -73,6 +73,8 @@ static inline __attribute__((always_inline)) void conv_channels(
         }
     }
 #endif
+    float pre[CONV_CHUNK]; /* the sums before the activation (c1 - c0 <= CONV_CHUNK) */
+    const int64_t first = c;
     for (; c < c1; c++) {
         const int64_t s0 = (src * C + c) * k1, d0 = (dst * C + c) * k1, w = c * kernel;
         const float xc = ld(x, b * x_stride + c, bf);
@@ -86,7 +88,17 @@ static inline __attribute__((always_inline)) void conv_channels(
             st(conv_pool, d0 + k1 - 1, xc, bf);
         if (bias)
             acc = rnd(acc + ld(bias, c, bf), bf);
-        st(out, b * C + c, silu ? acc / (1.0f + exp_poly(-acc)) : acc, bf);
+        pre[c - first] = acc;
+    }
+    /* the activation in a loop of its own, which vectorises (the window's loads do not) */
+    if (silu) {
+#pragma omp simd
+        for (int64_t i = first; i < c1; i++)
+            st(out, b * C + i, pre[i - first] / (1.0f + exp_poly(-pre[i - first])), bf);
+    } else {
+#pragma omp simd
+        for (int64_t i = first; i < c1; i++)
+            st(out, b * C + i, pre[i - first], bf);
     }
 }
 
@@ -102,9 +114,16 @@ static inline __attribute__((always_inline)) void conv_channels(
                 const int64_t c0 = ch * CONV_CHUNK;                                      \
                 const int64_t c1 = c0 + CONV_CHUNK < C ? c0 + CONV_CHUNK : C;            \
                 for (int64_t r = dec_first(b, cu); r < dec_first(b + 1, cu); r++)        \
-                    conv_channels(r, dec_src(b, r, slots, cu, row_slots),                \
-                                  dec_dst(b, r, slots, row_slots), c0, c1, x, x_stride,  \
-                                  conv_pool, weight, bias, out, C, kernel, silu, bf);    \
+                    if (kernel == 4) /* the published models' width: the loops unrolled */ \
+                        conv_channels(r, dec_src(b, r, slots, cu, row_slots),            \
+                                      dec_dst(b, r, slots, row_slots), c0, c1, x,        \
+                                      x_stride, conv_pool, weight, bias, out, C, 4,      \
+                                      silu, bf);                                         \
+                    else                                                                 \
+                        conv_channels(r, dec_src(b, r, slots, cu, row_slots),            \
+                                      dec_dst(b, r, slots, row_slots), c0, c1, x,        \
+                                      x_stride, conv_pool, weight, bias, out, C, kernel, \
+                                      silu, bf);                                         \
             }                                                                            \
     } while (0)
 
@@ -177,10 +196,16 @@ static inline __attribute__((always_inline)) void m2_decode_team(
     for (int64_t b = 0; b < B; b++)
         for (int64_t ch = 0; ch < chunks; ch++) {
             const int64_t c0 = ch * CONV_CHUNK, c1 = c0 + CONV_CHUNK < C ? c0 + CONV_CHUNK : C;
-            for (int64_t r = dec_first(b, cu); r < dec_first(b + 1, cu); r++)
-                conv_channels(r, dec_src(b, r, slots, cu, row_slots),
-                              dec_dst(b, r, slots, row_slots), c0, c1, xbc, in_stride, conv_pool,
-                              conv_w, conv_b, conv_out, C, kernel, silu, bf);
+            for (int64_t r = dec_first(b, cu); r < dec_first(b + 1, cu); r++) {
+#define M2_CONV(KW)                                                                        \
+    conv_channels(r, dec_src(b, r, slots, cu, row_slots), dec_dst(b, r, slots, row_slots), \
+                  c0, c1, xbc, in_stride, conv_pool, conv_w, conv_b, conv_out, C, KW, silu, bf)
+                if (kernel == 4) /* the published models' width: the loops unrolled */
+                    M2_CONV(4);
+                else
+                    M2_CONV(kernel);
+#undef M2_CONV
+            }
         }
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++)
