@@ -11,6 +11,9 @@ it):
   timed on its second run in a row, replayed from its step graph as the engine runs
   consecutive steps of one shape (``engine.step_graph``), and the same ratio of the first runs
   (the Python forward) beside it;
+- with ``--parts``, where those steps' time goes: each step graph's calls timed one by one and
+  summed by kernel (native function or torch op), the decode graph run before each verify
+  graph as the engine alternates them;
 - the tokens/s those costs give at accepted lengths 1.5, 2.0, 2.5, 3.0 (computed: accepted
   length / (the k = 3 ratio x the decode step time); an n-gram draft costs no forward), beside
   one-token decoding's;
@@ -32,7 +35,7 @@ it):
   answer + 32 new tokens), speculation on and off.
 
     HF_HUB_OFFLINE=1 python bench/bench_spec.py [--reps 7] [--threads 2]
-        [--steps-only | --repeat-only [--batches 1 4 8 16] [--ks 1 2 3] | --decode-only]
+        [--steps-only | --parts | --repeat-only [--batches 1 4 8 16] [--ks 1 2 3] | --decode-only]
         [--adaptive]
 """
 
@@ -119,6 +122,55 @@ def step_costs(eng, reps: int) -> dict[str, dict[int, float]]:
         "ratio": {k: med(v) for k, v in ratio.items()},
         "python": {k: med(v) for k, v in python.items()},
     }
+
+
+def step_parts(eng, reps: int) -> None:
+    """Where a step's time goes: the decode step and the verify steps of k + 1 = 2..4 tokens
+    (batch 1, as ``step_costs`` records them), each step graph's calls run one by one on the
+    runner's thread, timed alone and summed by kernel (a native function, or a torch op). Each
+    round runs the decode graph before every verify graph, as the engine alternates them, so
+    the weights come from memory as in a decode step. Medians over ``reps`` rounds, in ms."""
+    import collections
+
+    import torch
+
+    step_costs(eng, 1)  # records the four graphs
+    graphs = {len(g.layout.input_ids): g for g in eng.runner.graphs.graphs}
+    if sorted(graphs) != [1, 2, 3, 4]:
+        raise SystemExit(f"expected the graphs of 1-4 tokens, have {sorted(graphs)}")
+
+    def name_of(fn) -> str:
+        return getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__",
+                                                        type(fn).__name__)  # fmt: skip
+
+    def timed(graph) -> dict[str, float]:
+        out: dict[str, float] = collections.defaultdict(float)
+        t_all = time.perf_counter()
+        for fn, args in graph.program:
+            t = time.perf_counter()
+            fn(*args)
+            out[name_of(fn)] += time.perf_counter() - t
+        out["step"] = time.perf_counter() - t_all
+        return out
+
+    @torch.inference_mode()
+    def rounds() -> dict[int, dict[str, list[float]]]:
+        res: dict[int, dict[str, list[float]]] = {r: collections.defaultdict(list) for r in graphs}
+        for _ in range(reps):
+            for rows in sorted(graphs):
+                decode = timed(graphs[1])
+                got = decode if rows == 1 else timed(graphs[rows])
+                for name, v in got.items():
+                    res[rows][name].append(v)
+        return res
+
+    res = eng.runner.on_thread(rounds).result()
+    med = statistics.median
+    names = sorted(res[4], key=lambda n: -med(res[4][n]))
+    print("ms by kernel, one step (tokens: " + " / ".join(str(r) for r in sorted(res)) + ")")
+    for name in names[:12]:
+        print(f"  {name[:28]:28s} " + " / ".join(f"{med(res[r].get(name, [0.0])) * 1e3:7.2f}"
+                                             for r in sorted(res)))  # fmt: skip
 
 
 def decode_rate(eng, batch: int, new: int) -> tuple[float, float]:
@@ -253,7 +305,10 @@ def part(args) -> None:
             costs.unlink(missing_ok=True)
         spec.update(speculative_adaptive=True, speculative_adaptive_costs=str(costs))
         name += " adaptive " + ("fresh" if args.fresh else "kept")
-    if args.part == "steps":
+    if args.part == "parts":
+        with Engine(disable_radix_cache=True, **kw) as eng:
+            step_parts(eng, args.reps)
+    elif args.part == "steps":
         with Engine(disable_radix_cache=True, **kw) as eng:
             costs = step_costs(eng, args.reps)
             replays = eng.runner.graphs.stats["replayed"] if eng.runner.graphs else 0
@@ -300,6 +355,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--steps-only", action="store_true", help="only the step costs")
+    ap.add_argument("--parts", action="store_true",
+                    help="only where the steps' time goes, by kernel")  # fmt: skip
     ap.add_argument("--repeat-only", action="store_true",
                     help="only the workload whose output repeats its prompt")  # fmt: skip
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 16],
@@ -331,6 +388,9 @@ def main() -> None:
     costs = str(CACHE / "bench-spec-costs.json")  # the fresh run's costs, the kept run's start
     kinds = (("--fresh",), ()) if args.adaptive else ()
     adaptive = [("--spec", "--adaptive", "--costs", costs, *kind) for kind in kinds]
+    if args.parts:
+        fresh("--part", "parts")
+        return
     if not (args.repeat_only or args.decode_only):
         fresh("--part", "steps")
     if args.steps_only:
