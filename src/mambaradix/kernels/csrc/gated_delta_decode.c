@@ -50,7 +50,7 @@
  * reference holds it): acc = bias + sum_k w[k] window[k] in fp32, SiLU, one rounding; the
  * state read from slot src, the shifted one written to slot dst (in place when equal). bf16
  * with width 3 or 4 runs 16 channels a vector (conv_window.h). */
-static inline __attribute__((always_inline)) void gdn_conv(
+static inline __attribute__((always_inline)) void gdn_conv_k(
     int64_t r, int64_t src, int64_t dst, int64_t c0, int64_t c1, const void *x,
     int64_t x_stride, void *conv_pool, const void *weight, const void *bias, float *y,
     int64_t conv_dim, int64_t kernel, int silu, const int bf)
@@ -100,6 +100,20 @@ static inline __attribute__((always_inline)) void gdn_conv(
         for (int64_t i = first; i < c1; i++)
             y[i] = rnd(y[i], bf);
     }
+}
+
+/* gdn_conv_k with the published models' width (4) as a constant: its loops unrolled */
+static inline __attribute__((always_inline)) void gdn_conv(
+    int64_t r, int64_t src, int64_t dst, int64_t c0, int64_t c1, const void *x,
+    int64_t x_stride, void *conv_pool, const void *weight, const void *bias, float *y,
+    int64_t conv_dim, int64_t kernel, int silu, const int bf)
+{
+    if (kernel == 4)
+        gdn_conv_k(r, src, dst, c0, c1, x, x_stride, conv_pool, weight, bias, y, conv_dim, 4,
+                   silu, bf);
+    else
+        gdn_conv_k(r, src, dst, c0, c1, x, x_stride, conv_pool, weight, bias, y, conv_dim,
+                   kernel, silu, bf);
 }
 
 /* row (dv floats) to dst with non-temporal stores where dst is aligned */
@@ -201,16 +215,10 @@ static inline __attribute__((always_inline)) void gdn_team(
         for (int64_t ch = 0; ch < chunks; ch++) {
             const int64_t c0 = ch * GDN_CHUNK;
             const int64_t c1 = c0 + GDN_CHUNK < conv_dim ? c0 + GDN_CHUNK : conv_dim;
-            for (int64_t r = dec_first(b, cu); r < dec_first(b + 1, cu); r++) {
-#define GDN_CONV(KW)                                                                         \
-    gdn_conv(r, dec_src(b, r, slots, cu, row_slots), dec_dst(b, r, slots, row_slots), c0, c1, \
-             x, x_stride, conv_pool, weight, bias, y + r * conv_dim, conv_dim, KW, silu, bf)
-                if (kernel == 4) /* the published models' width: the loops unrolled */
-                    GDN_CONV(4);
-                else
-                    GDN_CONV(kernel);
-#undef GDN_CONV
-            }
+            for (int64_t r = dec_first(b, cu); r < dec_first(b + 1, cu); r++)
+                gdn_conv(r, dec_src(b, r, slots, cu, row_slots), dec_dst(b, r, slots, row_slots),
+                         c0, c1, x, x_stride, conv_pool, weight, bias, y + r * conv_dim,
+                         conv_dim, kernel, silu, bf);
         }
 #pragma omp for collapse(2) schedule(static)
     for (int64_t r = 0; r < rows; r++)

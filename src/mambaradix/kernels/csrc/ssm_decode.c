@@ -45,7 +45,7 @@
 /* Channels c0 .. c1 - 1 of row b, the state read from slot src and written to slot dst (in
  * place when equal). bf16 with kernel width 3 or 4 runs 16 channels a vector (conv_window.h),
  * the same roundings as the scalar loop, which takes the rest. */
-static inline __attribute__((always_inline)) void conv_channels(
+static inline __attribute__((always_inline)) void conv_channels_k(
     int64_t b, int64_t src, int64_t dst, int64_t c0, int64_t c1, const void *x,
     int64_t x_stride, void *conv_pool, const void *weight, const void *bias, void *out, int64_t C,
     int64_t kernel, int silu, const int bf)
@@ -102,6 +102,20 @@ static inline __attribute__((always_inline)) void conv_channels(
     }
 }
 
+/* conv_channels_k with the published models' width (4) as a constant: its loops unrolled */
+static inline __attribute__((always_inline)) void conv_channels(
+    int64_t b, int64_t src, int64_t dst, int64_t c0, int64_t c1, const void *x,
+    int64_t x_stride, void *conv_pool, const void *weight, const void *bias, void *out, int64_t C,
+    int64_t kernel, int silu, const int bf)
+{
+    if (kernel == 4)
+        conv_channels_k(b, src, dst, c0, c1, x, x_stride, conv_pool, weight, bias, out, C, 4,
+                        silu, bf);
+    else
+        conv_channels_k(b, src, dst, c0, c1, x, x_stride, conv_pool, weight, bias, out, C,
+                        kernel, silu, bf);
+}
+
 /* The parallel loop sits in each exported function, so that `bf` is a constant inside its
  * outlined region (vec_math.h). */
 #define CONV_UPDATE(bf)                                                                  \
@@ -114,16 +128,9 @@ static inline __attribute__((always_inline)) void conv_channels(
                 const int64_t c0 = ch * CONV_CHUNK;                                      \
                 const int64_t c1 = c0 + CONV_CHUNK < C ? c0 + CONV_CHUNK : C;            \
                 for (int64_t r = dec_first(b, cu); r < dec_first(b + 1, cu); r++)        \
-                    if (kernel == 4) /* the published models' width: the loops unrolled */ \
-                        conv_channels(r, dec_src(b, r, slots, cu, row_slots),            \
-                                      dec_dst(b, r, slots, row_slots), c0, c1, x,        \
-                                      x_stride, conv_pool, weight, bias, out, C, 4,      \
-                                      silu, bf);                                         \
-                    else                                                                 \
-                        conv_channels(r, dec_src(b, r, slots, cu, row_slots),            \
-                                      dec_dst(b, r, slots, row_slots), c0, c1, x,        \
-                                      x_stride, conv_pool, weight, bias, out, C, kernel, \
-                                      silu, bf);                                         \
+                    conv_channels(r, dec_src(b, r, slots, cu, row_slots),                \
+                                  dec_dst(b, r, slots, row_slots), c0, c1, x, x_stride,  \
+                                  conv_pool, weight, bias, out, C, kernel, silu, bf);    \
             }                                                                            \
     } while (0)
 
@@ -196,16 +203,10 @@ static inline __attribute__((always_inline)) void m2_decode_team(
     for (int64_t b = 0; b < B; b++)
         for (int64_t ch = 0; ch < chunks; ch++) {
             const int64_t c0 = ch * CONV_CHUNK, c1 = c0 + CONV_CHUNK < C ? c0 + CONV_CHUNK : C;
-            for (int64_t r = dec_first(b, cu); r < dec_first(b + 1, cu); r++) {
-#define M2_CONV(KW)                                                                        \
-    conv_channels(r, dec_src(b, r, slots, cu, row_slots), dec_dst(b, r, slots, row_slots), \
-                  c0, c1, xbc, in_stride, conv_pool, conv_w, conv_b, conv_out, C, KW, silu, bf)
-                if (kernel == 4) /* the published models' width: the loops unrolled */
-                    M2_CONV(4);
-                else
-                    M2_CONV(kernel);
-#undef M2_CONV
-            }
+            for (int64_t r = dec_first(b, cu); r < dec_first(b + 1, cu); r++)
+                conv_channels(r, dec_src(b, r, slots, cu, row_slots),
+                              dec_dst(b, r, slots, row_slots), c0, c1, xbc, in_stride, conv_pool,
+                              conv_w, conv_b, conv_out, C, kernel, silu, bf);
         }
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++)
