@@ -60,6 +60,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.threaded)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_spec_costs(tmp_path_factory):
+    """The module- and session-scoped engines' ``--speculative-adaptive`` step costs in this
+    run's temporary folder (set up before them; the per-test folder below comes after them):
+    costs a past run left in ``~/.cache`` never steer a test (they once held a served
+    engine's cap at 0 for all its steps)."""
+    with pytest.MonkeyPatch.context() as mp:
+        shared = tmp_path_factory.getbasetemp() / "spec-costs-shared"
+        mp.setenv("MAMBARADIX_SPEC_COSTS", str(shared))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _own_spec_costs(request: pytest.FixtureRequest, tmp_path_factory, monkeypatch) -> None:
     """Each test keeps ``--speculative-adaptive``'s step costs in a folder of its own
