@@ -1,9 +1,9 @@
 """Speculative decoding at real size: what a verify step costs and what it yields.
 
 On the real-size Qwen3.5-0.8B-shaped preset (bench_real's checkpoint: random bf16 weights,
-bf16, ``--threads`` threads), batch 1 at a 512-token context, through the engine's runner
-(sampling included; the one-token decode step replayed from its step graph as the engine runs
-it):
+bf16, ``--threads`` threads), batch 1 at a 512-token context (``--context``), through the
+engine's runner (sampling included; the one-token decode step replayed from its step graph as
+the engine runs it):
 
 - the cost of a verify step of k + 1 tokens (k = 1..3: the last token and k drafts, the state
   after each written to its own slot) over a one-token decode step: the median over ``--reps``
@@ -61,13 +61,14 @@ CYCLE = 32  # token ids in the repeat workload's cycle
 EMBED_SCALE = 256.0  # the repeat checkpoint's input embedding over the preset's
 
 
-def step_costs(eng, reps: int) -> dict[str, dict[int, float]]:
-    """A runner step at batch 1: 0 a one-token decode, k a verify of k + 1 tokens. Each round
-    runs, for k = 1..3, the decode step twice in a row and then the verify step twice in a row
-    (the second run of a shape replays its step graph, as the engine's steps do; the first is
-    the Python forward). Returns medians over the rounds: ``ms`` (second runs), ``ratio`` (each
-    verify over the decode step just before it, so the machine's load, which moves within
-    seconds here, cancels) and ``python`` (the same ratio of the first runs)."""
+def step_costs(eng, reps: int, context: int = CONTEXT) -> dict[str, dict[int, float]]:
+    """A runner step at batch 1 after a ``context``-token prompt: 0 a one-token decode, k a
+    verify of k + 1 tokens. Each round runs, for k = 1..3, the decode step twice in a row and
+    then the verify step twice in a row (the second run of a shape replays its step graph, as
+    the engine's steps do; the first is the Python forward). Returns medians over the rounds:
+    ``ms`` (second runs), ``ratio`` (each verify over the decode step just before it, so the
+    machine's load, which moves within seconds here, cancels) and ``python`` (the same ratio of
+    the first runs)."""
     from mambaradix.core import ForwardBatch, ForwardReq, SamplingParams, StateOps
     from mambaradix.engine.batch import RunBatch
     from mambaradix.layout import VerifyReq
@@ -76,8 +77,8 @@ def step_costs(eng, reps: int) -> dict[str, dict[int, float]]:
     vocab = eng.model.vocab_size
     page = kv.page_size
     slots = st.alloc(4)
-    kv_slots = kv.alloc(-(-(CONTEXT + 8) // page) * page)
-    prompt = [(i * 7919) % (vocab - 10) + 5 for i in range(CONTEXT)]
+    kv_slots = kv.alloc(-(-(context + 8) // page) * page)
+    prompt = [(i * 7919) % (vocab - 10) + 5 for i in range(context)]
     greedy = SamplingParams(temperature=0.0)
     batch_id = [1 << 20]
 
@@ -92,15 +93,15 @@ def step_costs(eng, reps: int) -> dict[str, dict[int, float]]:
 
     def twice(k: int) -> tuple[float, float]:
         if k == 0:
-            req = ForwardReq(CONTEXT - 1, prompt[-1:], kv_slots[:CONTEXT], slots[0])
+            req = ForwardReq(context - 1, prompt[-1:], kv_slots[:context], slots[0])
             return run([req]), run([req])
         draft = [11 + i for i in range(k)]
         snaps = [(n + 1, slots[1 + n]) for n in range(k)]
-        req = VerifyReq(CONTEXT - 1, prompt[-1:] + draft, kv_slots[: CONTEXT + k], slots[0],
+        req = VerifyReq(context - 1, prompt[-1:] + draft, kv_slots[: context + k], slots[0],
                         snaps, all_logits=True)  # fmt: skip
         return run([req], {0: draft}), run([req], {0: draft})
 
-    run([ForwardReq(0, prompt, kv_slots[:CONTEXT], slots[0], all_logits=False)])
+    run([ForwardReq(0, prompt, kv_slots[:context], slots[0], all_logits=False)])
     ms: dict[int, list[float]] = {k: [] for k in range(4)}
     ratio: dict[int, list[float]] = {k: [] for k in range(1, 4)}
     python: dict[int, list[float]] = {k: [] for k in range(1, 4)}
@@ -124,7 +125,7 @@ def step_costs(eng, reps: int) -> dict[str, dict[int, float]]:
     }
 
 
-def step_parts(eng, reps: int) -> None:
+def step_parts(eng, reps: int, context: int = CONTEXT) -> None:
     """Where a step's time goes: the decode step and the verify steps of k + 1 = 2..4 tokens
     (batch 1, as ``step_costs`` records them), each step graph's calls run one by one on the
     runner's thread, timed alone and summed by kernel (a native function, or a torch op). Each
@@ -134,7 +135,7 @@ def step_parts(eng, reps: int) -> None:
 
     import torch
 
-    step_costs(eng, 1)  # records the four graphs
+    step_costs(eng, 1, context)  # records the four graphs
     graphs = {len(g.layout.input_ids): g for g in eng.runner.graphs.graphs}
     if sorted(graphs) != [1, 2, 3, 4]:
         raise SystemExit(f"expected the graphs of 1-4 tokens, have {sorted(graphs)}")
@@ -307,10 +308,10 @@ def part(args) -> None:
         name += " adaptive " + ("fresh" if args.fresh else "kept")
     if args.part == "parts":
         with Engine(disable_radix_cache=True, **kw) as eng:
-            step_parts(eng, args.reps)
+            step_parts(eng, args.reps, args.context)
     elif args.part == "steps":
         with Engine(disable_radix_cache=True, **kw) as eng:
-            costs = step_costs(eng, args.reps)
+            costs = step_costs(eng, args.reps, args.context)
             replays = eng.runner.graphs.stats["replayed"] if eng.runner.graphs else 0
         ms, ratio, python = costs["ms"], costs["ratio"], costs["python"]
         for k in (1, 2, 3):
@@ -353,6 +354,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--context", type=int, default=CONTEXT,
+                    help="prompt tokens before the timed steps (--steps-only, --parts)")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--steps-only", action="store_true", help="only the step costs")
     ap.add_argument("--parts", action="store_true",
@@ -381,7 +384,8 @@ def main() -> None:
 
     def fresh(*extra: str) -> None:
         cmd = [sys.executable, __file__, "--threads", str(args.threads), "--reps",
-               str(args.reps), "--new", str(args.new), *extra]  # fmt: skip
+               str(args.reps), "--new", str(args.new), "--context", str(args.context),
+               *extra]  # fmt: skip
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         print(out.stdout.strip(), flush=True)
 

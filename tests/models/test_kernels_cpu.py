@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from mambaradix.kernels import cpu, native
+from mambaradix.kernels import attention_plan, cpu, native
 from mambaradix.kernels.cpu_backend import CpuBackend
 from mambaradix.kernels.torch_backend import TorchBackend
 
@@ -206,6 +206,65 @@ def test_attention_decode_matches_reference(hq, hkv, d, dv, sizes, own_max):
         v = v_pool[keys].repeat_interleave(r, dim=1).transpose(0, 1)
         p = torch.softmax((q[b][:, None, :] * k).sum(-1) * 0.3, dim=-1)
         torch.testing.assert_close(out[b], (p[..., None] * v).sum(1), atol=2e-6, rtol=1e-5)
+
+
+def _verify_case(seed, hq, hkv, d, widths, dtype):
+    """A verify step's decode rows: request i has ``widths[i]`` rows (its last token and
+    drafts), each attending the request's KV slots up to its own position; requests 0 and 1
+    share a 40-slot prefix (one cascade piece holding all their rows)."""
+    g = torch.Generator().manual_seed(seed)
+    size = 600
+    k_pool = torch.randn(size, hkv, d, generator=g).to(dtype)
+    v_pool = torch.randn(size, hkv, d, generator=g).to(dtype)
+    free = iter(torch.randperm(size, generator=g).tolist())
+    prefix = [next(free) for _ in range(40)]
+    rows, lens = [], []
+    for i, w in enumerate(widths):
+        own = [next(free) for _ in range(int(torch.randint(3, 30, (), generator=g)) + w)]
+        slots = (prefix if i < 2 else []) + own
+        for j in range(w):
+            rows.append(torch.tensor(slots))
+            lens.append(len(slots) - w + 1 + j)
+    table = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
+    lens = torch.tensor(lens)
+    cu = torch.tensor([0, *torch.tensor(widths).cumsum(0).tolist()])
+    shared = [(torch.arange(int(cu[2])), 40)]
+    plan = attention_plan.decode_plan(table, lens, hkv, groups=shared)
+    q = torch.randn(len(rows), hq, d, generator=g).to(dtype)
+    return q, k_pool, v_pool, table, lens, cu, plan
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 16), (4, 1, 256)])
+def test_attention_decode_reads_a_requests_verify_rows_together(hq, hkv, d, dtype):
+    """A verify step's rows of one request read its keys once (``row_groups``, up to 16 rows a
+    task: the 20-row request is taken in two): every row's output is bit for bit what it gets
+    alone, and matches the reference."""
+    q, k_pool, v_pool, table, lens, cu, plan = _verify_case(d, hq, hkv, d, [4, 1, 3, 20], dtype)
+    groups = cpu.verify_row_groups(cu, table, lens, plan.begin)
+    assert groups is not None and torch.equal(groups, cu)
+    together = cpu.attention_decode(q, k_pool, v_pool, table, lens, 0.2, plan, groups)
+    alone = cpu.attention_decode(q, k_pool, v_pool, table, lens, 0.2, plan)
+    assert torch.equal(together, alone)
+    ref = TorchBackend.attention_decode(q, k_pool, v_pool, table, lens, 0.2, plan)
+    tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(together.float(), ref.float(), **tol)
+
+
+def test_verify_row_groups_refuses_rows_that_do_not_share_their_keys():
+    """Negative control: a request's row whose keys differ from its last row's (within its own
+    length) gets no groups, and forcing them would change its output (a group reads the
+    longest row's slots), so the check is what keeps the result right."""
+    q, k_pool, v_pool, table, lens, cu, plan = _verify_case(3, 8, 2, 16, [4, 3], torch.float32)
+    bad = table.clone()
+    bad[1, int(lens[1]) - 2] = 599  # row 1 (request 0's second) reads another key there
+    assert cpu.verify_row_groups(cu, bad, lens, plan.begin) is None
+    alone = cpu.attention_decode(q, k_pool, v_pool, bad, lens, 0.2, plan)
+    forced = cpu.attention_decode(q, k_pool, v_pool, bad, lens, 0.2, plan, cu)
+    assert not torch.equal(forced[1], alone[1]) and torch.equal(forced[4:], alone[4:])
+    late = plan.begin.clone()
+    late[2] += 1  # rows of a request that begin their own keys at different places
+    assert cpu.verify_row_groups(cu, table, lens, late) is None
 
 
 def test_attention_decode_reads_only_each_requests_keys():

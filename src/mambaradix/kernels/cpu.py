@@ -296,10 +296,14 @@ def attention_decode(
     seq_lens: torch.Tensor,
     scale: float,
     plan: attention_plan.DecodePlan | None = None,
+    row_groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``kernels.attention.attention_decode`` with each request's own keys read in place from
     the pools (C, no gather) and merged there with its shared piece, which stays a flash call
-    per piece (``attention.attend_shared``)."""
+    per piece (``attention.attend_shared``). ``row_groups`` (int64 ``[G + 1]``, row offsets):
+    groups of consecutive rows that read their keys together, each row's own keys the first of
+    its group's longest row (rows of one request in a verify step, with the same ``begin``:
+    ``verify_row_groups``); None: each row alone. The result is the same either way."""
     dt = k_pool.dtype
     fn = _native_fn(native.load("attention_decode"), "attention_decode", dt)
     fits = (
@@ -335,9 +339,31 @@ def attention_decode(
         None if so is None else so.data_ptr(),
         None if sl is None else sl.data_ptr(),
         None if so is None else plan.shared_row.data_ptr(),
+        None if row_groups is None else row_groups.data_ptr(),
+        0 if row_groups is None else row_groups.numel() - 1,
         scale, out.data_ptr(),
     )  # fmt: skip
     return out if dt == torch.float32 else out.to(dt)
+
+
+def verify_row_groups(
+    cu: torch.Tensor, kv_table: torch.Tensor, seq_lens: torch.Tensor, begin: torch.Tensor
+) -> torch.Tensor | None:
+    """``attention_decode``'s ``row_groups`` for decodes of several positions (``cu`` [D+1]:
+    each request's rows): a request's rows, when they begin their own keys at one place and
+    each one's keys are those of the request's last row up to its own length (as a verify step
+    lays them out); None when some request's rows do not (each row then reads alone)."""
+    if cu.numel() < 2:
+        return None
+    counts = cu[1:] - cu[:-1]
+    last = torch.repeat_interleave(cu[1:] - 1, counts)  # each row's request's last row
+    if not bool((begin == begin[last]).all()) or not bool((seq_lens <= seq_lens[last]).all()):
+        return None
+    cols = torch.arange(kv_table.shape[1])[None, :]
+    mine = (cols >= begin[:, None]) & (cols < seq_lens[:, None])
+    if not bool(((kv_table == kv_table[last]) | ~mine).all()):
+        return None
+    return cu.to(torch.int64).contiguous()
 
 
 def moe_pad(

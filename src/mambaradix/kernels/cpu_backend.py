@@ -52,6 +52,42 @@ class CpuBackend(TorchBackend):
             "rms_norm_gated", "rms_norm_gate_first", "rms_norm_rope", "moe_pad", "moe_unpad",
         ]  # fmt: skip
 
+    def paged_attention_decode(self, q, k_pool, v_pool, layout, scale):
+        """A verify step's rows of a request read its keys once together (``row_groups``)."""
+        dec = layout.decode
+        if not dec.multi:
+            return super().paged_attention_decode(q, k_pool, v_pool, layout, scale)
+        plan = self._decode_attention_plan(layout, k_pool.shape[1])
+        groups = self._row_groups(layout, k_pool.shape[1])
+        return cpu.attention_decode(
+            q, k_pool, v_pool, dec.kv_table, dec.seq_lens, scale, plan, groups
+        )
+
+    def _row_groups(self, layout, heads: int):
+        """``cpu.verify_row_groups`` of the decodes of several positions, once per forward."""
+        dec = layout.decode
+        return self._index(layout).get(
+            ("row_groups", heads),
+            lambda: cpu.verify_row_groups(
+                dec.cu, dec.kv_table, dec.seq_lens, self._decode_attention_plan(layout, heads).begin
+            ),
+        )
+
+    def replay_key(self, layout, num_kv_heads):
+        """The reference's, and for decodes of several positions whether their rows read
+        their keys by request (computed here, before a recording: it reads the table)."""
+        key = super().replay_key(layout, num_kv_heads)
+        dec = layout.decode
+        if key is None or not dec.multi or dec.kv_table is None or not num_kv_heads:
+            return key
+        return (key, self._row_groups(layout, num_kv_heads) is not None)
+
+    def write_replay_inputs(self, recorded, layout) -> None:
+        super().write_replay_inputs(recorded, layout)
+        for key, groups in self._index(layout)._memo.items():
+            if key[0] == "row_groups" and groups is not None:
+                self._index(recorded)._memo[key].copy_(groups)
+
     def gated_mlp(self, x, gate_up, down, act):
         out = cpu.gated_mlp(x, gate_up, down, act)
         return super().gated_mlp(x, gate_up, down, act) if out is None else out

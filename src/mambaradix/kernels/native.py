@@ -140,6 +140,7 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR, _I64,            # slot table, its row stride
             _PTR, _PTR,            # begin, end of the own keys
             _PTR, _PTR, _PTR,      # shared out, shared lse, shared row (nullable)
+            _PTR, _I64,            # row groups' offsets [G+1] (nullable: a row each), G
             ctypes.c_float,        # scale
             _PTR,                  # out
         ],

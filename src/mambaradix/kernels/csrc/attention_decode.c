@@ -8,9 +8,12 @@
  * scaled scores); the two pieces are merged exactly:
  *   out = (sum_j e^(s_j - m) v_j + e^(lse - m) o) / (sum_j e^(s_j - m) + e^(lse - m)).
  *
- * One task per (request, KV head), in parallel: scores of the r query heads against the own
- * keys, then one pass over the value rows, each read once for the r heads. exp is exp_poly
- * (vec_math.h), which vectorises.
+ * One task per (row group, KV head), in parallel: scores of the r query heads of each row
+ * against its own keys, then one pass over the value rows, each read once for the r heads of
+ * every row. A group is one row, or with group_cu (G groups, rows group_cu[g] .. group_cu[g+1]
+ * - 1) the rows of one request in a verify step (its last token and drafts: the same keys up to
+ * each one's own, and the same begin), which then read each key once instead of once per row:
+ * a 4-row verify had read the KV four times. exp is exp_poly (vec_math.h), which vectorises.
  *
  * attention_decode_bf16: the same with bf16 K/V pools (q, the shared piece and out stay fp32);
  * each key and value row is widened to fp32 as it is read, and everything accumulates in fp32.
@@ -51,6 +54,8 @@ static inline v8 pool8(const void *pool, int64_t idx, const int bf)
     return load8((const float *)pool + idx);
 }
 
+#define MAX_GROUP 16 /* rows of a task; a longer group is taken MAX_GROUP rows at a time */
+
 static inline const void *pool_at(const void *pool, int64_t idx, const int bf)
 {
     return bf ? (const void *)((const uint16_t *)pool + idx) : (const void *)((const float *)pool + idx);
@@ -77,20 +82,38 @@ static inline v8 sum_lanes8(const v8 a[8])
            SHUF8(c[0], c[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-/* One (request, KV head) task: r query heads (qb, rows of D) against the n own keys at slots.
- * Keys go in blocks of 8: the 8 dot products of a query head are summed lane-wise and folded
- * together (no per-key horizontal sum); values are accumulated 8 keys at a time. Scores and
- * partial sums go to scratch (scores [r, n], acc [r, Dv], weight and inv_total [r]). Inlined
- * with constant head sizes (see attention_decode), so the loops over D and Dv unroll. D and Dv
- * are multiples of 8. */
+/* The rows of one task: `nrow` decode rows b0 .. b0 + nrow - 1 (a verify step's positions of
+ * one request, or a single row) whose own keys are the first n[i] of `slots` (the group's
+ * longest row: the rows of a request share its KV slots up to their own tokens); row i's r
+ * query heads at q[i], its output at out[i], its shared piece at so[i] / sl[i] (NULL: none). */
+struct rows {
+    int64_t nrow;
+    const int64_t *slots;
+    int64_t n[MAX_GROUP];
+    const float *q[MAX_GROUP];
+    const float *so[MAX_GROUP], *sl[MAX_GROUP];
+    float *out[MAX_GROUP];
+};
+
+/* One (row group, KV head) task: each row's r query heads against its own keys. Keys go in
+ * blocks of 8, widened once for every query head of every row of the group (a verify step's
+ * rows read each key and value once, not once per row): the 8 dot products of a query head are
+ * summed lane-wise and folded together (no per-key horizontal sum); values are accumulated 8
+ * keys at a time. A row computes exactly what it computes alone: its scores, softmax and value
+ * sums over its own keys, a short last block padded with its own last key at weight 0. Scores
+ * and partial sums go to scratch (scores [nrow * r, cap], acc [nrow * r, Dv], weight and
+ * inv_total [nrow * r]). Inlined with constant head sizes (see attention_decode), so the loops
+ * over D and Dv unroll. D and Dv are multiples of 8. */
 static inline __attribute__((always_inline)) void attend_own(
     const int64_t r, const int64_t Hkv, const int64_t h, const int64_t D, const int64_t Dv,
-    const float *restrict qb, const void *restrict k_pool, const void *restrict v_pool,
-    const int64_t *restrict slots, const int64_t n, float scale,
-    const float *restrict so, const float *restrict sl,
-    float *restrict scores, float *restrict acc, float *restrict weight,
-    float *restrict inv_total, float *restrict kbuf, float *restrict out, const int bf)
+    const struct rows *g, const void *restrict k_pool, const void *restrict v_pool,
+    float scale, int64_t cap, float *restrict scores, float *restrict acc,
+    float *restrict weight, float *restrict inv_total, float *restrict kbuf, const int bf)
 {
+    const int64_t *restrict slots = g->slots;
+    int64_t n = 0;
+    for (int64_t row = 0; row < g->nrow; row++)
+        n = g->n[row] > n ? g->n[row] : n;
     int64_t rows[8];  /* element index of each key's (or value's) row in its pool */
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
         const int64_t nb = n - j0 < 8 ? n - j0 : 8;
@@ -98,46 +121,53 @@ static inline __attribute__((always_inline)) void attend_own(
             rows[t] = (slots[j0 + (t < nb ? t : nb - 1)] * Hkv + h) * D;
         for (int64_t t = 0; j0 + 8 + t < n && t < 8; t++)
             __builtin_prefetch(pool_at(k_pool, (slots[j0 + 8 + t] * Hkv + h) * D, bf));
-        /* the block's keys widened once, then dotted with each of the r query heads */
+        /* the block's keys widened once, then dotted with each query head of each row */
         for (int t = 0; t < 8; t++)
             for (int64_t c = 0; c < D; c += 8) {
                 const v8 kv = pool8(k_pool, rows[t] + c, bf);
                 memcpy(kbuf + t * D + c, &kv, sizeof kv);
             }
-        for (int64_t i = 0; i < r; i++) {
-            v8 a[8] = {0};
-            for (int64_t c = 0; c < D; c += 8) {
-                const v8 qv = load8(qb + i * D + c);
-                for (int t = 0; t < 8; t++)
-                    a[t] += qv * load8(kbuf + t * D + c);
+        for (int64_t row = 0; row < g->nrow; row++) {
+            const int64_t nr = g->n[row] - j0 < 8 ? g->n[row] - j0 : 8; /* this row's keys */
+            for (int64_t i = 0; i < r && nr > 0; i++) {
+                const float *qi = g->q[row] + i * D;
+                v8 a[8] = {0};
+                for (int64_t c = 0; c < D; c += 8) {
+                    const v8 qv = load8(qi + c);
+                    for (int t = 0; t < 8; t++)
+                        a[t] += qv * load8(kbuf + t * D + c);
+                }
+                const v8 sv = sum_lanes8(a) * scale; /* lane t: key t's score alone */
+                float *si = scores + (row * r + i) * cap + j0;
+                for (int64_t t = 0; t < nr; t++)
+                    si[t] = sv[t];
             }
-            const v8 sv = sum_lanes8(a) * scale;
-            float *si = scores + i * n + j0;
-            for (int64_t t = 0; t < nb; t++)
-                si[t] = sv[t];
         }
     }
-    for (int64_t i = 0; i < r; i++) {
-        float *restrict si = scores + i * n;
-        float m = sl != NULL ? sl[i] : -INFINITY;
+    for (int64_t row = 0; row < g->nrow; row++)
+        for (int64_t i = 0; i < r; i++) {
+            const int64_t x = row * r + i, nr = g->n[row];
+            float *restrict si = scores + x * cap;
+            const float *sl = g->sl[row];
+            float m = sl != NULL ? sl[i] : -INFINITY;
 #pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < n; j++)
-            m = si[j] > m ? si[j] : m;
+            for (int64_t j = 0; j < nr; j++)
+                m = si[j] > m ? si[j] : m;
 #pragma omp simd
-        for (int64_t j = 0; j < n; j++)
-            si[j] = exp_poly(si[j] - m);
-        float total = 0.0f; /* summed in order: the same bits however the loop above ran */
-        for (int64_t j = 0; j < n; j++)
-            total += si[j];
-        float w = 0.0f;
-        if (sl != NULL) {
-            w = exp_poly(sl[i] - m);
-            total += w;
+            for (int64_t j = 0; j < nr; j++)
+                si[j] = exp_poly(si[j] - m);
+            float total = 0.0f; /* summed in order: the same bits however the loop above ran */
+            for (int64_t j = 0; j < nr; j++)
+                total += si[j];
+            float w = 0.0f;
+            if (sl != NULL) {
+                w = exp_poly(sl[i] - m);
+                total += w;
+            }
+            weight[x] = w;
+            inv_total[x] = 1.0f / total;
         }
-        weight[i] = w;
-        inv_total[i] = 1.0f / total;
-    }
-    for (int64_t x = 0; x < r * Dv; x++)
+    for (int64_t x = 0; x < g->nrow * r * Dv; x++)
         acc[x] = 0.0f;
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
         const int64_t nb = n - j0 < 8 ? n - j0 : 8;
@@ -150,33 +180,46 @@ static inline __attribute__((always_inline)) void attend_own(
                 const v8 vv = pool8(v_pool, rows[t] + c, bf);
                 memcpy(kbuf + t * Dv + c, &vv, sizeof vv);
             }
-        for (int64_t i = 0; i < r; i++) {
-            float p[8] = {0};  /* a short block's repeated keys weigh 0 */
-            for (int64_t t = 0; t < nb; t++)
-                p[t] = scores[i * n + j0 + t];
-            for (int64_t c = 0; c < Dv; c += 8) {
-                v8 s = load8(acc + i * Dv + c);
-                for (int t = 0; t < 8; t++)
-                    s += p[t] * load8(kbuf + t * Dv + c);
-                memcpy(acc + i * Dv + c, &s, sizeof s);
+        for (int64_t row = 0; row < g->nrow; row++) {
+            const int64_t nr = g->n[row] - j0 < 8 ? g->n[row] - j0 : 8;
+            if (nr <= 0)
+                continue;
+            /* value rows: key t, or this row's last key where its block ends early (weight 0,
+             * as alone: the padding's 0 * v are the same numbers) */
+            const float *vt[8];
+            for (int t = 0; t < 8; t++)
+                vt[t] = kbuf + (t < nr ? t : nr - 1) * Dv;
+            for (int64_t i = 0; i < r; i++) {
+                const int64_t x = row * r + i;
+                float p[8] = {0};  /* a short block's repeated keys weigh 0 */
+                for (int64_t t = 0; t < nr; t++)
+                    p[t] = scores[x * cap + j0 + t];
+                for (int64_t c = 0; c < Dv; c += 8) {
+                    v8 s = load8(acc + x * Dv + c);
+                    for (int t = 0; t < 8; t++)
+                        s += p[t] * load8(vt[t] + c);
+                    memcpy(acc + x * Dv + c, &s, sizeof s);
+                }
             }
         }
     }
-    for (int64_t i = 0; i < r; i++) {
-        const float w = weight[i], inv = inv_total[i];
-        const float *restrict a = acc + i * Dv;
-        float *restrict o = out + i * Dv;
-        if (sl != NULL) {
-            const float *restrict s_o = so + i * Dv;
+    for (int64_t row = 0; row < g->nrow; row++)
+        for (int64_t i = 0; i < r; i++) {
+            const int64_t x = row * r + i;
+            const float w = weight[x], inv = inv_total[x];
+            const float *restrict a = acc + x * Dv;
+            float *restrict o = g->out[row] + i * Dv;
+            if (g->sl[row] != NULL) {
+                const float *restrict s_o = g->so[row] + i * Dv;
 #pragma omp simd
-            for (int64_t d = 0; d < Dv; d++)
-                o[d] = (a[d] + w * s_o[d]) * inv;
-        } else {
+                for (int64_t d = 0; d < Dv; d++)
+                    o[d] = (a[d] + w * s_o[d]) * inv;
+            } else {
 #pragma omp simd
-            for (int64_t d = 0; d < Dv; d++)
-                o[d] = a[d] * inv;
+                for (int64_t d = 0; d < Dv; d++)
+                    o[d] = a[d] * inv;
+            }
         }
-    }
 }
 
 static inline __attribute__((always_inline)) void decode_team(
@@ -186,44 +229,65 @@ static inline __attribute__((always_inline)) void decode_team(
     const int64_t *table, int64_t table_stride,
     const int64_t *begin, const int64_t *end,
     const float *shared_o, const float *shared_lse, const int64_t *shared_row,
+    const int64_t *group_cu, int64_t G,
     float scale,
     float *out, const int bf)
 {
     const int64_t r = Hq / Hkv;
+    if (group_cu == NULL)
+        G = B;
     {
-        /* per-thread scratch; scores grow to the longest own span this thread meets */
-        float *scores = NULL, *acc = malloc(sizeof(float) * r * Dv);
-        float *weight = malloc(sizeof(float) * r), *inv_total = malloc(sizeof(float) * r);
+        /* per-thread scratch; scores grow to the longest own span this thread meets, scores
+         * and sums to the largest group */
+        float *scores = NULL, *acc = NULL, *weight = NULL, *inv_total = NULL;
         float *kbuf = malloc(sizeof(float) * 8 * (D > Dv ? D : Dv)); /* 8 rows widened */
-        int64_t cap = 0;
+        int64_t cap = 0, cap_rows = 0;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < B * Hkv; task++) {
-            const int64_t b = task / Hkv, h = task % Hkv;
-            const int64_t *slots = table + b * table_stride + begin[b];
-            const int64_t n = end[b] - begin[b];
-            if (n > cap) {
-                free(scores);
-                cap = n;
-                scores = malloc(sizeof(float) * r * cap);
-            }
-            const int64_t row = shared_row == NULL ? -1 : shared_row[b];
-            const float *so = row < 0 ? NULL : shared_o + (row * Hq + h * r) * Dv;
-            const float *sl = row < 0 ? NULL : shared_lse + row * Hq + h * r;
-            const float *qb = q + (b * Hq + h * r) * D;
-            float *o = out + (b * Hq + h * r) * Dv;
-#define ATTEND(d, dv) attend_own(r, Hkv, h, d, dv, qb, k_pool, v_pool, slots, n, scale, so, sl, \
-                                 scores, acc, weight, inv_total, kbuf, o, bf)
-            if (D == 32 && Dv == 32)
-                ATTEND(32, 32);
-            else if (D == 64 && Dv == 64)
-                ATTEND(64, 64);
-            else if (D == 128 && Dv == 128)
-                ATTEND(128, 128);
-            else if (D == 256 && Dv == 256)
-                ATTEND(256, 256);
-            else
-                ATTEND(D, Dv);
+        for (int64_t task = 0; task < G * Hkv; task++) {
+            const int64_t gi = task / Hkv, h = task % Hkv;
+            const int64_t first = group_cu ? group_cu[gi] : gi;
+            const int64_t last = group_cu ? group_cu[gi + 1] : gi + 1;
+            for (int64_t b0 = first; b0 < last; b0 += MAX_GROUP) {
+                struct rows g = {.nrow = last - b0 < MAX_GROUP ? last - b0 : MAX_GROUP};
+                int64_t n = 0, longest = b0;
+                for (int64_t i = 0; i < g.nrow; i++) {
+                    const int64_t b = b0 + i, row = shared_row == NULL ? -1 : shared_row[b];
+                    g.n[i] = end[b] - begin[b];
+                    if (g.n[i] > n)
+                        n = g.n[i], longest = b;
+                    g.q[i] = q + (b * Hq + h * r) * D;
+                    g.out[i] = out + (b * Hq + h * r) * Dv;
+                    g.so[i] = row < 0 ? NULL : shared_o + (row * Hq + h * r) * Dv;
+                    g.sl[i] = row < 0 ? NULL : shared_lse + row * Hq + h * r;
+                }
+                g.slots = table + longest * table_stride + begin[longest];
+                if (n > cap || g.nrow > cap_rows) {
+                    cap = n > cap ? n : cap;
+                    cap_rows = g.nrow > cap_rows ? g.nrow : cap_rows;
+                    free(scores);
+                    free(acc);
+                    free(weight);
+                    free(inv_total);
+                    scores = malloc(sizeof(float) * cap_rows * r * cap);
+                    acc = malloc(sizeof(float) * cap_rows * r * Dv);
+                    weight = malloc(sizeof(float) * cap_rows * r);
+                    inv_total = malloc(sizeof(float) * cap_rows * r);
+                }
+#define ATTEND(d, dv)                                                                      \
+    attend_own(r, Hkv, h, d, dv, &g, k_pool, v_pool, scale, cap, scores, acc, weight, inv_total, \
+               kbuf, bf)
+                if (D == 32 && Dv == 32)
+                    ATTEND(32, 32);
+                else if (D == 64 && Dv == 64)
+                    ATTEND(64, 64);
+                else if (D == 128 && Dv == 128)
+                    ATTEND(128, 128);
+                else if (D == 256 && Dv == 256)
+                    ATTEND(256, 256);
+                else
+                    ATTEND(D, Dv);
 #undef ATTEND
+            }
         }
         free(scores);
         free(acc);
@@ -237,10 +301,11 @@ static inline __attribute__((always_inline)) void decode_team(
     int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, const float *q,               \
         const void *k_pool, const void *v_pool, const int64_t *table, int64_t table_stride,  \
         const int64_t *begin, const int64_t *end, const float *shared_o,                     \
-        const float *shared_lse, const int64_t *shared_row, float scale, float *out
+        const float *shared_lse, const int64_t *shared_row, const int64_t *group_cu,         \
+        int64_t G, float scale, float *out
 #define DECODE_PASS                                                                          \
     B, Hq, Hkv, D, Dv, q, k_pool, v_pool, table, table_stride, begin, end, shared_o,         \
-        shared_lse, shared_row, scale, out
+        shared_lse, shared_row, group_cu, G, scale, out
 
 /* The parallel region sits in each exported function, so that `bf` is a constant inside it and
  * pool8's branch folds away (with the region in the shared body, one outlined copy served both
