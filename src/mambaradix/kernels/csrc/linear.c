@@ -247,70 +247,103 @@ ALWAYS_INLINE float hsum8(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-/* x rows into xf: rows of K16 = K rounded up to 16 floats, each chunk of 16 as its 8 odd
- * elements then its 8 even ones, zeros past K. */
+/* x rows into xf, each group of XR rows (the last one R = M - m0 rows) R x K16 floats at
+ * xf + m0 * K16, chunk-major: chunk c (of 16) of row r at (c * R + r) * 16, its 8 odd elements
+ * then its 8 even ones, zeros past K. A group's loads are then one sequential stream at
+ * constant offsets from one pointer. */
 static void pack_f32(const uint16_t *x, int64_t x_stride, int64_t K, int64_t M, float *xf)
 {
     const int64_t K16 = f32x_row(K);
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t c = 0; c < K16; c += F32X_CH)
-            for (int64_t i = 0; i < 8; i++) {
-                const int64_t ko = c + 2 * i + 1, ke = c + 2 * i;
-                xf[m * K16 + c + i] = ko < K ? bf16_to_f32(x[m * x_stride + ko]) : 0.0f;
-                xf[m * K16 + c + 8 + i] = ke < K ? bf16_to_f32(x[m * x_stride + ke]) : 0.0f;
+    for (int64_t m0 = 0; m0 < M; m0 += XR) {
+        const int64_t R = M - m0 < XR ? M - m0 : XR;
+        for (int64_t r = 0; r < R; r++) {
+            const uint16_t *xr = x + (m0 + r) * x_stride;
+            for (int64_t c = 0; c < K16; c += F32X_CH) {
+                float *d = xf + m0 * K16 + (c * R + r * F32X_CH);
+                if (c + F32X_CH <= K) { /* the weights' widening: the same numbers */
+                    __m256 odd, even;
+                    widen16(xr + c, &odd, &even);
+                    _mm256_storeu_ps(d, odd);
+                    _mm256_storeu_ps(d + 8, even);
+                    continue;
+                }
+                for (int64_t i = 0; i < 8; i++) {
+                    const int64_t ko = c + 2 * i + 1, ke = c + 2 * i;
+                    d[i] = ko < K ? bf16_to_f32(xr[ko]) : 0.0f;
+                    d[8 + i] = ke < K ? bf16_to_f32(xr[ke]) : 0.0f;
+                }
             }
+        }
+    }
 }
 
-/* One chunk of 16 (w[s] at c, x at xf + r * K16 + c) into the R x S accumulators. With two
- * weight rows each x vector is loaded once into a register for both: left to itself GCC folded
- * the loads into the multiply-adds, loading every x vector twice, and Zen 1 (one 256-bit load a
- * cycle) then spent more cycles on loads than on the multiply-adds: 4 rows ran at 31-32 GFMA/s
- * of the 47 its two cores reach, 38-39 with the loads held (docs/benchmarks.md, 2026-12-05).
- * The arithmetic, and so every bit, is the same. */
-ALWAYS_INLINE void chunk_f32x(const float *xf, int64_t K16, const uint16_t *const *w, int64_t c,
+/* One chunk of 16 (w[s] at c; the R x rows' chunk at xc, pack_f32's) into the R x S
+ * accumulators. Each x vector is loaded once into a register for both weight rows: left to
+ * itself GCC folded the loads into the multiply-adds, loading every x vector twice, and Zen 1
+ * (one 256-bit load a cycle) then spent more cycles on loads than on the multiply-adds: 4 rows
+ * ran at 31-32 GFMA/s of the 47 its two cores reach, 38-39 with the loads held
+ * (docs/benchmarks.md, 2026-12-05). The odd half of a row is used up before its even half is
+ * loaded: with both held, 8 accumulators, 4 widened weights, 2 x vectors and the mask filled
+ * the 16 registers and GCC copied and spilled accumulators in the loop. The arithmetic, and so
+ * every bit, is the same. */
+ALWAYS_INLINE void chunk_f32x(const float *xc, const uint16_t *const *w, int64_t c,
                               const int S, const int R, __m256 acc[2][XR])
 {
     __m256 wo[2], we[2];
     for (int s = 0; s < S; s++)
         widen16(w[s] + c, &wo[s], &we[s]);
     for (int r = 0; r < R; r++) {
-        const float *xc = xf + r * K16 + c;
-        __m256 xo = _mm256_loadu_ps(xc), xe = _mm256_loadu_ps(xc + 8);
+        __m256 xo = _mm256_loadu_ps(xc + r * F32X_CH);
         if (S == 2)
-            __asm__("" : "+x"(xo), "+x"(xe));
-        for (int s = 0; s < S; s++) {
+            __asm__("" : "+x"(xo));
+        for (int s = 0; s < S; s++)
             acc[s][r] = _mm256_fmadd_ps(xo, wo[s], acc[s][r]);
+        __m256 xe = _mm256_loadu_ps(xc + r * F32X_CH + 8);
+        if (S == 2)
+            __asm__("" : "+x"(xe));
+        for (int s = 0; s < S; s++)
             acc[s][r] = _mm256_fmadd_ps(xe, we[s], acc[s][r]);
-        }
     }
 }
 
-/* R x rows (pack_f32's) against S weight rows w[0..S), res[s * XR + r]. The weights are
- * prefetched PF_DIST elements ahead, a line per 32 elements. */
-ALWAYS_INLINE void dot_f32x(const float *xf, int64_t K16, const uint16_t *const *w, const int S,
-                            int64_t K, const int R, float *res)
+/* Keeps GCC from interleaving two chunks of the loop below for 4 rows against two weight rows,
+ * which took more registers than there are (accumulators copied and spilled in the hot loop;
+ * 1.12x the multiply-adds a second with this, one core, weights in L2). With 3 rows the fence
+ * made the loop slower (0.73x), so it is left to GCC there. */
+ALWAYS_INLINE void chunk_fence(__m256 acc[2][XR], const int S, const int R)
+{
+    if (S == 2 && R == 4)
+        __asm__("" : "+x"(acc[0][0]), "+x"(acc[0][1]), "+x"(acc[0][2]), "+x"(acc[0][3]),
+                "+x"(acc[1][0]), "+x"(acc[1][1]), "+x"(acc[1][2]), "+x"(acc[1][3]));
+}
+
+/* R x rows (a group of pack_f32's, at xg) against S weight rows w[0..S), res[s * XR + r]. The
+ * weights are prefetched PF_DIST elements ahead, a line per 32 elements. */
+ALWAYS_INLINE void dot_f32x(const float *xg, const uint16_t *const *w, const int S, int64_t K,
+                            const int R, float *res)
 {
     __m256 acc[2][XR];
     for (int s = 0; s < S; s++)
         for (int r = 0; r < R; r++)
             acc[s][r] = _mm256_setzero_ps();
     int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
+    const float *xc = xg; /* the x rows' chunk at k */
+    for (; k + 32 <= K; k += 32, xc += 2 * R * F32X_CH) {
         for (int s = 0; s < S; s++) /* an address, not a pointer past the matrix */
             _mm_prefetch((const char *)((uintptr_t)(w[s] + k) + 2 * PF_DIST), _MM_HINT_T0);
-        chunk_f32x(xf, K16, w, k, S, R, acc);
-        chunk_f32x(xf, K16, w, k + 16, S, R, acc);
+        chunk_f32x(xc, w, k, S, R, acc);
+        chunk_fence(acc, S, R);
+        chunk_f32x(xc + R * F32X_CH, w, k + 16, S, R, acc);
     }
-    for (; k + 16 <= K; k += 16)
-        chunk_f32x(xf, K16, w, k, S, R, acc);
+    for (; k + 16 <= K; k += 16, xc += R * F32X_CH)
+        chunk_f32x(xc, w, k, S, R, acc);
     if (k < K) { /* the last chunk through a zero-padded copy of the weights */
         uint16_t tail[2][F32X_CH] = {{0}};
         const uint16_t *tw[2] = {tail[0], tail[1]};
         for (int s = 0; s < S; s++)
             for (int64_t i = k; i < K; i++)
                 tail[s][i - k] = w[s][i];
-        const float *xk = xf + k; /* chunk_f32x's offset c = 0 into the copies */
-        chunk_f32x(xk, K16, tw, 0, S, R, acc);
+        chunk_f32x(xc, tw, 0, S, R, acc);
     }
     for (int s = 0; s < S; s++)
         for (int r = 0; r < R; r++)
@@ -351,7 +384,7 @@ ALWAYS_INLINE void rows_out(int64_t M, int64_t K, const uint16_t *x, int64_t x_s
                 const int step = S - s0 < 2 ? 1 : 2;
                 const uint16_t *ws[2] = {w + n[s0] * K, w + n[s0 + step - 1] * K};
                 const float *xm = xf + m0 * K16;
-#define F(s_, r_) dot_f32x(xm, K16, ws, s_, K, r_, res)
+#define F(s_, r_) dot_f32x(xm, ws, s_, K, r_, res)
                 if (step == 2)
                     switch (R) { /* constants: each case unrolled on its own */
                     case 4: F(2, 4); break;
