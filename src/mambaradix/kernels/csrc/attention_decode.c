@@ -156,10 +156,10 @@ struct rows {
  * r heads' sums, 8 accumulators either way (1.37x faster on one core at Qwen3.5's shape than
  * widening each block into a buffer first, which cost as many instructions as the
  * multiply-adds and left the loop mostly waiting); other ratios widen a block into kbuf once
- * for every query head of every row. Either way a verify step's rows read each key once, not
- * once per row, the 8 dot products of a query head are summed lane-wise and folded together
- * (no per-key horizontal sum), and each score and value column takes the same multiply-adds
- * in the same order. A row computes exactly what it computes alone: its scores, softmax and
+ * for every query head of every row. Either way a verify step's rows take each block of keys
+ * while it is in L1 (from memory once, not once per row), the 8 dot products of a query head
+ * are summed lane-wise and folded together (no per-key horizontal sum), and each score and
+ * value column takes the same multiply-adds in the same order. A row computes exactly what it computes alone: its scores, softmax and
  * value sums over its own keys of the split, a short last block padded with its own last key
  * at weight 0. Scores go to scratch ([nrow * (h1 - h0) * r, SPLIT]). Inlined with constant
  * head sizes and r (see decode_team), so the loops unroll. D and Dv are multiples of 8. */
