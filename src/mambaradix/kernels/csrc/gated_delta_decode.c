@@ -45,6 +45,7 @@
 #endif
 
 #define GDN_CHUNK 256 /* conv channels per parallel task */
+#define GQ 32         /* value columns of a state a pass keeps in registers */
 
 /* The conv of row r over channels c0 .. c1 - 1 into y (fp32; held in bf16 where the
  * reference holds it): acc = bias + sum_k w[k] window[k] in fp32, SiLU, one rounding; the
@@ -135,8 +136,8 @@ static inline __attribute__((always_inline)) void stream_row(float *dst, const f
 }
 
 /* One value head h of row b: gates, then the delta rule on its [dk][dv] state S, written to
- * Sout (in place when equal; two passes: S^T k needs the whole decayed state before the
- * update; the second pass finds it in cache), and copied to `keep` when given (non-temporal
+ * Sout (in place when equal; two passes over each block of columns: S^T k needs the block's
+ * whole decayed columns before the update; the second pass finds them in L1), and copied to `keep` when given (non-temporal
  * stores: a verify step's state for after the step, read by no later row). */
 static inline __attribute__((always_inline)) void gdn_head(
     int64_t b, int64_t h, const float *S, float *Sout, float *keep, const float *y, const void *a,
@@ -155,30 +156,42 @@ static inline __attribute__((always_inline)) void gdn_head(
     const float sp = av > 20.0f ? av : log1pf(expf(av));
     const float decay = expf(-expf(ld(A_log, h, bf)) * sp);
     const float bt = rnd(1.0f / (1.0f + expf(-ld(bgate, b * b_stride + h, bf))), bf);
-    float u[dv], o[dv];
-    for (int64_t j = 0; j < dv; j++)
-        u[j] = 0.0f;
-    for (int64_t i = 0; i < dk; i++) {
-        const float ki = k[i];
-        const float *row = S + i * dv;
-        for (int64_t j = 0; j < dv; j++)
-            u[j] += row[j] * ki;
-    }
-    for (int64_t j = 0; j < dv; j++) {
-        u[j] = bt * (v[j] - decay * u[j]);
-        o[j] = 0.0f;
-    }
-    for (int64_t i = 0; i < dk; i++) {
-        const float ki = k[i], qi = q[i];
-        const float *row = S + i * dv;
-        float *out_row = Sout + i * dv;
-        for (int64_t j = 0; j < dv; j++) {
-            const float s = decay * row[j] + ki * u[j];
-            out_row[j] = s;
-            o[j] += s * qi;
+    /* Column blocks of GQ: a column's u and output need only that column of S, so each block
+     * takes both passes while its 16 KB of S stay in L1, its u and o in registers (the same
+     * operations in the same order as a pass over whole rows: the same bits). Over whole rows
+     * the second pass read the 64 KB state again from L2 and u and o went through memory for
+     * every row of S: 18 Qwen3.5-0.8B layers took 4.3 ms for one token, 3.0 ms so (C harness,
+     * 2 threads). */
+    float o[dv];
+    for (int64_t j0 = 0; j0 < dv; j0 += GQ) {
+        const int64_t w = dv - j0 < GQ ? dv - j0 : GQ;
+        float u[GQ], ob[GQ];
+        for (int64_t j = 0; j < GQ; j++)
+            u[j] = 0.0f;
+        for (int64_t i = 0; i < dk; i++) {
+            const float ki = k[i];
+            const float *row = S + i * dv + j0;
+            for (int64_t j = 0; j < w; j++)
+                u[j] += row[j] * ki;
         }
-        if (keep)
-            stream_row(keep + i * dv, out_row, dv);
+        for (int64_t j = 0; j < GQ; j++) {
+            u[j] = bt * (v[j0 + (j < w ? j : 0)] - decay * u[j]);
+            ob[j] = 0.0f;
+        }
+        for (int64_t i = 0; i < dk; i++) {
+            const float ki = k[i], qi = q[i];
+            const float *row = S + i * dv + j0;
+            float *out_row = Sout + i * dv + j0;
+            for (int64_t j = 0; j < w; j++) {
+                const float s = decay * row[j] + ki * u[j];
+                out_row[j] = s;
+                ob[j] += s * qi;
+            }
+            if (keep)
+                stream_row(keep + i * dv + j0, out_row, w);
+        }
+        for (int64_t j = 0; j < w; j++)
+            o[j0 + j] = ob[j];
     }
     if (!norm_w) {
         for (int64_t j = 0; j < dv; j++)
