@@ -445,10 +445,12 @@ static inline __attribute__((always_inline)) void decode_team(
                 }
 #define ATTEND(rr, d, dv)                                                                  \
     attend_split(rr, Hkv, h0, h1, d, dv, &g, lo, hi, k_pool, v_pool, scale, scores, kbuf, bf)
-/* constant head sizes and query heads per KV head for the published models' shapes (the
- * loops unroll; each case is a copy of attend_split, so the list is short: this file builds in
- * ~36 s here, ~10 s with one copy per head size, ~65 s with r = 1 and head size 32 added);
- * other shapes take the generic copy */
+/* constant head sizes and query heads per KV head for the presets' shapes (r = 2, 4, 8:
+ * LFM2, Qwen3.5, Qwen3-Next, Nemotron-H 8B; the loops unroll; each case is a copy of
+ * attend_split, so the list is short: this file builds in ~36 s here, ~10 s with one copy per
+ * head size, ~65 s with r = 1 and head size 32 added); other shapes take the generic copy,
+ * where r = 3 and 5 (Granite-4.0-H, Nemotron-Nano-9B) go through kbuf: the same arithmetic
+ * as the register path, and twice as fast as it is with r unknown at compile time */
 #define ATTEND_R(d, dv)                                                                    \
     do {                                                                                   \
         if (r == 4)                                                                        \
