@@ -159,10 +159,11 @@ struct rows {
  * for every query head of every row. Either way a verify step's rows take each block of keys
  * while it is in L1 (from memory once, not once per row), the 8 dot products of a query head
  * are summed lane-wise and folded together (no per-key horizontal sum), and each score and
- * value column takes the same multiply-adds in the same order. A row computes exactly what it computes alone: its scores, softmax and
- * value sums over its own keys of the split, a short last block padded with its own last key
- * at weight 0. Scores go to scratch ([nrow * (h1 - h0) * r, SPLIT]). Inlined with constant
- * head sizes and r (see decode_team), so the loops unroll. D and Dv are multiples of 8. */
+ * value column takes the same multiply-adds in the same order. A row computes exactly what
+ * it computes alone: its scores, softmax and value sums over its own keys of the split, a
+ * short last block padded with its own last key at weight 0. Scores go to scratch ([nrow *
+ * (h1 - h0) * r, SPLIT]). Inlined with constant head sizes and r (see decode_team), so the
+ * loops unroll. D and Dv are multiples of 8. */
 static inline __attribute__((always_inline)) void attend_split(
     const int64_t r, const int64_t Hkv, const int64_t h0, const int64_t h1, const int64_t D,
     const int64_t Dv, const struct rows *g, const int64_t lo, const int64_t hi,
@@ -276,7 +277,8 @@ static inline __attribute__((always_inline)) void attend_split(
                         v8 sv[8] = {0};
                         for (int64_t i = 0; i < r; i++)
                             for (int64_t cb = 0; cb < CB && c0 + 8 * cb < Dv; cb++)
-                                sv[i * CB + cb] = *(const v8 *)(const void *)(acc + i * Dv + c0 + 8 * cb);
+                                sv[i * CB + cb] =
+                                    *(const v8 *)(const void *)(acc + i * Dv + c0 + 8 * cb);
                         for (int64_t t = 0; t < 8; t++)
                             for (int64_t cb = 0; cb < CB && c0 + 8 * cb < Dv; cb++) {
                                 const v8 vv = pool8(v_pool, vrow[t] + c0 + 8 * cb, bf);
@@ -477,14 +479,15 @@ static inline __attribute__((always_inline)) void decode_team(
         free(scores);
         free(kbuf);
         /* (the loop's barrier: every split done) each row and query head's splits merged in
-         * order, then its shared piece:
-         * out = sum_s e^(m_s - M) acc_s + e^(lse - M) o, over sum_s e^(m_s - M) l_s + e^(lse - M) */
+         * order, then its shared piece: out = sum_s e^(m_s - M) acc_s + e^(lse - M) o, over
+         * sum_s e^(m_s - M) l_s + e^(lse - M) */
 #pragma omp for schedule(static)
         for (int64_t x = 0; x < B * Hq; x++) {
             const int64_t b = x / Hq, hq = x % Hq;
             const int64_t srow = shared_row == NULL ? -1 : shared_row[b];
             const int64_t ns = (end[b] - begin[b] + SPLIT - 1) / SPLIT; /* splits with its keys */
-            const float *pm = p->pm + p->row_off[b] * Hq + hq, *pl = p->pl + p->row_off[b] * Hq + hq;
+            const float *pm = p->pm + p->row_off[b] * Hq + hq;
+            const float *pl = p->pl + p->row_off[b] * Hq + hq;
             const float *pa = p->pacc + (p->row_off[b] * Hq + hq) * Dv;
             float m = srow < 0 ? -INFINITY : shared_lse[srow * Hq + hq];
             for (int64_t s = 0; s < ns; s++)

@@ -137,8 +137,9 @@ static inline __attribute__((always_inline)) void stream_row(float *dst, const f
 
 /* One value head h of row b: gates, then the delta rule on its [dk][dv] state S, written to
  * Sout (in place when equal; two passes over each block of columns: S^T k needs the block's
- * whole decayed columns before the update; the second pass finds them in L1), and copied to `keep` when given (non-temporal
- * stores: a verify step's state for after the step, read by no later row). */
+ * whole decayed columns before the update; the second pass finds them in L1), and copied to
+ * `keep` when given (non-temporal stores: a verify step's state for after the step, read by no
+ * later row). */
 static inline __attribute__((always_inline)) void gdn_head(
     int64_t b, int64_t h, const float *S, float *Sout, float *keep, const float *y, const void *a,
     int64_t a_stride, const void *bgate, int64_t b_stride, const void *A_log,
