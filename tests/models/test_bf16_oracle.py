@@ -4,7 +4,10 @@ steps, each model with its own cache; the LFM2 case once more on the cpu backend
 kernels) with its prefill's matmuls in fp32 (``kernels.bf16_matmul``: the path a CPU whose bf16
 matmul is the slower one takes).
 
-Tolerance ``ATOL``: 0.15 nats, the largest difference of any log-softmax entry at any position.
+Tolerance ``ATOL``: 0.15 nats, the largest difference of any log-softmax entry at a position,
+except at the positions where transformers' bf16 itself is off from its fp32 by more than that
+(a router near-tie flipped by rounding on the MoE model: seen at decode on an Intel Xeon with
+AMX, 0.28 from transformers' bf16 there, 0.17 from fp32 where transformers' bf16 was 0.24).
 Two bf16 implementations round at different places: the logits leave a bf16 LM head at
 |logit| 1-4, where one bf16 step is 0.008-0.016, and the hidden state before it carries a few
 steps of accumulated difference; measured: 0.02 (GDN + MoE), 0.04 (Mamba2), 0.08 (LFM2).
@@ -111,8 +114,16 @@ def test_bf16_logits_match_transformers_bf16(logprobs):
     vs_fp32 = (got - hf32).abs().max().item()
     print(f"\nbf16 rounding {rounding:.3f}, ours vs bf16 {vs_hf16:.3f}, vs fp32 {vs_fp32:.3f}")
     assert rounding > 0  # transformers really ran in bf16
-    assert vs_hf16 <= ATOL, f"ours vs transformers bf16: {vs_hf16:.3f} > {ATOL}"
-    assert vs_fp32 <= rounding + ATOL, f"ours vs fp32 {vs_fp32:.3f} > {rounding:.3f} + {ATOL}"
+    # Per position: within ATOL of transformers' bf16 logits, except where transformers' own
+    # bf16 error jumps past ATOL (a discrete choice flipped by rounding: the MoE router at a
+    # near-tie); there ours must be no further from fp32 than transformers is, plus ATOL.
+    own = (hf16 - hf32).abs().amax(-1)
+    flipped = own > ATOL
+    far = (got - hf16).abs().amax(-1)[~flipped]
+    assert (far <= ATOL).all(), f"ours vs transformers bf16: {far.max():.3f} > {ATOL}"
+    assert flipped.float().mean() < 0.2, "transformers' bf16 is off at most positions"
+    off32 = (got - hf32).abs().amax(-1) - own
+    assert (off32 <= ATOL).all(), f"ours vs fp32 beyond transformers' error: {off32.max():.3f}"
 
 
 def test_bf16_control_zeroed_state_is_caught(logprobs):
