@@ -194,15 +194,31 @@ def test_the_native_kernels_run_the_verify_without_falling_back(monkeypatch):
         test_mamba2_decode_verify_equals_its_positions_one_by_one(dtype, True)
 
 
+@pytest.fixture(params=[0, 1], ids=["unblocked", "blocked"])
+def rows_blocked(request):
+    """``csrc/linear.c``'s K blocks (``rows_blocked``, chosen by the CPU's L1d size) forced off
+    and on, so that both loops are tested on every CPU with the bf16 dot product."""
+    lib = native.load("linear")
+    if lib is None:
+        yield request.param
+        return
+    got = lib.linear_rows_blocked(request.param)
+    assert got == (request.param and lib.linear_uses_dpbf16())
+    try:
+        yield request.param
+    finally:
+        lib.linear_rows_blocked(-1)
+
+
 @pytest.mark.parametrize("m", [3, 4, 7, 16])
 @pytest.mark.parametrize("k", [1000, 1024, 2049, 3584])
-def test_linear_of_verify_rows_equals_each_row_alone(k, m):
+def test_linear_of_verify_rows_equals_each_row_alone(k, m, rows_blocked):
     """A verify step's rows go through the linears as one small batch (``csrc/linear.c``: x
     packed chunk-major for groups of 3-4 rows; with K >= 2,048 and the rows over 16 KB, K in
-    blocks with the sums carried between them, ``rows_blocked``): each row's output is, bit for
-    bit, the row's alone (a K tail, an odd number of weight rows, a bias); and the gated MLP of
-    the rows is its composition (Qwen3.5-0.8B's widths). Control: a changed weight row changes
-    its column."""
+    blocks with the sums carried between them, ``rows_blocked``, forced on and off here): each
+    row's output is, bit for bit, the row's alone (a K tail, an odd number of weight rows, a
+    bias); and the gated MLP of the rows is its composition (Qwen3.5-0.8B's widths). Control: a
+    changed weight row changes its column."""
     from mambaradix.kernels import cpu
     from mambaradix.kernels.torch_backend import TorchBackend
 

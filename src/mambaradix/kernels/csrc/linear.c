@@ -16,6 +16,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -466,10 +467,44 @@ ALWAYS_INLINE void rows_out(int64_t M, int64_t K, const uint16_t *x, int64_t x_s
  * memory stream does not stop for the arithmetic. For a verify step's 4 rows through a feed-forward
  * down projection (K = 3,584) this read 1.26x the time of one row where the unblocked loop
  * read 1.5x; at 8 and 16 rows with K >= 2,048, 0.65-0.85x the unblocked time; with K of
- * 1,024 or less it was slower (docs/benchmarks.md). */
+ * 1,024 or less it was slower (docs/benchmarks.md). That was an AMD EPYC with a 32 KB L1d; on
+ * an Intel Xeon with 48 KB (family 6 model 207) the blocks were the slower loop: 4 rows of the
+ * down projection read 1.6-1.75x one row's time blocked and 1.0-1.1x unblocked, 8 rows 1.25x
+ * the unblocked time. So only where the L1d holds at most RB_L1D bytes (or says nothing). */
 #define RB_X_BYTES (16 << 10)
 #define RB_MIN_K 2048
 #define RB_PAIRS 4
+#define RB_L1D (32 << 10)
+
+static int rb_mode = -1; /* 1: rows_blocked where it applies, 0: never, -1: not yet decided */
+
+/* Whether this CPU's L1d is small enough for rows_blocked (read once; every thread reads the
+ * same answer, so the race to store it is harmless). */
+static int rows_blocked_pays(void)
+{
+    int v = __atomic_load_n(&rb_mode, __ATOMIC_RELAXED);
+    if (v < 0) {
+        v = sysconf(_SC_LEVEL1_DCACHE_SIZE) <= RB_L1D;
+        __atomic_store_n(&rb_mode, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+#endif
+
+/* Tests: mode 1 or 0 forces rows_blocked on or off (its sums are the unblocked loop's, so the
+ * choice changes no output), -1 decides by the L1d again. Returns the setting now in force (0
+ * where the build has no rows_blocked). Not to be called while a linear runs. */
+int linear_rows_blocked(int mode)
+{
+#if HAVE_PACKED
+    __atomic_store_n(&rb_mode, mode < 0 ? -1 : mode != 0, __ATOMIC_RELAXED);
+    return rows_blocked_pays();
+#else
+    (void)mode;
+    return 0;
+#endif
+}
+#if HAVE_PACKED
 
 static void rows_blocked(int64_t M, int64_t K, const uint16_t *xp, const uint16_t *w,
                          int64_t lo, int64_t half, const uint16_t *bias, uint16_t *out,
@@ -556,7 +591,7 @@ ALWAYS_INLINE void rows_team(int64_t M, int64_t N, int64_t K, const uint16_t *x,
             pack_rows(x + m0 * x_stride, x_stride, K, M - m0 < XR ? M - m0 : XR,
                       xp + m0 * Kc * 32);
     __m512 *saved = NULL; /* rows_blocked's accumulators */
-    if (xp && K >= RB_MIN_K && M * K * 2 > RB_X_BYTES)
+    if (xp && K >= RB_MIN_K && M * K * 2 > RB_X_BYTES && rows_blocked_pays())
         saved = aligned_alloc(64, sizeof(__m512) * (size_t)(RB_PAIRS * (M + XR - 1) / XR * 2 * XR));
     if (saved)
         rows_blocked(M, K, xp, w, lo, half, bias, out, out_stride, saved);
