@@ -3,7 +3,8 @@
 chosen) against float64 truth and torch's bf16 matmul at the projection shapes of the real-size
 presets, with a tolerance a bf16-accumulating kernel fails (negative control); the two kernels
 give the same bits, so a row's result does not depend on the batch around it; larger batches,
-fp32 and other layouts take torch's matmul unchanged."""
+fp32 and other layouts take torch's matmul unchanged. On a CPU with AMX, with the AMX kernel
+turned off (it has tests of its own)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,18 @@ def bf16_accumulated(x, w) -> torch.Tensor:
     for i in range(x.shape[1]):
         acc = (acc.float() + xf[:, i : i + 1] * wf[:, i]).bfloat16()
     return acc
+
+
+@pytest.fixture(autouse=True)
+def dot_product_kernels():
+    """These tests are the dot-product kernels' (rows, tiles): on a CPU with AMX they run with
+    the tile unit's kernel turned off (``tests/models/test_kernels_amx.py`` tests that one)."""
+    was = cpu.uses_amx()
+    cpu.set_amx(False)
+    try:
+        yield
+    finally:
+        cpu.set_amx(was)
 
 
 @pytest.fixture

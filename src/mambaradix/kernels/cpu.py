@@ -10,6 +10,7 @@ and input dtypes (the warm-up runs every path at engine start, so the start-up l
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -824,6 +825,10 @@ def mamba2_decode(
 #   their fp32 copy takes at most LINEAR_WIDE_X_BYTES, where fp32 arithmetic is chosen: on an
 #   AVX2 EPYC 20-64 rows ran at 24-27 GFMA/s against 7-19 for fp32 copies of the weights and
 #   ~5.5 for torch's bf16 matmul.
+# - with AMX (``linear_uses_amx``: an Intel Xeon whose tiles the hypervisor passes through, and
+#   which ``$MAMBARADIX_AMX=0`` does not turn off), every row count below bf16_matmul.MIN_ROWS
+#   takes linear.c's tile-unit kernel, whose sums are in another order than the two above: one
+#   kernel for every batch keeps a row's result independent of its batch.
 # Beyond, torch's matmul or an fp32 one (``kernels.bf16_matmul``). The measurements behind these
 # bounds, by CPU model, are in docs/benchmarks.md.
 LINEAR_NATIVE_MAX_ROWS = 16
@@ -832,6 +837,27 @@ LINEAR_TILES_MIN_ROWS = 12
 LINEAR_WIDE_X_BYTES = 1 << 20
 _tiles: list[bool] = []  # whether this build has the tile kernel's instructions (cached)
 _widens: list[bool] = []  # whether its rows kernel widens to fp32 with AVX2 (cached)
+_amx: list[bool] = []  # whether its linears run on AMX tiles (cached)
+
+
+def uses_amx() -> bool:
+    """Whether the native linears run on AMX tiles in this process (asked once; the kernel
+    asks Linux for the tile state, and ``$MAMBARADIX_AMX=0`` keeps the dot-product kernels)."""
+    if not _amx:
+        lib = native.load("linear")
+        on = lib is not None and bool(lib.linear_amx(0 if os.environ.get("MAMBARADIX_AMX") == "0"
+                                                     else 1))
+        _amx.append(on)
+    return _amx[0]
+
+
+def set_amx(on: bool) -> bool:
+    """Turn the AMX kernel off, or on where this CPU and kernel grant it (tests, and where one
+    path must be measured against the other); returns whether it is on. Not while a linear runs."""
+    lib = native.load("linear")
+    got = lib is not None and bool(lib.linear_amx(1 if on else 0))
+    _amx[:] = [got]
+    return got
 
 
 def _use_tiles(m: int) -> bool:
@@ -864,6 +890,8 @@ def bf16_linear_kernels() -> bool:
 
 def _decode_kernel(m: int, k: int) -> str | None:
     """Which C kernel takes ``m`` bf16 rows of ``k`` (``tiles``, ``rows``), or None (torch)."""
+    if uses_amx():
+        return "rows" if 0 < m < bf16_matmul.MIN_ROWS else None
     if _use_tiles(m):
         return "tiles"
     if 0 < m <= LINEAR_NATIVE_MAX_ROWS and (m == 1 or m * k * 2 <= LINEAR_NATIVE_X_BYTES):
