@@ -562,7 +562,7 @@ static void rows_blocked(int64_t M, int64_t K, const uint16_t *xp, const uint16_
 
 /* ---------------------------------------------------------------------- AMX tiles
  * On CPUs with AMX (Intel Xeons from Sapphire Rapids, where the hypervisor passes the tiles
- * through), every bf16 decode linear runs on the tile unit: out^T = w x^T, 16 weight rows (A:
+ * through), once asked for (linear_amx(1)), every bf16 decode linear runs on the tile unit: out^T = w x^T, 16 weight rows (A:
  * 16 rows x 32 bf16, loaded straight from w with its row stride) against up to 16 x rows at a
  * time (B: the same 32 columns of x as 16 pairs x R rows, packed once per call), 4 x blocks per
  * pass over a weight group (C: 4 tiles of 16 x R fp32). One tile product does the work of 16
@@ -584,31 +584,27 @@ long syscall(long number, ...); /* (unistd.h declares it for _DEFAULT_SOURCE onl
 #define HAVE_AMX 0
 #endif
 
-static int amx_mode = -1; /* 1: the tiles are ours, 0: not used, -1: not yet asked */
+static int amx_mode = 0; /* 1: the tiles are ours (asked for and granted), 0: not used */
 
-/* Whether this process may use the AMX tiles: Linux grants the tile state on request (once per
- * process, for all its threads); refused or absent, the dot-product kernels run. */
-static int amx_on(void)
-{
-#if HAVE_AMX
-    int v = __atomic_load_n(&amx_mode, __ATOMIC_RELAXED);
-    if (v < 0) {
-        v = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-        __atomic_store_n(&amx_mode, v, __ATOMIC_RELAXED);
-    }
-    return v;
-#else
-    return 0;
-#endif
-}
+/* Whether the linears run on the AMX tiles. Off unless asked for (linear_amx(1)): in the
+ * engine a one-token step took 1.08-1.13x its time with them (the 1-row stream is slower),
+ * while 16 decode rows took 0.33-0.40x (docs/benchmarks.md, 2026-12-06). */
+static int amx_on(void) { return __atomic_load_n(&amx_mode, __ATOMIC_RELAXED); }
 
-/* Whether the linears run on AMX tiles (0 where this build or the kernel has none). Tests: mode
- * 0 turns them off (the dot-product kernels run), 1 or -1 asks again. Not to be called while a
- * linear runs. */
+/* mode 1: use the AMX tiles where this build has them and Linux grants the tile state (asked
+ * once per call; granted once, for all the process's threads); 0: the dot-product kernels.
+ * Returns whether the tiles are now used. Not to be called while a linear runs. */
 int linear_amx(int mode)
 {
-    __atomic_store_n(&amx_mode, mode == 0 ? 0 : -1, __ATOMIC_RELAXED);
-    return amx_on();
+    int v = 0;
+#if HAVE_AMX
+    if (mode)
+        v = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+#else
+    (void)mode;
+#endif
+    __atomic_store_n(&amx_mode, v, __ATOMIC_RELAXED);
+    return v;
 }
 
 int linear_uses_amx(void) { return amx_on(); }
