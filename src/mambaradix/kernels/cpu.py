@@ -843,7 +843,7 @@ _amx: list[bool] = []  # whether its linears run on AMX tiles (cached)
 def uses_amx() -> bool:
     """Whether the native linears run on AMX tiles in this process: only with
     ``$MAMBARADIX_AMX=1`` (read once; the kernel then asks Linux for the tile state). Off by
-    default: on the Intel Xeon measured, a one-token step took 1.08-1.13x its time with them,
+    default: on the Intel Xeon measured, a one-token step took 1.06-1.13x its time with them,
     16 decode rows' linears 0.33-0.40x (docs/benchmarks.md, 2026-12-06)."""
     if not _amx:
         lib = native.load("linear")
