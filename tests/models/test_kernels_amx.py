@@ -4,8 +4,8 @@ bound the dot-product kernels meet (fp32 sums, one rounding; a bf16-accumulating
 it), a row's output bit for bit the same alone, in any batch (blocks of 16 x rows, a partial
 last block, passes of three blocks) and on any thread count, tails of K (not a multiple of 32,
 odd) and of N (not a multiple of 16), a bias, strided rows; the gated MLP as its composition;
-off by default, ``$MAMBARADIX_AMX=1`` turns it on, ``set_amx(False)`` gives the dot-product
-kernels back. Skipped, with
+on wherever granted unless ``$MAMBARADIX_AMX=0``, and ``set_amx(False)`` gives the
+dot-product kernels back. Skipped, with
 the reason, on CPUs without AMX: there the dot-product kernels run (their own tests)."""
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def test_amx_takes_every_batch_below_the_matmul_rows():
 
 def test_amx_off_gives_the_dot_product_kernels():
     """``set_amx(False)``: the dot-product kernels run (the same product within a rounding step,
-    in another sum order); a fresh process has AMX off unless ``$MAMBARADIX_AMX=1``."""
+    in another sum order); a fresh process has AMX on unless ``$MAMBARADIX_AMX=0``."""
     x, w, b = make(8, 1000, 301, seed=4, bias=True)
     on = cpu.linear(x, w, b)
     assert not cpu.set_amx(False)
@@ -133,7 +133,7 @@ def test_amx_off_gives_the_dot_product_kernels():
     assert (on.float() - off.float()).abs().max() <= on.float().abs().max() * 2**-7
     code = "from mambaradix.kernels import cpu; print(cpu.uses_amx())"
     base = {k: v for k, v in os.environ.items() if k != "MAMBARADIX_AMX"}
-    for env, want in (({}, "False"), ({"MAMBARADIX_AMX": "0"}, "False"),
+    for env, want in (({}, "True"), ({"MAMBARADIX_AMX": "0"}, "False"),
                       ({"MAMBARADIX_AMX": "1"}, "True")):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**base, **env}, check=True)  # fmt: skip

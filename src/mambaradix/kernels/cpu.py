@@ -825,8 +825,8 @@ def mamba2_decode(
 #   their fp32 copy takes at most LINEAR_WIDE_X_BYTES, where fp32 arithmetic is chosen: on an
 #   AVX2 EPYC 20-64 rows ran at 24-27 GFMA/s against 7-19 for fp32 copies of the weights and
 #   ~5.5 for torch's bf16 matmul.
-# - with AMX asked for (``$MAMBARADIX_AMX=1``, ``uses_amx``: an Intel Xeon whose tiles the
-#   hypervisor passes through and Linux grants), every row count below bf16_matmul.MIN_ROWS
+# - with AMX (``uses_amx``: an Intel Xeon whose tiles the hypervisor passes through and Linux
+#   grants; ``$MAMBARADIX_AMX=0`` declines them), every row count below bf16_matmul.MIN_ROWS
 #   takes linear.c's tile-unit kernel, whose sums are in another order than the two above: one
 #   kernel for every batch keeps a row's result independent of its batch.
 # Beyond, torch's matmul or an fp32 one (``kernels.bf16_matmul``). The measurements behind these
@@ -841,13 +841,15 @@ _amx: list[bool] = []  # whether its linears run on AMX tiles (cached)
 
 
 def uses_amx() -> bool:
-    """Whether the native linears run on AMX tiles in this process: only with
-    ``$MAMBARADIX_AMX=1`` (read once; the kernel then asks Linux for the tile state). Off by
-    default: on the Intel Xeon measured, a one-token step took 1.06-1.13x its time with them,
-    16 decode rows' linears 0.33-0.40x (docs/benchmarks.md, 2026-12-06)."""
+    """Whether the native linears run on AMX tiles in this process: where this CPU and build
+    have them and Linux grants the tile state, unless ``$MAMBARADIX_AMX=0`` (read once). On the
+    Intel Xeon measured, a one-token step took 1.06-1.13x its time with them, and 16 decode
+    rows' linears 0.32-0.40x (docs/benchmarks.md, 2026-12-06): a server's batches gain far
+    more than a lone request loses; ``=0`` keeps the dot-product kernels for one request's
+    latency."""
     if not _amx:
         lib = native.load("linear")
-        on = lib is not None and bool(lib.linear_amx(os.environ.get("MAMBARADIX_AMX") == "1"))
+        on = lib is not None and bool(lib.linear_amx(os.environ.get("MAMBARADIX_AMX") != "0"))
         _amx.append(on)
     return _amx[0]
 

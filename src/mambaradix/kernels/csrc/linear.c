@@ -586,9 +586,10 @@ long syscall(long number, ...); /* (unistd.h declares it for _DEFAULT_SOURCE onl
 
 static int amx_mode = 0; /* 1: the tiles are ours (asked for and granted), 0: not used */
 
-/* Whether the linears run on the AMX tiles. Off unless asked for (linear_amx(1)): in the
- * engine a one-token step took 1.06-1.13x its time with them (the 1-row stream is slower),
- * while 16 decode rows took 0.33-0.40x (docs/benchmarks.md, 2026-12-06). */
+/* Whether the linears run on the AMX tiles: once asked for (linear_amx(1); kernels.cpu asks
+ * unless $MAMBARADIX_AMX=0). In the engine a one-token step took 1.06-1.13x its time with them
+ * (the 1-row stream is slower), while 16 decode rows took 0.32-0.40x (docs/benchmarks.md,
+ * 2026-12-06). */
 static int amx_on(void) { return __atomic_load_n(&amx_mode, __ATOMIC_RELAXED); }
 
 /* mode 1: use the AMX tiles where this build has them and Linux grants the tile state (asked
