@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from test_kernels_linear import bf16_accumulated, err_in_ulps, make
+from test_kernels_linear import bf16_accumulated, err_in_ulps, make, on_two_and
 
 from mambaradix.kernels import bf16_matmul, cpu
 from mambaradix.kernels.cpu_backend import CpuBackend
@@ -84,14 +84,7 @@ def test_amx_row_does_not_depend_on_its_batch(m):
 @pytest.mark.parametrize("threads", [1, 3])
 def test_amx_row_does_not_depend_on_the_thread_count(threads):
     x, w, b = make(20, 1000, 301, seed=11, bias=True)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        want = cpu.linear(x, w, b)
-        torch.set_num_threads(threads)
-        got = cpu.linear(x, w, b)
-    finally:
-        torch.set_num_threads(before)
+    want, got = on_two_and(threads, lambda: cpu.linear(x, w, b))
     assert torch.equal(got, want)
 
 

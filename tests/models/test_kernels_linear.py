@@ -72,6 +72,18 @@ def bf16_accumulated(x, w) -> torch.Tensor:
     return acc
 
 
+def on_two_and(threads: int, run):
+    """``run()`` on 2 threads, then on ``threads``; torch's thread count restored after."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        want = run()
+        torch.set_num_threads(threads)
+        return want, run()
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def dot_product_kernels():
     """These tests are the dot-product kernels' (rows, tiles): on a CPU with AMX they run with
@@ -296,14 +308,7 @@ def test_tiles_give_the_rows_kernels_bits(k, n, matmul_mode, no_torch_matmul):
 def test_tiles_do_not_depend_on_the_thread_count(threads, matmul_mode, no_torch_matmul):
     matmul_mode("fp32")
     x, w, b = make(30, 1000, 1003, seed=13, bias=True)  # 1,003 rows: a remainder per split
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        want = cpu.linear(x, w, b)
-        torch.set_num_threads(threads)
-        got = cpu.linear(x, w, b)
-    finally:
-        torch.set_num_threads(before)
+    want, got = on_two_and(threads, lambda: cpu.linear(x, w, b))
     assert torch.equal(got, want)
 
 
