@@ -162,6 +162,33 @@ def test_native_gdn_scan_matches_the_chunked_rule(hk, hv, dk, dv, dtype, channel
         assert (got - want).abs().max() <= 1e-4 * want.abs().mean()
 
 
+@pytest.mark.parametrize(
+    "hk,hv,dk,dv,dtype",
+    [
+        (2, 4, 128, 64, torch.bfloat16),  # published head dim, two vector blocks
+        (1, 2, 66, 32, torch.float32),  # two rows past the last multiple of 4
+        (1, 1, 131, 40, torch.bfloat16),  # three rows past it, and a scalar block
+    ],
+)
+@pytest.mark.parametrize("cut", [2, 37, 198])  # (a 1-token part would be a decode)
+def test_native_gdn_scan_resumed_equals_whole(hk, hv, dk, dv, dtype, cut, monkeypatch):
+    """A segment scanned in one call equals, bit for bit, the same tokens scanned in two calls,
+    the second resuming from the state the first left (what a cache hit does): outputs and
+    final state. The vector path sums the next token's S^T k inside the current token's
+    update pass; a resumed call sums it in a pass of its own, which must give the same bits."""
+    n = 200
+    layout, inputs, pool = _gdn_case(hk, hv, dk, dv, [n], [[]], dtype, False, seed=dk + cut)
+    monkeypatch.setattr(TorchBackend, "gdn_prefill", None)  # the native path must run
+    whole, whole_pool = _gdn_run(CpuBackend(), layout, inputs, pool)
+    first, mid_pool = _gdn_run(CpuBackend(), _layout([cut], [[]]), [t[:cut] for t in inputs], pool)
+    rest, end_pool = _gdn_run(
+        CpuBackend(), _layout([n - cut], [[]]), [t[cut:] for t in inputs], mid_pool
+    )
+    assert torch.equal(torch.cat([first, rest]), whole)
+    assert torch.equal(end_pool, whole_pool)
+    assert not torch.equal(mid_pool[5], whole_pool[5])  # the resumed call did move the state
+
+
 def test_native_gdn_scan_snapshot_control(monkeypatch):
     """The snapshot after 40 tokens is not the state after 41 (far beyond the tolerance met
     above), and the final state does not depend on where snapshots are taken."""
