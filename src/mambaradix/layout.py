@@ -35,8 +35,19 @@ import torch
 from mambaradix.core import ForwardReq
 
 
+def to_device(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device``. To a CUDA device the copy is queued from pinned memory
+    without waiting: a blocking host-to-device copy waits for every kernel queued before it,
+    so building the next forward's layout would wait for the forward in flight (overlap:
+    ``engine.runner``). The caching host allocator keeps the pinned block until its copy ran."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _long(values: list[int], device: str | torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+    return to_device(torch.tensor(values, dtype=torch.long), device)
 
 
 @dataclass(slots=True)
@@ -235,7 +246,7 @@ class ForwardLayout:
             out.append(decode_table.gather(1, col[:, None])[:, 0])
         out += [r.kv_slots[r.prefix_len : r.seq_len] for r in reqs[first:]]
         out_kv = (
-            torch.cat(out).to(device=device, dtype=torch.long)
+            to_device(torch.cat(out).to(torch.long), device)
             if out
             else torch.empty(0, dtype=torch.long, device=device)
         )
@@ -263,13 +274,14 @@ class ForwardLayout:
             table = None
             if with_kv:
                 if given and first == len(dec) and dec == list(range(first)):
-                    table = decode_table.to(device=device, dtype=torch.long)
+                    table = to_device(decode_table.to(torch.long), device)
                 else:
                     table = torch.nn.utils.rnn.pad_sequence(
                         [reqs[i].kv_slots[: reqs[i].seq_len] for i in dec],
                         batch_first=True,
                         padding_value=0,
-                    ).to(device=device, dtype=torch.long)
+                    )
+                    table = to_device(table.to(torch.long), device)
                 if multi:  # one row of the table per position
                     per_row = [k for k, w in enumerate(widths) for _ in range(w)]
                     table = table.index_select(0, _long(per_row, device))
@@ -317,7 +329,7 @@ class ForwardLayout:
                 rows=RowSet.of(rows, total, device),
                 state_slots=_long([reqs[i].state_slot for i in pre], device),
                 kv_slots=[
-                    reqs[i].kv_slots[: reqs[i].seq_len].to(device=device, dtype=torch.long)
+                    to_device(reqs[i].kv_slots[: reqs[i].seq_len].to(torch.long), device)
                     for i in pre
                 ]
                 if with_kv

@@ -22,7 +22,7 @@ from equivalence_helpers import LOGPROB_ATOL, MAX_TIES, compare, run
 
 from mambaradix.cache.kv_pool import KVPool
 from mambaradix.cache.state_pool import StatePool
-from mambaradix.core import ForwardReq, GrammarSpec
+from mambaradix.core import ForwardReq, GrammarSpec, SamplingParams
 from mambaradix.engine.cuda_graphs import CudaGraphs
 from mambaradix.engine.engine import Engine
 from mambaradix.kernels.backend import create_backend
@@ -265,3 +265,36 @@ def test_disable_cuda_graph_turns_off_the_cpu_step_graphs_too():
         assert on.runner.graphs is not None
     with Engine(model_path="tiny:qwen3_next", skip_warmup=True, disable_cuda_graph=True) as off:
         assert off.runner.graphs is None
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="host-device syncs exist on a GPU only")
+def test_a_greedy_decode_step_waits_on_the_gpu_once_at_most(small_qwen3_5):
+    """With overlap, a greedy decode step waits on the GPU only for its tokens (the event the
+    scheduler reads them by: ``engine.batch.PendingTokens``): the next forward's layout, state
+    operations and placeholder tokens reach the device without waiting (``layout.to_device``,
+    ``ModelRunner._write_device_ids``). Before those, every index tensor of a step was a
+    blocking copy (a sync each). Counted by torch's sync debug mode, as bench_gpu.py does."""
+    import warnings
+
+    path, tok = small_qwen3_5
+    model = load_model(path, device=DEVICE)
+    with Engine(model=model, tokenizer=tok, kernel_backend="cuda", device=DEVICE) as eng:
+        assert eng.runner.defer_greedy
+        p = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+        eng.generate(input_ids=[list(range(5, 40))], sampling_params=p)  # compiled, captured
+        p = SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True)
+        handle = eng.submit_many([list(range(7, 42))], [p])[0]
+        steps, first = 0, True
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                for out in handle.events():
+                    if first and out.new_token_ids:  # the prefill's token: decodes from here
+                        torch.cuda.set_sync_debug_mode("warn")
+                        first = False
+                        continue
+                    steps += len(out.new_token_ids)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        assert steps == 8 and syncs <= steps, (steps, syncs)

@@ -10,6 +10,7 @@ import torch
 
 from mambaradix.cache.host_memory import lazy_zeros
 from mambaradix.core import StateOps, StateSpec
+from mambaradix.layout import to_device
 
 
 class StatePool:
@@ -71,8 +72,8 @@ class StatePool:
     def copy(self, src: list[int], dst: list[int]) -> None:
         if not src:
             return
-        s = torch.tensor(src, dtype=torch.long, device=self.device)
-        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        s = to_device(torch.tensor(src, dtype=torch.long), self.device)
+        d = to_device(torch.tensor(dst, dtype=torch.long), self.device)
         for t in self._tensors():
             t.index_copy_(0, d, t.index_select(0, s))
         self.copies += len(src)
@@ -81,7 +82,7 @@ class StatePool:
     def clear(self, slots: list[int]) -> None:
         if not slots:
             return
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        idx = to_device(torch.tensor(slots, dtype=torch.long), self.device)
         for t in self._tensors():
             t.index_fill_(0, idx, 0)
 

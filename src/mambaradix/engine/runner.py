@@ -15,16 +15,23 @@ import torch
 from mambaradix.cache.kv_pool import KVPool
 from mambaradix.cache.state_pool import StatePool
 from mambaradix.core import ForwardBatch, ForwardReq, SamplingParams, StateOps
-from mambaradix.engine.batch import FUTURE_STRIDE, RunBatch, RunResult
+from mambaradix.engine.batch import FUTURE_STRIDE, PendingTokens, RunBatch, RunResult
 from mambaradix.engine.cuda_graphs import CudaGraphs
 from mambaradix.engine.mtp_draft import DraftHead
-from mambaradix.engine.sampler import on_generator_device, sample, sampling_probs, top_logprobs
+from mambaradix.engine.sampler import (
+    deferrable,
+    greedy_on_device,
+    on_generator_device,
+    sample,
+    sampling_probs,
+    top_logprobs,
+)
 from mambaradix.engine.speculative import accept_greedy, accept_sampled
 from mambaradix.engine.step_graph import DecodeGraphs
 from mambaradix.engine.structured import BatchMasks, StructuredOutput
 from mambaradix.kernels.backend import KernelBackend, reference_backend
 from mambaradix.kernels.sampling import argmax_logsumexp, logprobs_of
-from mambaradix.layout import ForwardContext, ForwardLayout
+from mambaradix.layout import ForwardContext, ForwardLayout, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +47,9 @@ class ModelRunner:
     ``batch.forward.state_ops`` (copies, then clears) before any layer reads a state, builds the
     forward's layout once (``ForwardLayout.build``) and lets the backend prepare it, runs the
     model (or replays a recorded decode step: ``engine.step_graph``) and samples the rows in
-    ``sample_rows``. The model is bound to ``backend`` here."""
+    ``sample_rows``. With ``defer_greedy`` (on a GPU) an all-greedy batch's tokens stay on the
+    device: its result's ``wait`` reads them, and later forwards read them there. The model is
+    bound to ``backend`` here."""
 
     def __init__(
         self,
@@ -64,7 +73,12 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.device = device
-        self._sampled: dict[int, list[int]] = {}
+        # each recent batch's sampled tokens: numbers, or a tensor on the device where the
+        # batch's tokens were left there (PendingTokens) for the next forward to read in place
+        self._sampled: dict[int, list[int] | torch.Tensor] = {}
+        # all-greedy batches leave their tokens on a GPU (PendingTokens); never with an MTP
+        # head, whose drafts read the tokens before the next forward
+        self.defer_greedy = _is_gpu(device) and not draft_head
         self._carry: dict = {}  # ForwardLayout.carry: kept from one forward to the next
         self._executor: ThreadPoolExecutor | None = None
         self._num_threads = torch.get_num_threads()
@@ -90,23 +104,51 @@ class ModelRunner:
             else None
         )
 
-    def _resolve(self, ids: list[int]) -> list[int]:
-        out = []
-        for t in ids:
-            if t < 0:
-                code = -t - 1
-                t = self._sampled[code // FUTURE_STRIDE][code % FUTURE_STRIDE]
-            out.append(t)
-        return out
+    def _resolve(self, reqs: list[ForwardReq]) -> list[tuple[int, torch.Tensor, int]]:
+        """Placeholder tokens (``batch.future_id``) replaced by what their batches sampled, in
+        ``input_ids``, where the runner holds those as numbers. Where a batch left them on the
+        device, the placeholder stays and ``(row of the packed forward, that batch's tokens,
+        index)`` is returned for ``_write_device_ids``: no wait for the batch before."""
+        on_device = []
+        row = 0
+        for r in reqs:
+            if any(t < 0 for t in r.input_ids):
+                ids = list(r.input_ids)
+                for j, t in enumerate(ids):
+                    if t >= 0:
+                        continue
+                    code = -t - 1
+                    src, k = self._sampled[code // FUTURE_STRIDE], code % FUTURE_STRIDE
+                    if isinstance(src, torch.Tensor):
+                        on_device.append((row + j, src, k))
+                    else:
+                        ids[j] = src[k]
+                r.input_ids = ids
+            row += r.extend_len
+        return on_device
+
+    @staticmethod
+    def _write_device_ids(layout: ForwardLayout, on_device: list) -> None:
+        """The device-held tokens ``_resolve`` left into the layout's ``input_ids``, copied on
+        the device (one gather per batch they come from)."""
+        by_batch: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        for row, src, k in on_device:
+            entry = by_batch.setdefault(id(src), (src, [], []))
+            entry[1].append(row)
+            entry[2].append(k)
+        ids = layout.input_ids
+        for src, rows, ks in by_batch.values():
+            take = to_device(torch.tensor(ks, dtype=torch.long), src.device)
+            dest = to_device(torch.tensor(rows, dtype=torch.long), ids.device)
+            ids.index_copy_(0, dest, src.index_select(0, take).to(ids.device))
 
     @torch.inference_mode()
     def run(self, batch: RunBatch) -> RunResult:
         t0 = time.perf_counter()
+        start = _gpu_event(self.device)
         recorded = self._recordings()
         fb = batch.forward
-        for r in fb.reqs:
-            if any(t < 0 for t in r.input_ids):
-                r.input_ids = self._resolve(r.input_ids)
+        on_device = self._resolve(fb.reqs)
         self.state_pool.apply(fb.state_ops)
         if self.draft_head is not None:
             self.draft_head.fill(batch)
@@ -116,6 +158,8 @@ class ModelRunner:
             layout = ForwardLayout.build(
                 fb.reqs, self.device, fb.decode_table, with_kv=self._with_kv, carry=self._carry
             )
+            if on_device:
+                self._write_device_ids(layout, on_device)
             self.backend.prepare(layout)
             ctx = ForwardContext(layout, self.kv_pool, self.state_pool)
             logits = self.graphs.forward(ctx) if self.graphs is not None else None
@@ -133,7 +177,15 @@ class ModelRunner:
                     for j in sample_rows
                 ]
             if sample_rows:
-                index = torch.tensor(sample_rows, dtype=torch.long, device=logits.device)
+                index = to_device(torch.tensor(sample_rows, dtype=torch.long), logits.device)
+            if sample_rows and self._defers(batch, masks):
+                # every row greedy and nothing read on the host: the tokens stay on the device
+                # (the next forward reads them there) and come back by one queued copy
+                pair = greedy_on_device(logits.index_select(0, index))
+                result.pending = PendingTokens(pair, start)
+                result.top = [None] * len(sample_rows)
+                sampled: list[int] | torch.Tensor = pair[0].long()
+            elif sample_rows:
                 drawn = _seeded_states(batch)  # verify rows draw again from these states
                 result.tokens, result.logprobs, result.top, result.errors = self._sample(
                     logits, index, batch, masks
@@ -158,12 +210,25 @@ class ModelRunner:
                 picked = rows.gather(1, targets_t[:, None])
                 got = logprobs_of(picked, norm)[:, 0]
                 result.prompt.append((got.tolist(), top_logprobs(rows, [k] * len(targets), norm)))
-        self._sampled[batch.batch_id] = result.tokens
+        self._sampled[batch.batch_id] = result.tokens if result.pending is None else sampled
         self._sampled.pop(batch.batch_id - _KEEP_BATCHES, None)
         result.extend_tokens = sum(r.extend_len for r in fb.reqs)
         result.seconds = time.perf_counter() - t0
         result.recorded = self._recordings() != recorded
         return result
+
+    def _defers(self, batch: RunBatch, masks: BatchMasks | None) -> bool:
+        """Whether this batch's tokens may stay on the device: every row greedy, and nothing
+        reads them on the runner's thread (grammars, logits processing, drafts, prompt
+        logprobs, top logprobs)."""
+        return (
+            self.defer_greedy
+            and masks is None
+            and not batch.drafts
+            and not batch.prompt_rows
+            and not any(s is not None for s in batch.logit_states)
+            and deferrable(batch.params)
+        )
 
     def _recordings(self) -> int:
         """Step graphs recorded so far (the model's and the draft head's)."""
@@ -359,6 +424,19 @@ class ModelRunner:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+def _is_gpu(device: str | torch.device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def _gpu_event(device: str | torch.device) -> torch.cuda.Event | None:
+    """An event recorded now on a GPU's current stream (where the batch's work begins)."""
+    if not _is_gpu(device):
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _seeded_states(batch: RunBatch) -> dict[int, torch.Tensor]:

@@ -33,8 +33,7 @@ def sample(
     greedy, norm = argmax_logsumexp(logits)
     if constrain is None and not states and all(_greedy(p) for p in params):
         # every row greedy: the tokens and their logprobs in one read of the device
-        chosen = logprobs_of(logits.gather(1, greedy[:, None]), norm)[:, 0]
-        ids, lps = torch.stack([greedy.double(), chosen.double()]).tolist()
+        ids, lps = _greedy_pair(logits, greedy, norm).tolist()
         tops = top_logprobs(logits, [p.top_logprobs for p in params], norm)
         return [int(t) for t in ids], lps, tops
     raw = logits if constrain is None and not states else logits.clone()  # both may write
@@ -55,6 +54,26 @@ def sample(
     picked = torch.tensor(tokens, dtype=torch.long, device=raw.device)[:, None]
     chosen = logprobs_of(raw.gather(1, picked), norm)
     return tokens, chosen[:, 0].tolist(), top_logprobs(raw, [p.top_logprobs for p in params], norm)
+
+
+def deferrable(params: list[SamplingParams]) -> bool:
+    """Rows ``greedy_on_device`` samples exactly as ``sample`` does (no processing, no grammar
+    and no top logprobs, which their callers check): every row greedy."""
+    return all(_greedy(p) and not p.top_logprobs for p in params)
+
+
+def greedy_on_device(logits: torch.Tensor) -> torch.Tensor:
+    """``sample``'s all-greedy rows left where the logits are: each row's greedy token and its
+    logprob as one float64 ``[2, B]`` tensor (token ids are exact in float64), which the caller
+    reads back in one copy when it needs them (``engine.batch.PendingTokens``)."""
+    logits = logits.float()
+    greedy, norm = argmax_logsumexp(logits)
+    return _greedy_pair(logits, greedy, norm)
+
+
+def _greedy_pair(logits: torch.Tensor, greedy: torch.Tensor, norm: Normalizer) -> torch.Tensor:
+    chosen = logprobs_of(logits.gather(1, greedy[:, None]), norm)[:, 0]
+    return torch.stack([greedy.double(), chosen.double()])
 
 
 def top_logprobs(

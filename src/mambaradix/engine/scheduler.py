@@ -26,7 +26,7 @@ from mambaradix.cache.request_cache import RequestCache
 from mambaradix.config import EngineConfig
 from mambaradix.core import EXTRA_BUFFER, FinishReason
 from mambaradix.engine.admission import Admission
-from mambaradix.engine.batch import Runner, future_id
+from mambaradix.engine.batch import Runner, RunResult, future_id
 from mambaradix.engine.forwards import ForwardBuilder, ScheduledBatch
 from mambaradix.engine.request import Req, ReqStatus
 from mambaradix.engine.results import ResultProcessor
@@ -221,8 +221,9 @@ class Scheduler:
         self.inflight = None
         self._process(batch, fut.result())
 
-    def _process(self, batch: ScheduledBatch, result: object) -> None:
-        if getattr(result, "extend_tokens", 0) >= 64:  # prefill-sized: what a token costs
+    def _process(self, batch: ScheduledBatch, result: RunResult) -> None:
+        result.wait()  # a batch whose tokens the runner left on the device: here they arrive
+        if result.extend_tokens >= 64:  # prefill-sized: what a token costs
             cost = result.seconds / result.extend_tokens
             old = self.admission.s_per_token
             self.admission.s_per_token = cost if old <= 0 else 0.8 * old + 0.2 * cost
@@ -230,7 +231,7 @@ class Scheduler:
         if (
             self.adaptive is not None
             and shape
-            and shape[1] == getattr(result, "extend_tokens", -1)  # decodes and verifies alone
+            and shape[1] == result.extend_tokens  # decodes and verifies alone
             and not result.recorded
         ):
             self.adaptive.observe_step(*shape, result.seconds)

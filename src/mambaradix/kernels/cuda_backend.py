@@ -35,7 +35,7 @@ from mambaradix.kernels import gated_delta
 from mambaradix.kernels.backend import register_backend
 from mambaradix.kernels.capabilities import BackendCapabilities
 from mambaradix.kernels.torch_backend import TorchBackend, TorchIndex, _copy_decode_snapshots
-from mambaradix.layout import ForwardLayout
+from mambaradix.layout import ForwardLayout, to_device
 
 Tensor = torch.Tensor
 CHUNK = 64  # fla-core's chunk: where its prefill kernels keep states
@@ -55,7 +55,7 @@ def unavailable_reason() -> str | None:
 
 
 def _int32(values: list[int], device: torch.device) -> Tensor:
-    return torch.tensor(values, dtype=torch.int32, device=device)
+    return to_device(torch.tensor(values, dtype=torch.int32), device)
 
 
 @dataclass(slots=True)
@@ -108,13 +108,15 @@ class CudaIndex(TorchIndex):
                 snap_seqs=_int32(seg.snapshot_seqs, dev),
                 snap_offsets=_int32(seg.snapshot_offsets, dev),
                 snap_slots=seg.snapshot_slots.to(torch.int32),
-                snap_chunks=torch.tensor(
-                    [
-                        gdn.snapshot_index(seg.lens, s, n)
-                        for s, n in zip(seg.snapshot_seqs, seg.snapshot_offsets)
-                    ],
-                    dtype=torch.long,
-                    device=dev,
+                snap_chunks=to_device(
+                    torch.tensor(
+                        [
+                            gdn.snapshot_index(seg.lens, s, n)
+                            for s, n in zip(seg.snapshot_seqs, seg.snapshot_offsets)
+                        ],
+                        dtype=torch.long,
+                    ),
+                    dev,
                 ),  # fmt: skip
                 gdn_chunks=gdn.GdnChunks.build(seg.lens, dev),
                 kv_table=kv_table,

@@ -51,6 +51,8 @@ from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices, prepare_chu
 from fla.ops.utils.constant import RCP_LN2
 from torch import Tensor
 
+from mambaradix.layout import to_device
+
 CHUNK_SIZE = 64  # fla's chunk: snapshots inside a prefill fall on multiples of it
 
 
@@ -89,8 +91,8 @@ class GdnChunks:
         for count in counts:
             offsets.append(offsets[-1] + count)
         return cls(
-            indices=torch.tensor(pairs, dtype=torch.int32, device=device).view(-1, 2),
-            offsets=torch.tensor(offsets, dtype=torch.int32, device=device),
+            indices=to_device(torch.tensor(pairs, dtype=torch.int32), device).view(-1, 2),
+            offsets=to_device(torch.tensor(offsets, dtype=torch.int32), device),
         )
 
 
