@@ -20,7 +20,9 @@ the largest change that rounding those inputs to bf16 makes to that tensor in th
 (the reference on the unrounded fp32 draws against the reference on their bf16 roundings,
 measured per tensor on this case), plus the fp32 tolerance: 0.5-3 bf16 ulps of each tensor's
 largest value (``test_bf16_tolerances_are_a_few_ulps``; 3e-2 before, a 30% error on the ~0.1
-states). A kernel whose bf16 path writes a state 5% off fails (negative control).
+states). A kernel whose bf16 path writes a state 5% off fails (negative control). fp32 on a GPU
+(the ``cuda`` backend there): fla-core's dots run in TF32, so each tensor may also differ by
+``TF32_SLACK`` (4 TF32 units) x its largest value; a 1% state error still fails.
 
 The ``torch`` backend is the reference itself and is not run against it (it could not fail);
 its ops are tested against independent computations (naive recurrences and transformers'
@@ -81,6 +83,9 @@ KV_LEN = 400
 class Case:
     dtype: torch.dtype
     atol: float  # fp32: atol = rtol; bf16: the fp32 slack added to the rounding budget
+    # fp32 whose dots run in TF32 (fla-core's kernels on a GPU): each tensor may also differ
+    # by TF32_SLACK x its largest value
+    tf32: bool = False
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,9 @@ SMALL = Shapes(gdn=(2, 4, 32, 32), mamba2=(4, 16, 32), attention=(4, 2, 32))
 
 CASES = {"fp32": Case(torch.float32, 2e-4), "bf16": Case(torch.bfloat16, 2e-4)}
 BF16_ROUNDING_FACTOR = 2.0  # x the largest change bf16 rounding of the inputs makes to a tensor
+# TF32 keeps 10 mantissa bits (unit roundoff 2^-11); fla-core's fp32 states came out ~1e-3 of
+# their largest value off on an H200 (2026-12-04): four units leave twice that
+TF32_SLACK = 4 * 2.0**-11
 # the backends under contract: every registered one but the reference itself
 BACKENDS = [name for name in backend_names() if name != "torch"]
 
@@ -428,7 +436,8 @@ def contract_failures(
         if a.shape != b.shape:
             return False
         if tol is None:
-            return torch.allclose(a.float(), b.float(), atol=case.atol, rtol=case.atol)
+            atol = max(case.atol, TF32_SLACK * _max_abs(b)) if case.tf32 else case.atol
+            return torch.allclose(a.float(), b.float(), atol=atol, rtol=case.atol)
         return _max_abs(a.double() - b.double()) <= tol[name, key]
 
     # each op runs once on the backend; every check below reads these outputs and pools
@@ -486,6 +495,14 @@ def contract_failures(
     return failures
 
 
+def _case(case: str, device: str) -> Case:
+    """The case as a backend on ``device`` runs it: fp32 on a GPU is TF32 in fla-core's dots
+    (not emulated by the interpreter, which computes fp32 on the CPU)."""
+    if device == "cuda" and CASES[case].dtype == torch.float32:
+        return dataclasses.replace(CASES[case], tf32=True)
+    return CASES[case]
+
+
 def _runs(name: str) -> tuple[str, str]:
     """Where backend ``name``'s kernels run in this test: its device, and ``interpreted``
     when its Triton kernels run on the CPU under the interpreter (tests/triton)."""
@@ -509,7 +526,9 @@ def _requests(backend, layout: str = "mixed") -> list:
 def _contract(name: str, case: str, shapes: Shapes, layout: str = "mixed") -> list[str]:
     backend = create_backend(name)
     device, _ = _runs(name)
-    return contract_failures(backend, CASES[case], shapes, _requests(backend, layout), device)
+    return contract_failures(
+        backend, _case(case, device), shapes, _requests(backend, layout), device
+    )
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -571,6 +590,32 @@ def test_a_bf16_only_state_error_of_5_percent_fails_the_contract(op: str) -> Non
     assert failures == [f"{name}: ssm_pool differs from the reference" for name in want[op]]
 
 
+class _Fp32StateScale(TorchBackend):
+    """The Gated DeltaNet decode step's fp32 states scaled by ``factor`` after the step."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def gated_delta_step(self, x, conv_pool, ssm_pool, slots, *args):
+        out = gated_delta_decode(x, conv_pool, ssm_pool, slots, *args)
+        ssm_pool[slots] *= self.factor
+        return out
+
+
+def test_the_tf32_slack_still_catches_a_state_error_of_1_percent() -> None:
+    """The GPU's fp32 tolerance (``TF32_SLACK``) passes a 0.05% state error, which the plain
+    fp32 tolerance fails (the slack is in use), and fails 1% and dropped snapshots."""
+    tf32 = dataclasses.replace(CASES["fp32"], tf32=True)
+    small = [f for f in contract_failures(_Fp32StateScale(1.0005), CASES["fp32"]) if "ssm" in f]
+    assert small, "a 0.05% error passes the fp32 tolerance: the slack below is not tested"
+    assert contract_failures(_Fp32StateScale(1.0005), tf32) == []
+    failures = contract_failures(_Fp32StateScale(1.01), tf32)
+    assert "gdn_decode: ssm_pool differs from the reference" in failures, failures
+    failures = contract_failures(_DropsSnapshots(), tf32)
+    assert any("gdn_prefill: snapshot" in f for f in failures), failures
+
+
 class _DropsSnapshots(TorchBackend):
     """Writes final states but loses every snapshot (the bug the contract must catch)."""
 
@@ -627,8 +672,8 @@ def test_a_cuda_backend_fed_the_wrong_state_slot_fails_the_contract() -> None:
             idx.state_slots = idx.state_slots.roll(1)
 
     device, _ = _runs("cuda")
-    failures = contract_failures(WrongSlot(device), CASES["fp32"], SMALL, REQUESTS_STRIDE_64,
-                                 device)  # fmt: skip
+    failures = contract_failures(WrongSlot(device), _case("fp32", device), SMALL,
+                                 REQUESTS_STRIDE_64, device)  # fmt: skip
     assert any(f.startswith("conv_prefill: conv_pool") for f in failures), failures
     assert any(f.startswith("mamba2_prefill: ssm_pool") for f in failures), failures
 
