@@ -97,3 +97,35 @@ def test_engine_seed_makes_unseeded_sampling_repeatable():
     assert first == again
     assert len(set(first)) > 1, "unseeded requests of one engine drew the same seed"
     assert first != other
+
+
+class _ElsewhereGenerator(torch.Generator):
+    """A CPU generator that says it draws on another device ("cpu:0" is not "cpu"): the case
+    of a request's seeded CPU generator beside logits on a GPU, on this machine."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu", 0)
+
+
+def test_rows_drawn_elsewhere_are_moved_in_one_copy_and_sample_the_same():
+    """``sample`` moves the sampled rows whose generators draw on another device in one copy
+    (one read of a GPU per batch, not per row); the tokens and logprobs equal those of the same
+    seeds drawing row by row where the logits are."""
+    from mambaradix.core import SamplingParams
+    from mambaradix.engine import sampler
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    params = [SamplingParams(temperature=t, top_p=0.95) for t in (0.0, 1.5, 1.5, 0.0, 2.0, 1.0)]
+
+    def gens(kind):
+        return [kind().manual_seed(100 + i) for i in range(len(params))]
+
+    moved = sampler._rows_where_drawn(logits, params, gens(_ElsewhereGenerator), None)
+    assert sorted(moved) == [1, 2, 4, 5]  # the sampled rows only
+    assert all(torch.equal(row, logits[i]) for i, row in moved.items())
+    assert sampler._rows_where_drawn(logits, params, gens(torch.Generator), None) == {}
+    want = sampler.sample(logits, params, gens(torch.Generator))
+    got = sampler.sample(logits, params, gens(_ElsewhereGenerator))
+    assert got == want

@@ -9,6 +9,7 @@ import torch
 
 from mambaradix.core import SamplingParams
 from mambaradix.kernels.sampling import Normalizer, argmax_logsumexp, logprobs_of
+from mambaradix.layout import to_device
 
 TopLogprobs = tuple[list[int], list[float]]  # token ids, their logprobs (best first)
 
@@ -41,19 +42,43 @@ def sample(
         constrain(logits)
         greedy, _ = argmax_logsumexp(logits, want_norm=False)
     tokens = greedy.tolist()
+    moved = _rows_where_drawn(logits, params, generators, states)
     for i, p in enumerate(params):
         state = states[i] if states else None
         is_greedy = _greedy(p)
         if state is None:
             if not is_greedy:
-                tokens[i] = _sample_row(logits[i], p, generators[i])
+                tokens[i] = _sample_row(moved.get(i, logits[i]), p, generators[i])
             continue
         row = state(logits[i])
         tokens[i] = int(row.argmax().item()) if is_greedy else _sample_row(row, p, generators[i])
         state.accept(tokens[i])
-    picked = torch.tensor(tokens, dtype=torch.long, device=raw.device)[:, None]
+    picked = to_device(torch.tensor(tokens, dtype=torch.long), raw.device)[:, None]
     chosen = logprobs_of(raw.gather(1, picked), norm)
     return tokens, chosen[:, 0].tolist(), top_logprobs(raw, [p.top_logprobs for p in params], norm)
+
+
+def _rows_where_drawn(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    states: list | None,
+) -> dict[int, torch.Tensor]:
+    """The sampled rows without processing whose generators draw on another device than the
+    logits (a request's seeded CPU generator, the logits on a GPU), moved there in one copy per
+    device: one read of the GPU for the batch instead of one per row. Each row is what
+    ``on_generator_device`` would have moved alone."""
+    want: dict[torch.device, list[int]] = {}
+    for i, (p, gen) in enumerate(zip(params, generators)):
+        if _greedy(p) or (states and states[i] is not None) or gen is None:
+            continue
+        if gen.device != logits.device:
+            want.setdefault(gen.device, []).append(i)
+    out: dict[int, torch.Tensor] = {}
+    for device, rows in want.items():
+        index = to_device(torch.tensor(rows, dtype=torch.long), logits.device)
+        out.update(zip(rows, logits.index_select(0, index).to(device)))
+    return out
 
 
 def deferrable(params: list[SamplingParams]) -> bool:
