@@ -122,10 +122,10 @@ def test_rows_drawn_elsewhere_are_moved_in_one_copy_and_sample_the_same():
     def gens(kind):
         return [kind().manual_seed(100 + i) for i in range(len(params))]
 
-    moved = sampler._rows_where_drawn(logits, params, gens(_ElsewhereGenerator), None)
+    moved = sampler._rows_where_drawn(logits, params, gens(_ElsewhereGenerator))
     assert sorted(moved) == [1, 2, 4, 5]  # the sampled rows only
     assert all(torch.equal(row, logits[i]) for i, row in moved.items())
-    assert sampler._rows_where_drawn(logits, params, gens(torch.Generator), None) == {}
+    assert sampler._rows_where_drawn(logits, params, gens(torch.Generator)) == {}
     want = sampler.sample(logits, params, gens(torch.Generator))
     got = sampler.sample(logits, params, gens(_ElsewhereGenerator))
     assert got == want

@@ -74,8 +74,8 @@ class RequestLogits:
         if self.num_outputs < self.min_tokens and self.stop_ids.numel():
             kept = row[self.stop_ids]
             row[self.stop_ids] = float("-inf")
-            if not torch.isfinite(row).any():  # a grammar that may only end here: it ends
-                row[self.stop_ids] = kept
+            # a grammar that may only end here: it ends (decided where the row is, no read)
+            row[self.stop_ids] = torch.where(torch.isfinite(row).any(), row[self.stop_ids], kept)
         return row
 
     def accept(self, token: int) -> None:

@@ -42,17 +42,23 @@ def sample(
         constrain(logits)
         greedy, _ = argmax_logsumexp(logits, want_norm=False)
     tokens = greedy.tolist()
-    moved = _rows_where_drawn(logits, params, generators, states)
+    # processed rows in place of their raw ones (``logits`` is a copy when there are states):
+    # then the processed greedy rows' tokens come in one read, and every sampled row moves to
+    # where its generator draws in one copy, whatever the batch size
+    owned = [i for i in range(len(params)) if states and states[i] is not None]
+    for i in owned:
+        logits[i] = states[i](logits[i])
+    again = [i for i in owned if _greedy(params[i])]
+    if again:
+        index = to_device(torch.tensor(again, dtype=torch.long), logits.device)
+        for i, t in zip(again, logits.index_select(0, index).argmax(-1).tolist()):
+            tokens[i] = t
+    moved = _rows_where_drawn(logits, params, generators)
     for i, p in enumerate(params):
-        state = states[i] if states else None
-        is_greedy = _greedy(p)
-        if state is None:
-            if not is_greedy:
-                tokens[i] = _sample_row(moved.get(i, logits[i]), p, generators[i])
-            continue
-        row = state(logits[i])
-        tokens[i] = int(row.argmax().item()) if is_greedy else _sample_row(row, p, generators[i])
-        state.accept(tokens[i])
+        if not _greedy(p):
+            tokens[i] = _sample_row(moved.get(i, logits[i]), p, generators[i])
+    for i in owned:
+        states[i].accept(tokens[i])
     picked = to_device(torch.tensor(tokens, dtype=torch.long), raw.device)[:, None]
     chosen = logprobs_of(raw.gather(1, picked), norm)
     return tokens, chosen[:, 0].tolist(), top_logprobs(raw, [p.top_logprobs for p in params], norm)
@@ -62,15 +68,14 @@ def _rows_where_drawn(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-    states: list | None,
 ) -> dict[int, torch.Tensor]:
-    """The sampled rows without processing whose generators draw on another device than the
-    logits (a request's seeded CPU generator, the logits on a GPU), moved there in one copy per
-    device: one read of the GPU for the batch instead of one per row. Each row is what
-    ``on_generator_device`` would have moved alone."""
+    """The sampled rows whose generators draw on another device than the logits (a request's
+    seeded CPU generator, the logits on a GPU), moved there in one copy per device: one read of
+    the GPU for the batch instead of one per row. Each row is what ``on_generator_device``
+    would have moved alone."""
     want: dict[torch.device, list[int]] = {}
     for i, (p, gen) in enumerate(zip(params, generators)):
-        if _greedy(p) or (states and states[i] is not None) or gen is None:
+        if _greedy(p) or gen is None:
             continue
         if gen.device != logits.device:
             want.setdefault(gen.device, []).append(i)
