@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 import torch
 from engine_helpers import fake_engine, rand_tokens
 from fake_model import State, advance, logit_row, v_entries
@@ -129,3 +130,40 @@ def test_rows_drawn_elsewhere_are_moved_in_one_copy_and_sample_the_same():
     want = sampler.sample(logits, params, gens(torch.Generator))
     got = sampler.sample(logits, params, gens(_ElsewhereGenerator))
     assert got == want
+
+
+def test_processed_rows_are_sampled_with_the_others_and_accept_their_own_token():
+    """Rows with logits processing (here a logit bias) are processed before any row is drawn:
+    a processed greedy row's token is its processed row's argmax (not the raw one), a processed
+    sampled row draws from its processed row, moved with the others in one copy, and each
+    state accepts its own row's token."""
+    from mambaradix.core import SamplingParams
+    from mambaradix.engine import sampler
+    from mambaradix.engine.logits_process import RequestLogits
+
+    torch.manual_seed(1)
+    logits = torch.randn(5, 40) * 3
+    raw_best = logits.argmax(-1).tolist()
+    forced = [(b + 7) % 40 for b in raw_best]  # a token each row's raw argmax is not
+    temps = (0.0, 1.0, 0.0, 1.5, 1.0)
+    processed = {0, 1, 3}
+    params = [
+        SamplingParams(temperature=t, logit_bias={forced[i]: 100.0} if i in processed else {})
+        for i, t in enumerate(temps)
+    ]
+
+    def run(kind):
+        states = [
+            RequestLogits(p, [1, 2], 40, [39]) if i in processed else None
+            for i, p in enumerate(params)
+        ]
+        gens = [kind().manual_seed(7 + i) for i in range(len(params))]
+        return sampler.sample(logits, params, gens, states), states
+
+    (tokens, lps, _), states = run(torch.Generator)
+    assert tokens[0] == forced[0] and tokens[2] == raw_best[2]
+    assert tokens[1] == forced[1] and tokens[3] == forced[3]  # drawn from the processed rows
+    assert [s.num_outputs for s in states if s is not None] == [1, 1, 1]
+    assert lps[0] == pytest.approx(torch.log_softmax(logits[0], -1)[forced[0]].item())
+    (moved_tokens, moved_lps, _), _ = run(_ElsewhereGenerator)
+    assert (moved_tokens, moved_lps) == (tokens, lps)

@@ -37,12 +37,14 @@ def sample(
         ids, lps = _greedy_pair(logits, greedy, norm).tolist()
         tops = top_logprobs(logits, [p.top_logprobs for p in params], norm)
         return [int(t) for t in ids], lps, tops
-    raw = logits if constrain is None and not states else logits.clone()  # both may write
+    raw = logits  # the model's distribution; masks and processing write to a copy
+    if constrain is not None or states:
+        logits = logits.clone()
     if constrain is not None:
         constrain(logits)
         greedy, _ = argmax_logsumexp(logits, want_norm=False)
     tokens = greedy.tolist()
-    # processed rows in place of their raw ones (``logits`` is a copy when there are states):
+    # processed rows in place of their raw ones in the copy:
     # then the processed greedy rows' tokens come in one read, and every sampled row moves to
     # where its generator draws in one copy, whatever the batch size
     owned = [i for i in range(len(params)) if states and states[i] is not None]
