@@ -126,8 +126,11 @@ def test_amx_off_gives_the_dot_product_kernels():
     assert (on.float() - off.float()).abs().max() <= on.float().abs().max() * 2**-7
     code = "from mambaradix.kernels import cpu; print(cpu.uses_amx())"
     base = {k: v for k, v in os.environ.items() if k != "MAMBARADIX_AMX"}
-    for env, want in (({}, "True"), ({"MAMBARADIX_AMX": "0"}, "False"),
-                      ({"MAMBARADIX_AMX": "1"}, "True")):
+    for env, want in (
+        ({}, "True"),
+        ({"MAMBARADIX_AMX": "0"}, "False"),
+        ({"MAMBARADIX_AMX": "1"}, "True"),
+    ):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env={**base, **env}, check=True)  # fmt: skip
         assert out.stdout.strip() == want, out

@@ -24,7 +24,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-
 def tiles_built() -> bool:
     """Whether this build has the tile kernel (AVX512-BF16: ``vdpbf16ps``, whose sums it
     reproduces). Without it, 12-127 rows stay with the rows kernel (up to

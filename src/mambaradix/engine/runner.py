@@ -97,7 +97,12 @@ class ModelRunner:
         # speculative decoding's drafts from the model's MTP head, chained before each verify
         self.draft_head = (
             DraftHead(
-                model, kv_pool, state_pool, self.backend, device, token_map,
+                model,
+                kv_pool,
+                state_pool,
+                self.backend,
+                device,
+                token_map,
                 graph_max_bs=decode_graph_max_bs if isinstance(self.graphs, DecodeGraphs) else 0,
             )  # fmt: skip
             if draft_head

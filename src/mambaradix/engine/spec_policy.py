@@ -209,8 +209,8 @@ class AdaptiveDrafts:
         seconds = self.costs.estimate(batch, self._rows(j, drafts, batch))
         if seconds is None:
             return None
-        tokens = batch - len(drafts) + sum(
-            expected_tokens(a, min(j, d)) for a, d in zip(rates, drafts)
+        tokens = (
+            batch - len(drafts) + sum(expected_tokens(a, min(j, d)) for a, d in zip(rates, drafts))
         )
         return tokens / max(seconds, 1e-9)
 

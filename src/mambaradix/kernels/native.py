@@ -255,15 +255,26 @@ for _lib, _name in (
     SIGNATURES[_lib][_name + "_bf16"] = SIGNATURES[_lib][_name]
 SIGNATURES["moe"]["moe_unpad_bf16"] = [*SIGNATURES["moe"]["moe_unpad"], _INT]  # + out is bf16
 # functions that return a value (the others return nothing)
-RESULTS = {"moe_pad": _I64, "moe_pad_bf16": _I64, "linear_uses_dpbf16": _INT,
-           "linear_uses_f32x": _INT, "linear_rows_blocked": _INT, "linear_amx": _INT,
-           "linear_uses_amx": _INT}
+RESULTS = {
+    "moe_pad": _I64,
+    "moe_pad_bf16": _I64,
+    "linear_uses_dpbf16": _INT,
+    "linear_uses_f32x": _INT,
+    "linear_rows_blocked": _INT,
+    "linear_amx": _INT,
+    "linear_uses_amx": _INT,
+}
 RESULTS.update({f"{scan}{v}": _INT for scan in ("mamba2_scan", "gated_delta_scan", "conv1d_prefill")
                 for v in ("", "_bf16")})  # fmt: skip
 # of those, the ones whose value depends on the data (a recorded step that calls one cannot be
 # replayed: Python read what the call returned); linear_uses_dpbf16 describes the build
-DATA_RESULTS = frozenset(RESULTS) - {"linear_uses_dpbf16", "linear_uses_f32x",
-                                     "linear_rows_blocked", "linear_amx", "linear_uses_amx"}
+DATA_RESULTS = frozenset(RESULTS) - {
+    "linear_uses_dpbf16",
+    "linear_uses_f32x",
+    "linear_rows_blocked",
+    "linear_amx",
+    "linear_uses_amx",
+}
 
 
 def cache_dir() -> Path:

@@ -98,9 +98,7 @@ class HybridCausalLM(torch.nn.Module):
             return logits
         return logits, normed if rows is x else self.final_norm(x)
 
-    def project(
-        self, normed: torch.Tensor, head: torch.nn.Module | None = None
-    ) -> torch.Tensor:
+    def project(self, normed: torch.Tensor, head: torch.nn.Module | None = None) -> torch.Tensor:
         """fp32 logits of final-normed hidden states (``lm_head``, or ``head``: some of its
         rows; Granite's scaling)."""
         logits = (head or self.lm_head)(normed).float()
