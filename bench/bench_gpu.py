@@ -90,6 +90,57 @@ def bf16_matmul_rate() -> float:
     return 2 * 8192**3 / best
 
 
+# --------------------------------------------------------------------------- kernels
+
+MAMBA2_SHAPES = {"granite_4_0_h_350m": (24, 64, 1, 128), "nemotron_h_8b": (128, 64, 8, 128)}
+
+
+def mamba2_prefill_forms(out: Path) -> None:
+    """The cuda backend's two Mamba2 prefills (the sequential kernel and the fully parallel
+    one) at real head shapes, bf16 inputs, fp32 pool: one 8k-token segment and 16 of 512; ms
+    each (best of 5), and the form ``prefers_chunked`` picks, to check and tune that rule."""
+    from mambaradix.kernels.triton import mamba2 as m2
+
+    sms = torch.cuda.get_device_properties("cuda").multi_processor_count
+    for name, shape in MAMBA2_SHAPES.items():
+        for lens in ([8192], [512] * 16):
+            ms, num_chunks = _mamba2_forms_ms(shape, lens)
+            picks = m2.prefers_chunked(len(lens), num_chunks, shape[0], shape[1], sms)
+            record(out, name, f"mamba2_{len(lens)}x{lens[0]}", sequential_ms=ms["sequential"],
+                   chunked_ms=ms["chunked"],
+                   picks="chunked" if picks else "sequential")  # fmt: skip
+
+
+def _mamba2_forms_ms(
+    shape: tuple[int, int, int, int], lens: list[int], dev: str = "cuda"
+) -> tuple[dict, int]:
+    from mambaradix.kernels.triton import gdn
+    from mambaradix.kernels.triton import mamba2 as m2
+
+    H, P, G, N = shape
+    T, segs = sum(lens), len(lens)
+    bf16 = dict(device=dev, dtype=torch.bfloat16)
+    x, B, C = (torch.randn(T, *dims, **bf16) for dims in ((H, P), (G, N), (G, N)))
+    dt = torch.rand(T, H, device=dev) * 0.1
+    A, D = -torch.rand(H, device=dev) - 0.1, torch.randn(H, device=dev)
+    pool = torch.zeros(segs, H, P, N, device=dev)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev, dtype=torch.int32)
+    slots = torch.arange(segs, device=dev, dtype=torch.int32)
+    none = torch.empty(0, device=dev, dtype=torch.int32)
+    chunks = gdn.GdnChunks.build(lens, dev)
+    args = (x, dt, A, B, C, D, pool, cu, slots)
+    forms = {
+        "sequential": lambda: m2.mamba2_prefill(*args, none, none, none),
+        "chunked": lambda: m2.mamba2_prefill_chunked(*args, none, none, chunks.indices,
+                                                      chunks.offsets),
+    }  # fmt: skip
+    ms = {}
+    for form, fn in forms.items():
+        fn()  # compiles
+        ms[form] = min(timed(fn) for _ in range(5)) * 1e3
+    return ms, chunks.indices.shape[0]
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 
@@ -325,6 +376,10 @@ def main() -> None:
     deadline = time.perf_counter() + args.budget_s
     limits = {"hbm_read_bytes_s": hbm_read_bandwidth(), "bf16_flops": bf16_matmul_rate()}
     record(out, "machine", "limits", gpu=torch.cuda.get_device_name(), **limits)
+    try:
+        mamba2_prefill_forms(out)
+    except Exception as e:  # reported; the presets still run
+        record(out, "kernels", "error", error=repr(e)[:500])
     for preset in args.presets:
         if time.perf_counter() > deadline:
             record(out, preset, "skipped", reason="time budget")

@@ -354,8 +354,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--context", type=int, default=CONTEXT,
-                    help="prompt tokens before the timed steps (--steps-only, --parts)")
+    ap.add_argument(
+        "--context",
+        type=int,
+        default=CONTEXT,
+        help="prompt tokens before the timed steps (--steps-only, --parts)",
+    )
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--steps-only", action="store_true", help="only the step costs")
     ap.add_argument("--parts", action="store_true",

@@ -70,15 +70,57 @@ def test_engine_outputs_equal_the_reference(small_qwen3_5):
     ref_model = load_model(path)
     prompts = _prompts(ref_model.vocab_size)
     ref, _ = run(ref_model, tok, prompts, REFERENCE, max_new_tokens=3)
-    model = load_model(path, device=DEVICE)
-    for flags in CONFIGS:
+    _assert_equal_to(ref, load_model(path, device=DEVICE), tok, prompts, CONFIGS, chunk=64)
+
+
+def _assert_equal_to(ref, model, tok, prompts, configs, chunk: int) -> None:
+    """Each config on the cuda backend (prefill chunks of ``chunk``): ids and logprobs equal
+    ``ref``'s (the reference's outputs); the cache hits where it is on."""
+    for flags in configs:
         flags = dict(flags, kernel_backend="cuda", device=DEVICE, skip_warmup=True,
-                     chunked_prefill_size=64, disable_overlap_schedule=True)  # fmt: skip
+                     chunked_prefill_size=chunk, disable_overlap_schedule=True)  # fmt: skip
         got, hits = run(model, tok, prompts, flags, max_new_tokens=3)
         ties, worst = compare(ref, got)
         assert ties <= MAX_TIES and worst <= 10 * LOGPROB_ATOL, (flags, ties, worst)
         if not flags.get("disable_radix_cache"):
             assert hits > 0, flags
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["sequential", "chunked"])
+def test_a_mamba2_model_equals_the_reference_with_each_prefill_form(tmp_path, monkeypatch,
+                                                                    chunked):  # fmt: skip
+    """A Granite-4.0-H (Mamba2 and attention layers) on the cuda backend with its Mamba2
+    prefill forced to each form: ids and logprobs equal the reference's, cache off and on.
+    Prefills of up to 192 tokens span several of the chunked form's chunks of 64, and the
+    requests share a 130-token prefix (a snapshot at 128 inside a forward, a hit after it)."""
+    from mambaradix.kernels.cuda_backend import CudaBackend
+    from mambaradix.kernels.triton import mamba2 as triton_mamba2
+
+    path = make_tiny_checkpoint("granite_hybrid", str(tmp_path), num_hidden_layers=2,
+                                layer_types=["mamba", "attention"])  # fmt: skip
+    tok = load_tokenizer(path)
+    ref_model = load_model(path)
+    rng = random.Random(5)
+    shared = [rng.randrange(3, ref_model.vocab_size) for _ in range(130)]
+    prompts = [shared + [rng.randrange(3, ref_model.vocab_size) for _ in range(n)]
+               for n in (40, 3)]  # fmt: skip
+    ref, _ = run(ref_model, tok, prompts, REFERENCE, max_new_tokens=3)
+    calls = {"mamba2_prefill": 0, "mamba2_prefill_chunked": 0}
+
+    def counting(form, fn):
+        def counted(*args):
+            calls[form] += 1
+            return fn(*args)
+
+        return counted
+
+    for form in calls:
+        monkeypatch.setattr(triton_mamba2, form, counting(form, getattr(triton_mamba2, form)))
+    monkeypatch.setattr(CudaBackend, "mamba2_chunked", chunked)
+    model = load_model(path, device=DEVICE)
+    _assert_equal_to(ref, model, tok, prompts, (CONFIGS[0], CONFIGS[2]), chunk=192)
+    used = "mamba2_prefill_chunked" if chunked else "mamba2_prefill"
+    assert calls[used] > 0 and sum(calls.values()) == calls[used], calls
 
 
 @pytest.fixture(scope="module")

@@ -672,10 +672,27 @@ def test_a_cuda_backend_fed_the_wrong_state_slot_fails_the_contract() -> None:
             idx.state_slots = idx.state_slots.roll(1)
 
     device, _ = _runs("cuda")
-    failures = contract_failures(WrongSlot(device), _case("fp32", device), SMALL,
-                                 REQUESTS_STRIDE_64, device)  # fmt: skip
-    assert any(f.startswith("conv_prefill: conv_pool") for f in failures), failures
-    assert any(f.startswith("mamba2_prefill: ssm_pool") for f in failures), failures
+    for chunked in (False, True):  # both forms of the Mamba2 prefill
+        backend = WrongSlot(device)
+        backend.mamba2_chunked = chunked
+        failures = contract_failures(backend, _case("fp32", device), SMALL, REQUESTS_STRIDE_64,
+                                     device)  # fmt: skip
+        assert any(f.startswith("conv_prefill: conv_pool") for f in failures), failures
+        assert any(f.startswith("mamba2_prefill: ssm_pool") for f in failures), failures
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=str)
+def test_the_cuda_backends_chunked_mamba2_prefill_passes_the_contract(case: str) -> None:
+    """The fully parallel Mamba2 prefill (``mamba2_prefill_chunked``), which the backend picks
+    for few long segments (``prefers_chunked``; the contract's own segments take the sequential
+    kernel), forced on every prefill."""
+    from mambaradix.kernels.cuda_backend import CudaBackend
+
+    device, _ = _runs("cuda")
+    backend = CudaBackend(device)
+    backend.mamba2_chunked = True
+    assert contract_failures(backend, _case(case, device), SMALL, REQUESTS_STRIDE_64,
+                             device) == []  # fmt: skip
 
 
 class _LastPositionOnly(TorchBackend):

@@ -39,6 +39,7 @@ from mambaradix.layout import ForwardLayout, to_device
 
 Tensor = torch.Tensor
 CHUNK = 64  # fla-core's chunk: where its prefill kernels keep states
+H200_MULTIPROCESSORS = 132
 
 
 def unavailable_reason() -> str | None:
@@ -134,6 +135,20 @@ class CudaIndex(TorchIndex):
 @register_backend("cuda")
 class CudaBackend(TorchBackend):
     capabilities = BackendCapabilities(snapshot_stride=CHUNK)
+    # the Mamba2 prefill's form: None picks per forward (``mamba2.prefers_chunked``), True the
+    # fully parallel one, False the sequential one (tests and the device benchmark set it)
+    mamba2_chunked: bool | None = None
+    _sm_count: int | None = None
+
+    def _multiprocessors(self) -> int:
+        if self._sm_count is None:
+            dev = torch.device(self.device)
+            self._sm_count = (
+                torch.cuda.get_device_properties(dev).multi_processor_count
+                if dev.type == "cuda"
+                else H200_MULTIPROCESSORS  # interpreted: as on the GPU the project targets
+            )
+        return self._sm_count
 
     @classmethod
     def available(cls) -> bool:
@@ -239,6 +254,17 @@ class CudaBackend(TorchBackend):
         from mambaradix.kernels.triton import mamba2 as triton_mamba2
 
         idx = self._index(layout).prefill
+        chunked = self.mamba2_chunked
+        if chunked is None:  # host integers only: the shapes of this forward's index tensors
+            chunked = triton_mamba2.prefers_chunked(
+                idx.cu_seqlens.shape[0] - 1, idx.gdn_chunks.indices.shape[0], x.shape[1],
+                x.shape[2], self._multiprocessors(),
+            )  # fmt: skip
+        if chunked:
+            return triton_mamba2.mamba2_prefill_chunked(
+                x, dt, A, B, C, D, ssm_pool, idx.cu_seqlens, idx.state_slots, idx.snap_chunks,
+                layout.prefill.snapshot_slots, idx.gdn_chunks.indices, idx.gdn_chunks.offsets,
+            )  # fmt: skip
         return triton_mamba2.mamba2_prefill(
             x, dt, A, B, C, D, ssm_pool, idx.cu_seqlens, idx.state_slots, idx.snap_seqs,
             idx.snap_offsets, idx.snap_slots,
