@@ -681,6 +681,25 @@ def test_a_cuda_backend_fed_the_wrong_state_slot_fails_the_contract() -> None:
         assert any(f.startswith("mamba2_prefill: ssm_pool") for f in failures), failures
 
 
+def test_a_cuda_backend_whose_verify_rows_write_the_wrong_slots_fails_the_contract() -> None:
+    """Negative control for the multi-position decode kernels: each verify row's state goes
+    into its neighbour row's slot (the kernels otherwise unchanged)."""
+    from mambaradix.kernels.cuda_backend import CudaBackend
+
+    class WrongRowSlots(CudaBackend):
+        def prepare(self, layout):
+            super().prepare(layout)
+            idx = layout.meta.decode
+            idx.row_slots = idx.row_slots.roll(1)
+
+    device, _ = _runs("cuda")
+    failures = contract_failures(WrongRowSlots(device), _case("fp32", device), SMALL,
+                                 REQUESTS_VERIFY_STRIDE_64, device)  # fmt: skip
+    for op, pool in (("conv_decode", "conv_pool"), ("gdn_decode", "ssm_pool"),
+                     ("mamba2_decode", "ssm_pool")):  # fmt: skip
+        assert any(f.startswith(f"{op}: {pool}") for f in failures), (op, failures)
+
+
 @pytest.mark.parametrize("case", list(CASES), ids=str)
 def test_the_cuda_backends_chunked_mamba2_prefill_passes_the_contract(case: str) -> None:
     """The fully parallel Mamba2 prefill (``mamba2_prefill_chunked``), which the backend picks

@@ -33,7 +33,7 @@ from mambaradix.kernels.mamba2 import mamba2_step, process_dt, split_xbc
 from mambaradix.kernels.torch_backend import TorchBackend
 from mambaradix.kernels.triton import conv as triton_conv
 from mambaradix.kernels.triton import mamba2 as triton_mamba2
-from mambaradix.layout import ForwardLayout
+from mambaradix.layout import ForwardLayout, VerifyReq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SLOTS = 16
@@ -52,9 +52,12 @@ HALF_ULP = 2.0**-8  # half a bf16 ulp, relative to the value
 
 
 def _layout(requests=REQUESTS) -> ForwardLayout:
+    """One request per tuple (prefix_len, new tokens, snapshots[, True: a verify step])."""
     reqs = [
-        ForwardReq(prefix, [1] * n, torch.arange(prefix + n), slot, list(snaps))
-        for slot, (prefix, n, snaps) in enumerate(requests)
+        (VerifyReq if verify else ForwardReq)(
+            prefix, [1] * n, torch.arange(prefix + n), slot, list(snaps)
+        )
+        for slot, (prefix, n, snaps, *verify) in enumerate(requests)
     ]
     return ForwardLayout.build(reqs)
 
@@ -373,6 +376,51 @@ def test_mamba2_negative_controls() -> None:
     assert not torch.equal(truncated, pool.to(torch.bfloat16))
     wrong_decode = case.decode(slots=case.layout.decode.state_slots.flip(0))
     assert _mamba2_failures(wrong_decode, case.reference(decode=True))
+
+
+# verify steps (a snapshot after each position but the last) beside a one-position decode and
+# a prefill; the second verify also copies its state after its last position
+VERIFY_REQUESTS = [
+    (9, 1, [(1, 12)]),
+    (40, 4, [(1, 10), (2, 11), (3, 13)], True),
+    (20, 3, [(1, 14), (2, 15), (3, 9)], True),
+    (0, 5, []),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype, pool_dtype",
+    [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+     (torch.bfloat16, torch.bfloat16)],
+    ids=["fp32", "bf16-pool", "bf16"],
+)  # fmt: skip
+def test_decodes_of_several_positions_equal_stepping(dtype, pool_dtype) -> None:
+    """A verify step's rows through the conv and Mamba2 decode kernels (one program walking
+    its request's rows) equal the reference's one-position steps taken in order, with every
+    position's state in its slot; with a bf16 pool under fp32 activations each position reads
+    what the one before stored, so the conv's pools are bit-equal there too."""
+    from mambaradix.kernels.cuda_backend import CudaBackend
+
+    conv = ConvCase(dtype, pool_dtype=pool_dtype, requests=VERIFY_REQUESTS)
+    pool, w, b, x = _dev(conv.pool.clone(), conv.weight, conv.bias, conv.x_dec)
+    y = CudaBackend(DEVICE).conv1d_decode(x, w, b, pool, conv.layout, "silu")
+    want_y, want_pool = conv.reference(decode=True)
+    assert torch.equal(pool.cpu(), want_pool)
+    if dtype == torch.float32:
+        assert torch.allclose(y.cpu(), want_y, atol=1e-5, rtol=1e-5)
+    else:  # rounded once (the reference rounds twice), as test_conv_decode
+        assert not _half_ulp_off(y.cpu(), conv.reference(decode=True, upcast=True)[0])
+    case = Mamba2Case(dtype=dtype, pool_dtype=pool_dtype, requests=VERIFY_REQUESTS)
+    x, B, C, dt = _dev(*case.inputs[1])
+    pool, A, D = _dev(case.pool.clone(), case.A, case.D)
+    y = CudaBackend(DEVICE).mamba2_decode(x, dt, A, B, C, D, pool, case.layout)
+    got = (y.cpu(), pool.cpu())
+    if pool_dtype == torch.float32:
+        assert _mamba2_failures(got, case.reference(decode=True)) == []
+    else:  # states rounded to bf16 at every position: 1 ulp
+        want_y, want_pool = case.reference(decode=True)
+        assert torch.allclose(got[0], want_y, atol=1e-4, rtol=1e-3)
+        assert _differing_slots(got[1], want_pool, 1e-6, 2.0**-7) == []
 
 
 # --------------------------------------------------------------------------- chunked prefill

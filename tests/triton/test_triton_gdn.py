@@ -297,6 +297,87 @@ def test_decode_refuses_a_pool_with_strided_rows():
         gdn.gdn_decode(q, q, v, g, g, pool, torch.zeros(1, dtype=torch.long, device=DEVICE))
 
 
+# ---------------------------------------------------------------------------- several positions
+
+
+def _positions_case(dtype, pool_dtype, widths=(1, 3, 2), hk=1, hv=2, dk=32, dv=32, seed=2):
+    """Requests of ``widths`` positions (a verify step): the state after each row but a
+    request's last goes into a snapshot slot of its own, after its last into its working slot."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randn(12, hv, dk, dv, generator=gen).to(pool_dtype)
+    order = torch.randperm(12, generator=gen).tolist()
+    slots, spare = order[: len(widths)], order[len(widths) :]
+    cu, row_slots = [0], []
+    for slot, w in zip(slots, widths):
+        cu.append(cu[-1] + w)
+        row_slots += [spare.pop() for _ in range(w - 1)] + [slot]
+    T = cu[-1]
+    rows = (
+        torch.randn(T, hk, dk, generator=gen).to(dtype),
+        torch.randn(T, hk, dk, generator=gen).to(dtype),
+        torch.randn(T, hv, dv, generator=gen).to(dtype),
+        F.logsigmoid(1.5 * torch.randn(T, hv, generator=gen) + 4.0),
+        torch.sigmoid(torch.randn(T, hv, generator=gen)).to(dtype),
+    )
+    return pool, torch.tensor(slots), torch.tensor(cu), torch.tensor(row_slots), rows
+
+
+def _positions_reference(pool, slots, cu, row_slots, rows):
+    """Position after position, each reading the state the one before stored (in the pool's
+    dtype), as the one-position decode steps do."""
+    want, outs = pool.clone(), torch.empty(rows[2].shape)
+    for i, slot in enumerate(slots.tolist()):
+        src = slot
+        for r in range(cu[i], cu[i + 1]):
+            q, k, v, g, beta = (t[r : r + 1].float() for t in rows)
+            o, new = reference.recurrent_gated_delta_step(q, k, v, g, beta, want[src : src + 1])
+            outs[r] = o[0]
+            src = int(row_slots[r])
+            want[src] = new[0].to(pool.dtype)
+    return outs, want
+
+
+def _positions(pool, slots, cu, row_slots, rows):
+    dev_pool = pool.to(DEVICE, copy=True)
+    index = (t.to(DEVICE, torch.int32) for t in (slots, cu, row_slots))
+    o = gdn.gdn_decode_positions(*(t.to(DEVICE) for t in rows), dev_pool, *index)
+    return o.cpu(), dev_pool.cpu()
+
+
+@pytest.mark.parametrize("dtype,pool_dtype", DTYPES, ids=["fp32", "bf16-act", "bf16-pool"])
+def test_decode_of_several_positions_matches_stepping(dtype, pool_dtype):
+    """A verify step's rows through the multi-position kernel equal the one-position steps
+    taken in order: outputs, every row's state in its slot, no other slot touched."""
+    pool, slots, cu, row_slots, rows = _positions_case(dtype, pool_dtype)
+    (o, got), (want_o, want) = (
+        _positions(pool, slots, cu, row_slots, rows),
+        _positions_reference(pool, slots, cu, row_slots, rows),
+    )
+    assert o.dtype == dtype and (o.float() - want_o).abs().max() <= _tol(want_o, dtype)
+    state_dtype = torch.bfloat16 if torch.bfloat16 in (dtype, pool_dtype) else torch.float32
+    touched = set(row_slots.tolist())
+    for s in range(pool.shape[0]):
+        if s in touched:
+            assert (got[s].float() - want[s].float()).abs().max() <= _tol(
+                want[s].float(), state_dtype
+            ), s
+        else:
+            assert torch.equal(got[s], pool[s]), s
+
+
+def test_decode_of_several_positions_negative_controls():
+    """Rows' slots shifted among a request's rows, or states carried in from the wrong slots,
+    fail the checks above."""
+    pool, slots, cu, row_slots, rows = _positions_case(torch.float32, torch.float32)
+    want_o, want = _positions_reference(pool, slots, cu, row_slots, rows)
+    o, _ = _positions(pool, slots.roll(1), cu, row_slots, rows)
+    assert (o - want_o).abs().max() > 1e-2
+    swapped = row_slots.clone()
+    swapped[[1, 2]] = swapped[[2, 1]]  # the second request's two snapshot slots swapped
+    _, got = _positions(pool, slots, cu, swapped, rows)
+    assert not torch.allclose(got[int(row_slots[1])], want[int(row_slots[1])], atol=1e-3)
+
+
 # ---------------------------------------------------------------------------- GPU / real size
 
 

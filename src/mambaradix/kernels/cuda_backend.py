@@ -15,9 +15,11 @@ Snapshots inside a prefill come from the chunked kernels' chunk-boundary states,
 ``capabilities.snapshot_stride`` is their chunk (64): the planner ends a forward where a wanted
 snapshot falls between chunk boundaries.
 
-Decodes of several positions (a verify step) run the one-position decode kernels position after
-position (the reference's ``_stepwise``: a pool copy before each position, in torch); the
-decode attention takes them as one query row per position.
+Decodes of several positions (a verify step) run in the decode kernels too: a program walks its
+request's rows, storing the state after each into that row's slot (``DecodeIndex.cu`` /
+``row_slots``), each position starting from the state the one before stored, as one-position
+steps would; no per-position index is built on the host. The decode attention takes them as one
+query row per position.
 
 On a machine without a GPU the same kernels run on CPU tensors under ``TRITON_INTERPRET=1``
 (the tests: ``tests/triton``); ``available()`` says so.
@@ -80,6 +82,8 @@ class DecodeIndex:
     state_slots: Tensor  # int32 [D] (one per decode request)
     kv_table: Tensor | None  # int32 [Td, L]
     seq_lens: Tensor  # int32 [Td]
+    cu: Tensor | None  # int32 [D+1]: each request's first row (a verify step's), else None
+    row_slots: Tensor | None  # int32 [Td]: the slot of the state after each row, else None
 
 
 class CudaIndex(TorchIndex):
@@ -129,6 +133,8 @@ class CudaIndex(TorchIndex):
                 state_slots=dec.state_slots.to(torch.int32),
                 kv_table=None if dec.kv_table is None else dec.kv_table.to(torch.int32),
                 seq_lens=dec.seq_lens.to(torch.int32),
+                cu=None if dec.cu is None else dec.cu.to(torch.int32),
+                row_slots=None if dec.row_slots is None else dec.row_slots.to(torch.int32),
             )
 
 
@@ -203,10 +209,9 @@ class CudaBackend(TorchBackend):
     def conv1d_decode(self, x, weight, bias, conv_pool, layout, activation) -> Tensor:
         from mambaradix.kernels.triton import conv
 
-        if layout.decode.multi:  # this op position after position
-            return super().conv1d_decode(x, weight, bias, conv_pool, layout, activation)
         idx = self._index(layout).decode
-        y = conv.conv1d_decode(x, weight, bias, conv_pool, idx.state_slots, activation)
+        y = conv.conv1d_decode(x, weight, bias, conv_pool, idx.state_slots, activation, idx.cu,
+                               idx.row_slots)  # fmt: skip
         _copy_decode_snapshots(conv_pool, layout.decode)
         return y
 
@@ -223,25 +228,23 @@ class CudaBackend(TorchBackend):
 
     def gdn_decode(self, x, a, b, conv_pool, ssm_pool, layout, conv_weight, conv_bias, A_log,
                    dt_bias, num_k_heads, activation, norm=None) -> Tensor:  # fmt: skip
-        """The conv step, the gates, fla-core's delta step on the pool, the output norm."""
+        """The conv step, the gates, the delta step on the pool (fla-core's; a verify step's
+        positions in this project's kernel), the output norm."""
         from mambaradix.kernels.triton import conv, gdn
 
-        if layout.decode.multi:  # this op position after position
-            return super().gdn_decode(
-                x, a, b, conv_pool, ssm_pool, layout, conv_weight, conv_bias, A_log, dt_bias,
-                num_k_heads, activation, norm,
-            )  # fmt: skip
         dec, idx = layout.decode, self._index(layout).decode
         hv, dk, dv = ssm_pool.shape[1:]
         n = x.shape[0]
         mixed = conv.conv1d_decode(x, conv_weight, conv_bias, conv_pool, idx.state_slots,
-                                   activation)  # fmt: skip
+                                   activation, idx.cu, idx.row_slots)  # fmt: skip
         q, k, v = torch.split(mixed, [num_k_heads * dk, num_k_heads * dk, hv * dv], dim=-1)
         g, beta = gated_delta.gdn_gates(a, b, A_log, dt_bias)
-        out = gdn.gdn_decode(
-            q.reshape(n, num_k_heads, dk), k.reshape(n, num_k_heads, dk), v.reshape(n, hv, dv),
-            g, beta, ssm_pool, idx.state_slots,
-        )  # fmt: skip
+        q, k, v = q.reshape(n, num_k_heads, dk), k.reshape(n, num_k_heads, dk), v.reshape(n, hv, dv)
+        if dec.multi:
+            out = gdn.gdn_decode_positions(q, k, v, g, beta, ssm_pool, idx.state_slots, idx.cu,
+                                           idx.row_slots)  # fmt: skip
+        else:
+            out = gdn.gdn_decode(q, k, v, g, beta, ssm_pool, idx.state_slots)
         for pool in (conv_pool, ssm_pool):
             _copy_decode_snapshots(pool, dec)
         if norm is None:
@@ -273,10 +276,9 @@ class CudaBackend(TorchBackend):
     def mamba2_decode(self, x, dt, A, B, C, D, ssm_pool, layout) -> Tensor:
         from mambaradix.kernels.triton import mamba2 as triton_mamba2
 
-        if layout.decode.multi:  # this op position after position
-            return super().mamba2_decode(x, dt, A, B, C, D, ssm_pool, layout)
         idx = self._index(layout).decode
-        y = triton_mamba2.mamba2_decode(x, dt, A, B, C, D, ssm_pool, idx.state_slots)
+        y = triton_mamba2.mamba2_decode(x, dt, A, B, C, D, ssm_pool, idx.state_slots, idx.cu,
+                                        idx.row_slots)  # fmt: skip
         _copy_decode_snapshots(ssm_pool, layout.decode)
         return y
 

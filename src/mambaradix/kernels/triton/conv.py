@@ -141,42 +141,87 @@ def _conv_states_kernel(
 
 
 @triton.jit
+def request_rows(cu_ptr, req, MULTI: tl.constexpr):
+    """A decode request's rows ``[first, end)``: its own row, or (``MULTI``: decodes of several
+    positions) ``cu[req]:cu[req + 1]``."""
+    if MULTI:
+        first = tl.load(cu_ptr + req)
+        end = tl.load(cu_ptr + req + 1)
+    else:
+        first = req
+        end = req + 1
+    return first, end
+
+
+@triton.jit
+def row_slot(row_slots_ptr, row, slot, MULTI: tl.constexpr):
+    """The pool slot of the state after decode row ``row`` (int64): its request's ``slot``, or
+    (``MULTI``) ``row_slots[row]``."""
+    if MULTI:
+        dst = tl.load(row_slots_ptr + row).to(tl.int64)
+    else:
+        dst = slot
+    return dst
+
+
+@triton.jit
 def _conv_decode_kernel(
-    x_ptr, w_ptr, bias_ptr, pool_ptr, out_ptr, slots_ptr, channels,
+    x_ptr, w_ptr, bias_ptr, pool_ptr, out_ptr, slots_ptr, cu_ptr, row_slots_ptr, channels,
     sx_b, sx_c, sw_c, sw_k, sp_s, sp_c, sp_k, so_b, so_c,
     K: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    BLOCK_C: tl.constexpr, MULTI: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
+    req = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = c < channels
-    slot = tl.load(slots_ptr + b).to(tl.int64)
+    slot = tl.load(slots_ptr + req).to(tl.int64)
     x_ty = x_ptr.dtype.element_ty
     k = tl.arange(0, KW)
     state_ptrs = pool_ptr + slot * sp_s + c[:, None] * sp_c
-    xv = tl.load(x_ptr + b * sx_b + c * sx_c, mask=c_mask, other=0.0).to(tl.float32)
-    # the window [state | x]: column k < K-1 from the state, column K-1 the new input
-    state_mask = c_mask[:, None] & (k < K - 1)[None, :]
-    sv = tl.load(state_ptrs + k[None, :] * sp_k, mask=state_mask, other=0.0)
-    sv = sv.to(tl.float32).to(x_ty).to(tl.float32)
-    window = tl.where((k == K - 1)[None, :], xv[:, None], sv)  # padding columns: 0 (w = 0 too)
     w = tl.load(
         w_ptr + c[:, None] * sw_c + k[None, :] * sw_k,
         mask=c_mask[:, None] & (k < K)[None, :], other=0.0,
     )  # fmt: skip
-    acc = tl.sum(window * w.to(tl.float32).to(x_ty).to(tl.float32), axis=1)
-    acc = tl.sum(_finish(acc[None, :], bias_ptr, c, c_mask, HAS_BIAS, SILU), axis=0)
-    tl.store(out_ptr + b * so_b + c * so_c, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
-    # new state column i = window column i + 1 (the state shifted, the input last)
-    shifted = tl.load(
-        state_ptrs + (k + 1)[None, :] * sp_k, mask=c_mask[:, None] & (k < K - 2)[None, :],
-        other=0.0,
-    )  # fmt: skip
-    new = tl.where(
-        (k == K - 2)[None, :], xv[:, None], shifted.to(tl.float32).to(x_ty).to(tl.float32)
-    )
-    tl.debug_barrier()  # every thread has read the old state before any overwrites it
-    tl.store(state_ptrs + k[None, :] * sp_k, new.to(pool_ptr.dtype.element_ty), mask=state_mask)
+    w = w.to(tl.float32).to(x_ty).to(tl.float32)
+    # rows: one per request, or (MULTI: a verify step's) rows cu[req]:cu[req + 1]; row j of a
+    # request reads the sequence [its carried-in state (K-1 columns) | its rows' inputs] at
+    # j .. j+K-1, and the state after it is that sequence at j+1 .. j+K-1
+    first, end = request_rows(cu_ptr, req, MULTI)
+    b = first
+    while b < end:
+        window = _conv_sequence(x_ptr, state_ptrs, c, c_mask, b - first, first, b, sx_b, sx_c,
+                                sp_k, pool_ptr, K, KW, K)  # fmt: skip
+        acc = tl.sum(window * w, axis=1)
+        acc = tl.sum(_finish(acc[None, :], bias_ptr, c, c_mask, HAS_BIAS, SILU), axis=0)
+        tl.store(out_ptr + b * so_b + c * so_c, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
+        new = _conv_sequence(x_ptr, state_ptrs, c, c_mask, b - first + 1, first, b, sx_b, sx_c,
+                             sp_k, pool_ptr, K, KW, K - 1)  # fmt: skip
+        dst = pool_ptr + row_slot(row_slots_ptr, b, slot, MULTI) * sp_s + c[:, None] * sp_c
+        tl.debug_barrier()  # every thread has read the state before any overwrites it
+        state_mask = c_mask[:, None] & (k < K - 1)[None, :]
+        tl.store(dst + k[None, :] * sp_k, new.to(pool_ptr.dtype.element_ty), mask=state_mask)
+        b += 1
+
+
+@triton.jit
+def _conv_sequence(x_ptr, state_ptrs, c, c_mask, j, first, current, sx_b, sx_c, sp_k, pool_ptr,
+                   K: tl.constexpr, KW: tl.constexpr, COLS: tl.constexpr):  # fmt: skip
+    """``[BLOCK_C, KW]`` fp32: columns ``j .. j+COLS-1`` of a request's sequence [carried-in
+    state (K-1 columns, rounded to the activations' dtype) | its rows' inputs from row
+    ``first``] as row ``current`` reads it, 0 in the columns past them."""
+    k = tl.arange(0, KW)
+    i = j + k
+    from_state = (i < K - 1)[None, :]
+    used = c_mask[:, None] & (k < COLS)[None, :]
+    sv = tl.load(state_ptrs + i[None, :] * sp_k, mask=used & from_state, other=0.0)
+    rows = (first + tl.maximum(i - (K - 1), 0)).to(tl.int64)
+    xv = tl.load(x_ptr + rows[None, :] * sx_b + c[:, None] * sx_c, mask=used & ~from_state,
+                 other=0.0)  # fmt: skip
+    x_ty = x_ptr.dtype.element_ty
+    # an earlier row's input reached this row through a stored state: in the pool's dtype
+    stored = xv.to(pool_ptr.dtype.element_ty).to(x_ty)
+    xv = tl.where((rows < current)[None, :], stored, xv).to(tl.float32)
+    return tl.where(from_state, sv.to(tl.float32).to(x_ty).to(tl.float32), xv)
 
 
 def _activation_is_silu(activation: str | None) -> bool:
@@ -247,20 +292,28 @@ def conv1d_decode(
     conv_pool: torch.Tensor,
     state_slots: torch.Tensor,
     activation: str | None,
+    cu: torch.Tensor | None = None,
+    row_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One step per request: ``x [B, C]`` (any strides), request ``i``'s state
-    ``conv_pool[state_slots[i]]`` updated in place (slots distinct). Returns ``[B, C]`` in x's
-    dtype. Decode snapshots are the caller's copy of the updated slots afterwards."""
+    ``conv_pool[state_slots[i]]`` updated in place (slots distinct). With ``cu`` and
+    ``row_slots`` (a verify step's decodes of several positions), request ``i`` is rows
+    ``cu[i]:cu[i + 1]`` and the state after row ``r`` goes into ``row_slots[r]`` (its working
+    slot after its last row), each position reading what the one before stored, as
+    one-position steps would. Returns ``[rows, C]`` in x's dtype. Decode snapshots no row
+    writes are the caller's copy afterwards."""
     K = _check_width(weight, conv_pool)
     silu = _activation_is_silu(activation)
-    batch, channels = x.shape
-    out = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
-    if batch == 0:
+    rows, channels = x.shape
+    out = torch.empty((rows, channels), dtype=x.dtype, device=x.device)
+    if rows == 0:
         return out
-    _conv_decode_kernel[(batch, triton.cdiv(channels, BLOCK_C))](
-        x, weight, bias if bias is not None else x, conv_pool, out, state_slots, channels,
+    multi = cu is not None
+    _conv_decode_kernel[(state_slots.shape[0], triton.cdiv(channels, BLOCK_C))](
+        x, weight, bias if bias is not None else x, conv_pool, out, state_slots,
+        cu if multi else state_slots, row_slots if multi else state_slots, channels,
         *x.stride(), *weight.stride(), *conv_pool.stride(), *out.stride(),
         K=K, KW=triton.next_power_of_2(K), HAS_BIAS=bias is not None, SILU=silu,
-        BLOCK_C=BLOCK_C,
+        BLOCK_C=BLOCK_C, MULTI=multi,
     )  # fmt: skip
     return out

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 from fla.modules.norm.l2norm import l2norm_fwd
 from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64
 from fla.ops.common.chunk_o import chunk_fwd_o
@@ -54,6 +55,7 @@ from torch import Tensor
 from mambaradix.layout import to_device
 
 CHUNK_SIZE = 64  # fla's chunk: snapshots inside a prefill fall on multiples of it
+DECODE_BLOCK_V = 32  # values of Dv per program of the multi-position decode
 
 
 def _num_chunks(n: int) -> int:
@@ -229,3 +231,82 @@ def gdn_decode(
         use_qk_l2norm_in_kernel=True,
     )
     return o[:, 0]
+
+
+# --------------------------------------------------------------------------- several positions
+
+
+@triton.jit
+def _gdn_positions_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, slots_ptr, cu_ptr, row_slots_ptr,
+    sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, sg_t, sg_h, sb_t, sb_h,
+    so_t, so_h, so_d, sp_s, sp_h, sp_k, sp_v,
+    HEADS_PER_KEY: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    req, h = tl.program_id(0), tl.program_id(1)
+    hk = h // HEADS_PER_KEY
+    kk = tl.arange(0, BLOCK_K)
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_mask, v_mask = kk < DK, vv < DV
+    mask = k_mask[:, None] & v_mask[None, :]
+    tile = h * sp_h + kk[:, None] * sp_k + vv[None, :] * sp_v
+    s = tl.load(pool_ptr + tl.load(slots_ptr + req).to(tl.int64) * sp_s + tile, mask=mask,
+                other=0.0).to(tl.float32)  # fmt: skip
+    r = tl.load(cu_ptr + req)
+    end = tl.load(cu_ptr + req + 1)
+    while r < end:
+        r64 = r.to(tl.int64)
+        q = tl.load(q_ptr + r64 * sq_t + hk * sq_h + kk * sq_d, mask=k_mask, other=0.0)
+        k = tl.load(k_ptr + r64 * sk_t + hk * sk_h + kk * sk_d, mask=k_mask, other=0.0)
+        q, k = q.to(tl.float32), k.to(tl.float32)
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * (DK**-0.5)
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        v = tl.load(v_ptr + r64 * sv_t + h * sv_h + vv * sv_d, mask=v_mask, other=0.0)
+        g = tl.load(g_ptr + r64 * sg_t + h * sg_h).to(tl.float32)
+        beta = tl.load(beta_ptr + r64 * sb_t + h * sb_h).to(tl.float32)
+        s = s * tl.exp(g)
+        delta = (v.to(tl.float32) - tl.sum(s * k[:, None], axis=0)) * beta
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(o_ptr + r64 * so_t + h * so_h + vv * so_d, o.to(o_ptr.dtype.element_ty),
+                 mask=v_mask)  # fmt: skip
+        dst = pool_ptr + tl.load(row_slots_ptr + r).to(tl.int64) * sp_s
+        s = s.to(pool_ptr.dtype.element_ty)
+        tl.store(dst + tile, s, mask=mask)
+        s = s.to(tl.float32)  # the next position starts from the stored state, as a step would
+        r += 1
+
+
+def gdn_decode_positions(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    ssm_pool: Tensor,
+    state_slots: Tensor,
+    cu: Tensor,
+    row_slots: Tensor,
+) -> Tensor:
+    """The delta rule over decodes of several positions (a verify step), this project's kernel
+    (fla-core 0.6.0's recurrent kernels write only a sequence's last state): request ``i`` is
+    rows ``cu[i]:cu[i + 1]``, starts from ``ssm_pool[state_slots[i]]`` and writes the state
+    after row ``r`` into ``ssm_pool[row_slots[r]]`` (its working slot after its last row). A
+    program per (request, value head, block of Dv) keeps its state in registers across the
+    request's rows. q, k ``[T, Hk, Dk]`` (not normalised); v ``[T, Hv, Dv]``; g, beta ``[T,
+    Hv]``. Returns o ``[T, Hv, Dv]`` in v's dtype."""
+    T, HV, DV = v.shape
+    HK, DK = k.shape[1], k.shape[2]
+    o = torch.empty_like(v)
+    requests = state_slots.shape[0]
+    if T == 0 or requests == 0:
+        return o
+    block_v = min(DECODE_BLOCK_V, triton.next_power_of_2(DV))
+    _gdn_positions_kernel[(requests, HV, triton.cdiv(DV, block_v))](
+        q, k, v, g, beta, o, ssm_pool, state_slots, cu, row_slots,
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *o.stride(),
+        *ssm_pool.stride(), HEADS_PER_KEY=HV // HK, DK=DK, DV=DV,
+        BLOCK_K=triton.next_power_of_2(DK), BLOCK_V=block_v,
+    )  # fmt: skip
+    return o

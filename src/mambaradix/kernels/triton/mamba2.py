@@ -43,7 +43,8 @@ off); ``C B^T`` of bf16 inputs uses one TF32 pass, exact for bf16 values. The in
 not emulate TF32, so only a GPU run checks these choices.
 
 Decode: one program per (request, head, block of 32 values of P) updates its ``[32, N]`` state
-tile in place.
+tile in place; a verify step's request walks its rows in the same program, storing the state
+after each into that row's slot.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from mambaradix.kernels.triton.conv import request_rows, row_slot
 
 CHUNK = 32  # tokens per chunk of the prefill scan
 PREFILL_BLOCK_P = 16
@@ -163,32 +166,41 @@ def _mamba2_prefill_kernel(
 
 @triton.jit
 def _mamba2_decode_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, pool_ptr, y_ptr, slots_ptr,
-    sx_b, sx_h, sx_p, sdt_b, sdt_h, sb_b, sb_g, sb_n, sc_b, sc_g, sc_n,
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, pool_ptr, y_ptr, slots_ptr, cu_ptr,
+    row_slots_ptr, sx_b, sx_h, sx_p, sdt_b, sdt_h, sb_b, sb_g, sb_n, sc_b, sc_g, sc_n,
     sp_s, sp_h, sp_p, sp_n, sy_b, sy_h, sy_p,
     HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr, HAS_D: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, MULTI: tl.constexpr,
 ):  # fmt: skip
-    b, h = tl.program_id(0), tl.program_id(1)
+    req, h = tl.program_id(0), tl.program_id(1)
     g = h // HEADS_PER_GROUP
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
     p_mask, n_mask = p < P, n < N
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    state_ptrs = pool_ptr + slot * sp_s + h * sp_h + p[:, None] * sp_p + n[None, :] * sp_n
+    slot = tl.load(slots_ptr + req).to(tl.int64)
+    tile = h * sp_h + p[:, None] * sp_p + n[None, :] * sp_n
     state_mask = p_mask[:, None] & n_mask[None, :]
-    state = tl.load(state_ptrs, mask=state_mask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + b * sx_b + h * sx_h + p * sx_p, mask=p_mask, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + b * sdt_b + h * sdt_h).to(tl.float32)
-    Bv = tl.load(B_ptr + b * sb_b + g * sb_g + n * sb_n, mask=n_mask, other=0.0).to(tl.float32)
-    Cv = tl.load(C_ptr + b * sc_b + g * sc_g + n * sc_n, mask=n_mask, other=0.0).to(tl.float32)
-    decay = tl.exp(dt * tl.load(A_ptr + h).to(tl.float32))
-    state = state * decay + (x * dt)[:, None] * Bv[None, :]
-    y = tl.sum(state * Cv[None, :], axis=1)
-    if HAS_D:
-        y += x * tl.load(D_ptr + h).to(tl.float32)
-    tl.store(y_ptr + b * sy_b + h * sy_h + p * sy_p, y, mask=p_mask)
-    tl.store(state_ptrs, state.to(pool_ptr.dtype.element_ty), mask=state_mask)
+    state = tl.load(pool_ptr + slot * sp_s + tile, mask=state_mask, other=0.0).to(tl.float32)
+    a_h = tl.load(A_ptr + h).to(tl.float32)
+    # rows: one per request, or (MULTI: a verify step's) rows cu[req]:cu[req + 1], the state
+    # after each into its row's slot (the working slot after the last)
+    b, end = request_rows(cu_ptr, req, MULTI)
+    while b < end:
+        x = tl.load(x_ptr + b * sx_b + h * sx_h + p * sx_p, mask=p_mask, other=0.0)
+        x = x.to(tl.float32)
+        dt = tl.load(dt_ptr + b * sdt_b + h * sdt_h).to(tl.float32)
+        Bv = tl.load(B_ptr + b * sb_b + g * sb_g + n * sb_n, mask=n_mask, other=0.0)
+        Cv = tl.load(C_ptr + b * sc_b + g * sc_g + n * sc_n, mask=n_mask, other=0.0)
+        state = state * tl.exp(dt * a_h) + (x * dt)[:, None] * Bv.to(tl.float32)[None, :]
+        y = tl.sum(state * Cv.to(tl.float32)[None, :], axis=1)
+        if HAS_D:
+            y += x * tl.load(D_ptr + h).to(tl.float32)
+        tl.store(y_ptr + b * sy_b + h * sy_h + p * sy_p, y, mask=p_mask)
+        dst = pool_ptr + row_slot(row_slots_ptr, b, slot, MULTI) * sp_s
+        state = state.to(pool_ptr.dtype.element_ty)
+        tl.store(dst + tile, state, mask=state_mask)
+        state = state.to(tl.float32)  # the next position starts from the stored state
+        b += 1
 
 
 # --------------------------------------------------------------------------- chunked prefill
@@ -446,20 +458,28 @@ def mamba2_decode(
     D: torch.Tensor | None,
     ssm_pool: torch.Tensor,
     state_slots: torch.Tensor,
+    cu: torch.Tensor | None = None,
+    row_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One step per request: ``x [B, H, P]``, ``dt [B, H]``, ``B, C [B, G, N]`` (any strides);
     request ``i``'s state ``ssm_pool[state_slots[i]]`` updated in place (slots distinct).
-    Returns ``y [B, H, P]`` in fp32. Decode snapshots are the caller's copy afterwards."""
+    With ``cu`` and ``row_slots`` (a verify step's decodes of several positions), request ``i``
+    is rows ``cu[i]:cu[i + 1]`` and the state after row ``r`` goes into ``row_slots[r]`` (its
+    working slot after its last row), each position starting from the state the one before
+    stored, in the pool's dtype, as one-position steps would. Returns ``y [rows, H, P]`` in
+    fp32. Decode snapshots no row writes are the caller's copy afterwards."""
     H, P, G, N = _shapes(x, B, ssm_pool)
-    batch = x.shape[0]
-    y = torch.empty((batch, H, P), dtype=torch.float32, device=x.device)
-    if batch == 0:
+    rows, requests = x.shape[0], state_slots.shape[0]
+    y = torch.empty((rows, H, P), dtype=torch.float32, device=x.device)
+    if rows == 0:
         return y
+    multi = cu is not None
     block_p = min(DECODE_BLOCK_P, triton.next_power_of_2(P))
-    _mamba2_decode_kernel[(batch, H, triton.cdiv(P, block_p))](
+    _mamba2_decode_kernel[(requests, H, triton.cdiv(P, block_p))](
         x, dt, A, B, C, D if D is not None else A, ssm_pool, y, state_slots,
+        cu if multi else state_slots, row_slots if multi else state_slots,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *ssm_pool.stride(), *y.stride(),
         HEADS_PER_GROUP=H // G, P=P, N=N, HAS_D=D is not None, BLOCK_P=block_p,
-        BLOCK_N=triton.next_power_of_2(N),
+        BLOCK_N=triton.next_power_of_2(N), MULTI=multi,
     )  # fmt: skip
     return y
