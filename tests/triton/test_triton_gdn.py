@@ -443,3 +443,7 @@ def test_real_head_shapes(dtype):
     got = _decode(d_pool, d_slots, steps_in)
     want = _decode_reference(d_pool, d_slots, steps_in)
     assert _decode_problems(got, want, d_slots, dtype, torch.float32) == []
+    verify = _positions_case(dtype, torch.float32, hk=2, hv=4, dk=128, dv=128)
+    (o, got), (want_o, want) = _positions(*verify), _positions_reference(*verify)
+    assert (o.float() - want_o).abs().max() <= _tol(want_o, dtype)
+    assert (got.float() - want.float()).abs().max() <= _tol(want.float(), dtype)

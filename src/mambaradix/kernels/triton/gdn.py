@@ -240,7 +240,7 @@ def gdn_decode(
 def _gdn_positions_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, pool_ptr, slots_ptr, cu_ptr, row_slots_ptr,
     sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, sg_t, sg_h, sb_t, sb_h,
-    so_t, so_h, so_d, sp_s, sp_h, sp_k, sp_v,
+    so_t, so_h, so_d, sp_s, sp_h, sp_k, sp_v, scale,
     HEADS_PER_KEY: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):  # fmt: skip
@@ -260,7 +260,7 @@ def _gdn_positions_kernel(
         q = tl.load(q_ptr + r64 * sq_t + hk * sq_h + kk * sq_d, mask=k_mask, other=0.0)
         k = tl.load(k_ptr + r64 * sk_t + hk * sk_h + kk * sk_d, mask=k_mask, other=0.0)
         q, k = q.to(tl.float32), k.to(tl.float32)
-        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * (DK**-0.5)
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
         v = tl.load(v_ptr + r64 * sv_t + h * sv_h + vv * sv_d, mask=v_mask, other=0.0)
         g = tl.load(g_ptr + r64 * sg_t + h * sg_h).to(tl.float32)
@@ -306,7 +306,7 @@ def gdn_decode_positions(
     _gdn_positions_kernel[(requests, HV, triton.cdiv(DV, block_v))](
         q, k, v, g, beta, o, ssm_pool, state_slots, cu, row_slots,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *o.stride(),
-        *ssm_pool.stride(), HEADS_PER_KEY=HV // HK, DK=DK, DV=DV,
+        *ssm_pool.stride(), DK**-0.5, HEADS_PER_KEY=HV // HK, DK=DK, DV=DV,
         BLOCK_K=triton.next_power_of_2(DK), BLOCK_V=block_v,
     )  # fmt: skip
     return o
