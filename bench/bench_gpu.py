@@ -111,6 +111,55 @@ def mamba2_prefill_forms(out: Path) -> None:
                    picks="chunked" if picks else "sequential")  # fmt: skip
 
 
+ATTENTION_TILES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)]
+
+
+def attention_prefill_tiles(out: Path) -> None:
+    """The prefill attention kernel under each tile set (``ATTENTION_TILES``: rows, keys,
+    warps, stages) and its default, 4 causal segments of 2,048 tokens, bf16, at 128-wide heads
+    with GQA 4 (Nemotron-H's) and Qwen3.5-9B's 16 x 4 x 256: ms (best of 5) and torch's SDPA
+    on the same causal problem over its ms. ``ptxas`` reports spills for the default 4-warp
+    128 x 64 tiles at 128-wide heads and none with 8 warps (tests/triton/compile_for_gpu.py):
+    this run decides which is faster."""
+    for hq, hkv, d in ((8, 2, 128), (16, 4, 256)):
+        sdpa_ms, ms = _attention_tiles_ms(hq, hkv, d)
+        record(out, f"attn_{hq}x{hkv}x{d}", "prefill_tiles", sdpa_ms=sdpa_ms,
+               **{f"ms_{k}": v for k, v in ms.items()},
+               **{f"sdpa_over_{k}": sdpa_ms / v for k, v in ms.items()})  # fmt: skip
+
+
+def _attention_tiles_ms(
+    hq: int, hkv: int, d: int, segs: int = 4, n: int = 2048, dev: str = "cuda"
+) -> tuple[float, dict]:
+    from mambaradix.kernels.triton import attention
+
+    T = segs * n
+    q = torch.randn(T, hq, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(T, hkv, d, device=dev, dtype=torch.bfloat16)
+    cu = torch.arange(0, T + 1, n, device=dev, dtype=torch.int32)
+    prefix = torch.zeros(segs, device=dev, dtype=torch.int32)
+    table = torch.arange(T, device=dev, dtype=torch.int32).view(segs, n)
+    ms = {}
+    for tiles in [None, *ATTENTION_TILES]:
+        spec = None if tiles is None else attention.AttentionTiles(*tiles)
+
+        def fn(spec=spec):
+            attention.paged_attention_prefill(q, k, k, cu, prefix, table, d**-0.5, n, tiles=spec)
+
+        fn()  # compiles
+        ms["default" if tiles is None else "x".join(map(str, tiles))] = (
+            min(timed(fn) for _ in range(5)) * 1e3
+        )
+    qs = q.view(segs, n, hq, d).transpose(1, 2)
+    ks = k.view(segs, n, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+
+    def sdpa():
+        torch.nn.functional.scaled_dot_product_attention(qs, ks, ks, is_causal=True)
+
+    sdpa()
+    return min(timed(sdpa) for _ in range(5)) * 1e3, ms
+
+
 def _mamba2_forms_ms(
     shape: tuple[int, int, int, int], lens: list[int], dev: str = "cuda"
 ) -> tuple[dict, int]:
@@ -376,10 +425,11 @@ def main() -> None:
     deadline = time.perf_counter() + args.budget_s
     limits = {"hbm_read_bytes_s": hbm_read_bandwidth(), "bf16_flops": bf16_matmul_rate()}
     record(out, "machine", "limits", gpu=torch.cuda.get_device_name(), **limits)
-    try:
-        mamba2_prefill_forms(out)
-    except Exception as e:  # reported; the presets still run
-        record(out, "kernels", "error", error=repr(e)[:500])
+    for part in (mamba2_prefill_forms, attention_prefill_tiles):
+        try:
+            part(out)
+        except Exception as e:  # reported; the presets still run
+            record(out, "kernels", "error", part=part.__name__, error=repr(e)[:500])
     for preset in args.presets:
         if time.perf_counter() > deadline:
             record(out, preset, "skipped", reason="time budget")
