@@ -17,7 +17,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+# on a GPU the kernels' own tests compile and run them (bench/gpu_check.sh): not repeated there
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a GPU compiles and runs the kernels in tests/triton"
+)
 SCRIPT = Path(__file__).with_name("compile_for_gpu.py")
 # the backend's own kernels (fla-core's are fla-core's)
 KERNELS = {
