@@ -26,7 +26,7 @@ from mambaradix.core import ForwardReq, GrammarSpec, SamplingParams
 from mambaradix.engine.cuda_graphs import CudaGraphs
 from mambaradix.engine.engine import Engine
 from mambaradix.kernels.backend import create_backend
-from mambaradix.layout import ForwardContext, ForwardLayout
+from mambaradix.layout import ForwardContext, ForwardLayout, VerifyReq
 from mambaradix.models.loader import load_model, load_tokenizer
 from mambaradix.models.tiny import make_tiny_checkpoint
 
@@ -234,16 +234,22 @@ def _pools(kv: KVPool, st: StatePool) -> list[torch.Tensor]:
     return [*kv.k, *kv.v, *st.conv, *(t for t in st.temporal if t is not None)]
 
 
+def _prefilled(path: str, state_slots: int):
+    """The model on the cuda backend, its pools, and four requests (5, 20, 33, 9 tokens)
+    prefilled into KV slots of their own and state slots 0-3."""
+    model = load_model(path, device=DEVICE)
+    kv = KVPool(model.kv_spec, 512, 1, DEVICE, scratch=1)
+    st = StatePool(model.state_spec, state_slots, DEVICE, scratch=1)
+    backend = create_backend("cuda", DEVICE)
+    model.use_backend(backend)
+    return model, kv, st, backend, _Requests(model, [5, 20, 33, 9], kv, st, backend)
+
+
 def _steps(path: str, graphs_factory, skip_pad_reset: bool = False, steps: int = 4):
     """Decode steps of 4, 3 (the same bucket of 4: its last row back to padding), 2 (one with a
     snapshot into slot 6) and 1 requests, each run eagerly and replayed from the same pools;
     yields (step, eager logits, replayed logits, eager pools, replayed pools, pools before)."""
-    model = load_model(path, device=DEVICE)
-    kv = KVPool(model.kv_spec, 512, 1, DEVICE, scratch=1)
-    st = StatePool(model.state_spec, 8, DEVICE, scratch=1)
-    backend = create_backend("cuda", DEVICE)
-    model.use_backend(backend)
-    reqs = _Requests(model, [5, 20, 33, 9], kv, st, backend)
+    model, kv, st, backend, reqs = _prefilled(path, state_slots=8)
     graphs = graphs_factory(model, backend, kv, st)
     if skip_pad_reset:
         write = graphs._write_inputs
@@ -299,6 +305,89 @@ def test_stale_padding_rows_are_caught(small_qwen3_5):
         if step == 1:
             differs = any(not torch.equal(a[:-1], b[:-1]) for a, b in zip(pools, eager_pools))
     assert differs
+
+
+def _verify_steps(path: str, stale_row_slots: bool = False):
+    """Verify steps (decodes of several positions, a snapshot slot after each but the last)
+    of 3 requests x 2 positions (the bucket of 4: one padding request of 2 rows; request 2 also
+    copies its state after its last position into slot 15), 2 x 2 and 3 x 3, each run eagerly
+    and replayed from the same pools; yields (step, eager logits, replayed logits, eager pools,
+    replayed pools, the graphs)."""
+    model, kv, st, backend, reqs = _prefilled(path, state_slots=16)
+    graphs = _graphs(model, backend, kv, st)
+    if stale_row_slots:
+        write = graphs._write_inputs
+
+        def stale(static, layout):  # each row's slot left as the graph's capture had it
+            kept = static.decode.row_slots.clone()
+            write(static, layout)
+            static.decode.row_slots.copy_(kept)
+
+        graphs._write_inputs = stale
+    plan = [([0, 1, 2], 2, {2: 15}), ([0, 1], 2, {}), ([1, 2, 3], 3, {})]
+    for step, (which, width, copies) in enumerate(plan):
+        free = iter(range(4, 15))
+        rows = []
+        for i in which:
+            n = reqs.lens[i]
+            snaps = [(j, next(free)) for j in range(1, width)]
+            snaps += [(width, copies[i])] if i in copies else []
+            ids = [(3 * n + i + j) % 50 + 3 for j in range(width)]
+            rows.append(VerifyReq(n, ids, reqs.kv_slots[i][: n + width], reqs.state_slots[i],
+                                  snaps, all_logits=True))  # fmt: skip
+
+        def ctx(rows=rows):
+            layout = ForwardLayout.build(rows, DEVICE)
+            backend.prepare(layout)
+            return ForwardContext(layout, kv, st)
+
+        before = [t.clone() for t in _pools(kv, st)]
+        with torch.inference_mode():
+            eager = model.forward(ctx())
+            eager_pools = [t.clone() for t in _pools(kv, st)]
+            for t, b in zip(_pools(kv, st), before):
+                t.copy_(b)
+            replayed = graphs.forward(ctx())
+        yield step, eager, replayed, eager_pools, [t.clone() for t in _pools(kv, st)], graphs
+        for i in which:
+            reqs.lens[i] += width
+
+
+def test_captured_verify_steps_equal_eager_step_by_step(small_qwen3_5):
+    """A verify step replays a graph of its batch bucket and positions: logits of every row
+    and every pool (each position's snapshot slot, the copy after the last) equal the eager
+    forward's; the padding request writes the scratch slots only."""
+    graphs = None
+    for step, eager, replayed, eager_pools, pools, graphs in _verify_steps(  # noqa: B007
+        small_qwen3_5[0]
+    ):
+        assert replayed is not None and replayed.shape == eager.shape, step
+        torch.testing.assert_close(replayed.float(), eager.float(), atol=1e-5, rtol=1e-5)
+        for a, b in zip(pools, eager_pools):
+            torch.testing.assert_close(a[:-1].float(), b[:-1].float(), atol=1e-5, rtol=1e-5)
+    assert sorted(g.key[:2] for g in graphs.graphs) == [(2, 2), (4, 2), (4, 3)]
+    assert graphs.stats["replayed"] == 3 and graphs.stats["python"] == 0
+
+
+def test_stale_verify_row_slots_are_caught(small_qwen3_5):
+    """Negative control: a replay that keeps the captured rows' slots (the scratch slot's)
+    instead of the step's leaves the snapshot slots unwritten."""
+    for step, _, _, eager_pools, pools, _ in _verify_steps(small_qwen3_5[0], True):
+        assert any(not torch.equal(a[:-1], b[:-1]) for a, b in zip(pools, eager_pools)), step
+        break
+
+
+def test_verify_steps_of_different_widths_run_eagerly(small_qwen3_5):
+    """Requests with different numbers of positions in one verify step: no graph key."""
+    model = load_model(small_qwen3_5[0], device=DEVICE)
+    kv = KVPool(model.kv_spec, 64, 1, DEVICE, scratch=1)
+    st = StatePool(model.state_spec, 8, DEVICE, scratch=1)
+    graphs = _graphs(model, create_backend("cuda", DEVICE), kv, st)
+    slots = torch.arange(20)
+    rows = [VerifyReq(3, [5, 6], slots[:5], 0, [(1, 4)], all_logits=True),
+            VerifyReq(3, [5, 6, 7], slots[:6], 1, [(1, 5), (2, 6)], all_logits=True)]  # fmt: skip
+    assert graphs.key(ForwardLayout.build(rows, DEVICE)) is None
+    assert graphs.key(ForwardLayout.build(rows[:1], DEVICE))[:2] == (1, 2)
 
 
 def test_disable_cuda_graph_turns_off_the_cpu_step_graphs_too():

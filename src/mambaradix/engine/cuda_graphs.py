@@ -13,11 +13,18 @@ A step of ``n`` requests replays the graph of the smallest captured batch size `
                                                        slots (never handed out), length 1
     replay -> logits[:n]
 
+A speculative verify step (every request with the same ``k + 1`` positions) replays a graph
+of its own, keyed by the positions too: padding requests of ``k + 1`` rows, each row's state
+slot (``DecodeRows.row_slots``) copied in with the rest, so each position's snapshot is written
+inside the graph by the backend's multi-position decode kernels; requests with different
+numbers of positions run eagerly.
+
 The backend's per-forward index tensors (``prepare``) are built inside the captured region,
 from the static layout's tensors, so they follow every copy. Decode snapshots (a decode's
 state after its one token = its working state after the step) are copied after the replay,
-outside the graph. The first use of a shape runs the forward once eagerly on padding rows
-only (Triton compiles its kernels there, never while capturing) and then captures it.
+outside the graph, as are a verify step's snapshots that no row writes. The first use of a
+shape runs the forward once eagerly on padding rows only (Triton compiles its kernels there,
+never while capturing) and then captures it.
 
 On a CPU device (the tests) ``capture`` keeps the forward as a Python callable instead of a
 CUDA graph: the padding, the static inputs and the snapshot copies are exercised the same way.
@@ -37,7 +44,7 @@ from mambaradix.core import ForwardReq
 from mambaradix.engine.step_graph import table_capacity
 from mambaradix.kernels.backend import KernelBackend
 from mambaradix.kernels.torch_backend import _copy_decode_snapshots
-from mambaradix.layout import ForwardContext, ForwardLayout
+from mambaradix.layout import ForwardContext, ForwardLayout, VerifyReq
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +63,7 @@ def default_batch_sizes(max_bs: int) -> list[int]:
 class _Graph:
     """One captured step: its static layout, the replay callable and the logits it writes."""
 
-    def __init__(self, key: tuple[int, int], layout: ForwardLayout, replay: Callable[[], None],
+    def __init__(self, key: tuple[int, int, int], layout: ForwardLayout, replay: Callable[[], None],
                  logits: torch.Tensor, keep: object) -> None:  # fmt: skip
         self.key = key
         self.layout = layout
@@ -92,7 +99,7 @@ class CudaGraphs:
         self.device = torch.device(device)
         self.max_graphs = max_graphs
         self._with_kv = bool(getattr(kv_pool, "k", None))
-        self._graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
+        self._graphs: OrderedDict[tuple[int, int, int], _Graph] = OrderedDict()
         self._mempool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.stats: Counter[str] = Counter()  # recorded, replayed, python
         self.failed: str | None = None  # why capturing stopped (the forwards then run eagerly)
@@ -110,12 +117,16 @@ class CudaGraphs:
             total += g.logits.numel() * g.logits.element_size()
         return total
 
-    def key(self, layout: ForwardLayout) -> tuple[int, int] | None:
-        """The captured batch size and KV table width a decode step over ``layout`` replays,
-        or None (not a decode-only step, or larger than the largest bucket)."""
+    def key(self, layout: ForwardLayout) -> tuple[int, int, int] | None:
+        """The captured batch size, positions per request and KV table width a decode step
+        over ``layout`` replays, or None (not a decode-only step, larger than the largest
+        bucket, or a verify step whose requests have different numbers of positions)."""
         dec = layout.decode
-        if layout.prefill is not None or dec is None or not dec.rows.whole or dec.multi:
-            return None  # (a decode of several positions, a verify step, runs eagerly)
+        if layout.prefill is not None or dec is None or not dec.rows.whole:
+            return None
+        positions = dec.widths[0] if dec.widths else 1
+        if dec.multi and (any(w != positions for w in dec.widths) or layout.logit_rows is not None):
+            return None  # (mixed widths run eagerly)
         n = len(dec.reqs)
         i = bisect.bisect_left(self.batch_sizes, n)
         if i == len(self.batch_sizes):
@@ -123,7 +134,7 @@ class CudaGraphs:
         width = 0
         if dec.kv_table is not None:
             width = table_capacity(max(r.seq_len for r in layout.reqs))
-        return self.batch_sizes[i], width
+        return self.batch_sizes[i], positions, width
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor | None:
         layout = ctx.layout
@@ -146,10 +157,10 @@ class CudaGraphs:
         graph.replay()
         self.stats["replayed"] += 1
         dec = layout.decode
-        if dec.num_snapshots:  # a decode's snapshot is its working state after the step
+        if dec.num_copies:  # the snapshots no row writes (a decode's state after its step)
             for t in self._state_tensors():
                 _copy_decode_snapshots(t, dec)
-        return graph.logits[: len(dec.reqs)]
+        return graph.logits[: layout.num_tokens]
 
     # ------------------------------------------------------------------ internals
 
@@ -157,28 +168,44 @@ class CudaGraphs:
         pool = self.state_pool
         return [*pool.conv, *(t for t in pool.temporal if t is not None)]
 
-    def _static_layout(self, bs: int, width: int) -> ForwardLayout:
-        """A decode layout of ``bs`` padding rows (scratch slots), its tensors the graph's."""
+    def _static_layout(self, bs: int, positions: int, width: int) -> ForwardLayout:
+        """A decode layout of ``bs`` padding requests of ``positions`` rows each (a verify
+        step's where more than one: a snapshot after each but the last), every slot a scratch
+        one; its tensors are the graph's."""
         kv_slot = self.kv_pool.scratch_slot if self._with_kv else 0
-        kv = torch.full((1,), kv_slot, dtype=torch.long)
-        reqs = [ForwardReq(0, [0], kv, self.state_pool.scratch_slot) for _ in range(bs)]
-        table = torch.full((bs, max(width, 1)), kv_slot, dtype=torch.long) if width else None
-        return ForwardLayout.build(reqs, self.device, table, with_kv=self._with_kv)
+        kv = torch.full((positions,), kv_slot, dtype=torch.long)
+        scratch = self.state_pool.scratch_slot
+        if positions == 1:
+            reqs = [ForwardReq(0, [0], kv, scratch) for _ in range(bs)]
+            table = torch.full((bs, max(width, 1)), kv_slot, dtype=torch.long) if width else None
+            return ForwardLayout.build(reqs, self.device, table, with_kv=self._with_kv)
+        snaps = [(n, scratch) for n in range(1, positions)]
+        reqs = [VerifyReq(0, [0] * positions, kv, scratch, list(snaps), all_logits=True)
+                for _ in range(bs)]  # fmt: skip
+        static = ForwardLayout.build(reqs, self.device, with_kv=self._with_kv)
+        if width:  # one table row per position, as wide as the key says
+            rows = bs * positions
+            static.decode.kv_table = torch.full((rows, width), kv_slot, device=self.device)
+        return static
 
     def _write_inputs(self, static: ForwardLayout, layout: ForwardLayout) -> None:
-        """The step's rows into the static layout; the rows past them back to padding."""
-        n = layout.num_tokens
+        """The step's rows (and requests) into the static layout; the rows and requests past
+        them back to padding."""
+        n, m = layout.num_tokens, len(layout.decode.reqs)
         dst, src = static.decode, layout.decode
         static.input_ids[:n].copy_(layout.input_ids)
         static.positions[:n].copy_(layout.positions)
         static.out_kv_slots[:n].copy_(layout.out_kv_slots)
-        dst.state_slots[:n].copy_(src.state_slots)
+        dst.state_slots[:m].copy_(src.state_slots)
         dst.seq_lens[:n].copy_(src.seq_lens)
+        if src.multi:  # a verify step: each row's slot (its snapshot's, or the working one)
+            dst.row_slots[:n].copy_(src.row_slots)
+            dst.row_slots[n:].fill_(self.state_pool.scratch_slot)
         if n < static.num_tokens:
             static.input_ids[n:].fill_(0)
             static.positions[n:].fill_(0)
             dst.seq_lens[n:].fill_(1)
-            dst.state_slots[n:].fill_(self.state_pool.scratch_slot)
+            dst.state_slots[m:].fill_(self.state_pool.scratch_slot)
             if self._with_kv:
                 static.out_kv_slots[n:].fill_(self.kv_pool.scratch_slot)
         if src.kv_table is not None:
@@ -186,10 +213,10 @@ class CudaGraphs:
             if n < static.num_tokens:
                 dst.kv_table[n:].fill_(self.kv_pool.scratch_slot)
 
-    def _capture(self, key: tuple[int, int], ctx: ForwardContext) -> _Graph:
-        bs, width = key
+    def _capture(self, key: tuple[int, int, int], ctx: ForwardContext) -> _Graph:
+        bs, positions, width = key
         t0 = time.perf_counter()
-        static = self._static_layout(bs, width)
+        static = self._static_layout(bs, positions, width)
         sctx = ForwardContext(static, ctx.kv_pool, ctx.state_pool)
 
         def step() -> torch.Tensor:
@@ -216,7 +243,7 @@ class CudaGraphs:
             self._graphs.popitem(last=False)
         self.stats["recorded"] += 1
         logger.info(
-            "decode step captured in %.0f ms: batch %d, KV table %d wide",
-            (time.perf_counter() - t0) * 1e3, bs, width,
+            "decode step captured in %.0f ms: batch %d, %d position(s) each, KV table %d wide",
+            (time.perf_counter() - t0) * 1e3, bs, positions, width,
         )  # fmt: skip
         return g
