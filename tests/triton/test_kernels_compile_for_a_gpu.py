@@ -42,6 +42,12 @@ def _compile(tmp_path, *dtypes: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# kernels that keep everything in registers at real head shapes in bf16 (2026-12-06, Triton
+# 3.6.0's ptxas): a change that makes one spill is caught here, with its numbers; the others
+# (the sequential Mamba2 prefill, the prefill attention) spill today (docs/backends.md)
+NO_SPILLS = KERNELS - {"_mamba2_prefill_kernel", "_attention_kernel"}
+
+
 def _check(report: dict, variants_at_least: dict[str, int]) -> None:
     kernels = report["kernels"]
     assert report["arch"] == 90
@@ -56,9 +62,13 @@ def _check(report: dict, variants_at_least: dict[str, int]) -> None:
 
 def test_the_backends_kernels_compile_for_sm90_in_bf16(tmp_path) -> None:
     """bf16 (the served dtype): one-position and verify decodes (conv, Mamba2), both Mamba2
-    prefill forms, prefill and decode attention, split and not."""
-    _check(_compile(tmp_path, "bf16"), {"_conv_decode_kernel": 2, "_mamba2_decode_kernel": 2,
-                                        "_attention_kernel": 3})  # fmt: skip
+    prefill forms, prefill and decode attention, split and not; none of the kernels that fit
+    their registers today spills."""
+    report = _compile(tmp_path, "bf16")
+    _check(report, {"_conv_decode_kernel": 2, "_mamba2_decode_kernel": 2, "_attention_kernel": 3})
+    spills = {name: [v["stack_bytes"] for v in variants]
+              for name, variants in report["kernels"].items() if name in NO_SPILLS}  # fmt: skip
+    assert all(b == 0 for bs in spills.values() for b in bs), spills
 
 
 @pytest.mark.slow
