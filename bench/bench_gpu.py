@@ -103,13 +103,13 @@ def mamba2_prefill_forms(out: Path) -> None:
     """The cuda backend's two Mamba2 prefills (the sequential kernel and the fully parallel
     one) at real head shapes, bf16 inputs, fp32 pool: one 8k-token segment and 16 of 512; ms
     each (best of 5), and the form ``prefers_chunked`` picks, to check and tune that rule."""
-    from mambaradix.kernels.triton import mamba2 as m2
+    from mambaradix.kernels.triton import mamba2_chunked as m2c
 
     sms = torch.cuda.get_device_properties("cuda").multi_processor_count
     for name, shape in MAMBA2_SHAPES.items():
         for lens in ([8192], [512] * 16):
             ms, num_chunks = _mamba2_forms_ms(shape, lens)
-            picks = m2.prefers_chunked(len(lens), num_chunks, shape[0], shape[1], sms)
+            picks = m2c.prefers_chunked(len(lens), num_chunks, shape[0], shape[1], sms)
             record(out, name, f"mamba2_{len(lens)}x{lens[0]}", sequential_ms=ms["sequential"],
                    chunked_ms=ms["chunked"],
                    picks="chunked" if picks else "sequential")  # fmt: skip
@@ -169,6 +169,7 @@ def _mamba2_forms_ms(
 ) -> tuple[dict, int]:
     from mambaradix.kernels.triton import gdn
     from mambaradix.kernels.triton import mamba2 as m2
+    from mambaradix.kernels.triton import mamba2_chunked as m2c
 
     H, P, G, N = shape
     T, segs = sum(lens), len(lens)
@@ -184,7 +185,7 @@ def _mamba2_forms_ms(
     args = (x, dt, A, B, C, D, pool, cu, slots)
     forms = {
         "sequential": lambda: m2.mamba2_prefill(*args, none, none, none),
-        "chunked": lambda: m2.mamba2_prefill_chunked(*args, none, none, chunks.indices,
+        "chunked": lambda: m2c.mamba2_prefill_chunked(*args, none, none, chunks.indices,
                                                       chunks.offsets),
     }  # fmt: skip
     ms = {}

@@ -95,6 +95,7 @@ def test_a_mamba2_model_equals_the_reference_with_each_prefill_form(tmp_path, mo
     requests share a 130-token prefix (a snapshot at 128 inside a forward, a hit after it)."""
     from mambaradix.kernels.cuda_backend import CudaBackend
     from mambaradix.kernels.triton import mamba2 as triton_mamba2
+    from mambaradix.kernels.triton import mamba2_chunked as triton_chunked
 
     path = make_tiny_checkpoint("granite_hybrid", str(tmp_path), num_hidden_layers=2,
                                 layer_types=["mamba", "attention"])  # fmt: skip
@@ -114,8 +115,9 @@ def test_a_mamba2_model_equals_the_reference_with_each_prefill_form(tmp_path, mo
 
         return counted
 
-    for form in calls:
-        monkeypatch.setattr(triton_mamba2, form, counting(form, getattr(triton_mamba2, form)))
+    for module, form in ((triton_mamba2, "mamba2_prefill"),
+                         (triton_chunked, "mamba2_prefill_chunked")):  # fmt: skip
+        monkeypatch.setattr(module, form, counting(form, getattr(module, form)))
     monkeypatch.setattr(CudaBackend, "mamba2_chunked", chunked)
     model = load_model(path, device=DEVICE)
     _assert_equal_to(ref, model, tok, prompts, (CONFIGS[0], CONFIGS[2]), chunk=192)

@@ -141,8 +141,9 @@ class CudaIndex(TorchIndex):
 @register_backend("cuda")
 class CudaBackend(TorchBackend):
     capabilities = BackendCapabilities(snapshot_stride=CHUNK)
-    # the Mamba2 prefill's form: None picks per forward (``mamba2.prefers_chunked``), True the
-    # fully parallel one, False the sequential one (tests and the device benchmark set it)
+    # the Mamba2 prefill's form: None picks per forward (``triton/mamba2_chunked.py``'s
+    # ``prefers_chunked``), True the fully parallel one, False the sequential one (tests and
+    # the device benchmark set it)
     mamba2_chunked: bool | None = None
     _sm_count: int | None = None
 
@@ -255,16 +256,17 @@ class CudaBackend(TorchBackend):
 
     def mamba2_prefill(self, x, dt, A, B, C, D, ssm_pool, layout) -> Tensor:
         from mambaradix.kernels.triton import mamba2 as triton_mamba2
+        from mambaradix.kernels.triton import mamba2_chunked as triton_chunked
 
         idx = self._index(layout).prefill
         chunked = self.mamba2_chunked
         if chunked is None:  # host integers only: the shapes of this forward's index tensors
-            chunked = triton_mamba2.prefers_chunked(
+            chunked = triton_chunked.prefers_chunked(
                 idx.cu_seqlens.shape[0] - 1, idx.gdn_chunks.indices.shape[0], x.shape[1],
                 x.shape[2], self._multiprocessors(),
             )  # fmt: skip
         if chunked:
-            return triton_mamba2.mamba2_prefill_chunked(
+            return triton_chunked.mamba2_prefill_chunked(
                 x, dt, A, B, C, D, ssm_pool, idx.cu_seqlens, idx.state_slots, idx.snap_chunks,
                 layout.prefill.snapshot_slots, idx.gdn_chunks.indices, idx.gdn_chunks.offsets,
             )  # fmt: skip
