@@ -379,6 +379,31 @@ def test_stale_verify_row_slots_are_caught(small_qwen3_5):
         break
 
 
+def test_a_verify_step_that_cannot_be_captured_leaves_decode_steps_captured(small_qwen3_5):
+    """A capture that fails (here: the backend refuses to prepare a verify step's static
+    layout) makes that kind of step run eagerly (None: the runner runs the model), logged once;
+    one-position decode steps are still captured and replayed."""
+    model, kv, st, backend, reqs = _prefilled(small_qwen3_5[0], state_slots=16)
+    graphs = _graphs(model, backend, kv, st)
+    prepare = backend.prepare
+
+    def refuse_verify(layout):
+        if layout.decode is not None and layout.decode.multi and layout is not verify.layout:
+            raise RuntimeError("not capturable")
+        prepare(layout)
+
+    backend.prepare = refuse_verify
+    n = reqs.lens[0]
+    rows = [VerifyReq(n, [5, 6], reqs.kv_slots[0][: n + 2], 0, [(1, 9)], all_logits=True)]
+    verify = ForwardContext(ForwardLayout.build(rows, DEVICE), kv, st)
+    with torch.inference_mode():
+        assert graphs.forward(verify) is None
+        assert graphs.forward(verify) is None  # not tried again
+        assert list(graphs.failed) == ["verify steps"]
+        assert graphs.forward(reqs.decode_layout([1, 2], {})) is not None
+    assert graphs.stats["replayed"] == 1 and graphs.stats["python"] == 2
+
+
 def test_verify_steps_of_different_widths_run_eagerly(small_qwen3_5):
     """Requests with different numbers of positions in one verify step: no graph key."""
     model = load_model(small_qwen3_5[0], device=DEVICE)

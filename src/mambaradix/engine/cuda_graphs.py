@@ -102,7 +102,9 @@ class CudaGraphs:
         self._graphs: OrderedDict[tuple[int, int, int], _Graph] = OrderedDict()
         self._mempool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.stats: Counter[str] = Counter()  # recorded, replayed, python
-        self.failed: str | None = None  # why capturing stopped (the forwards then run eagerly)
+        # why capturing stopped, by kind ("decode steps", "verify steps"): that kind then runs
+        # eagerly, the other is still captured
+        self.failed: dict[str, str] = {}
 
     @property
     def graphs(self) -> list[_Graph]:
@@ -138,8 +140,9 @@ class CudaGraphs:
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor | None:
         layout = ctx.layout
-        key = self.key(layout) if self.failed is None else None
-        if key is None:
+        key = self.key(layout)
+        kind = "decode steps" if key is None or key[1] == 1 else "verify steps"
+        if key is None or kind in self.failed:
             self.stats["python"] += 1
             return None
         graph = self._graphs.get(key)
@@ -147,8 +150,8 @@ class CudaGraphs:
             try:
                 graph = self._capture(key, ctx)
             except Exception as e:  # a model or kernel that cannot be captured runs eagerly
-                self.failed = f"{type(e).__name__}: {e}"
-                logger.warning("decode steps will not be captured: %s", self.failed)
+                self.failed[kind] = f"{type(e).__name__}: {e}"
+                logger.warning("%s will not be captured: %s", kind, self.failed[kind])
                 self.stats["python"] += 1
                 return None
         else:
