@@ -109,7 +109,7 @@ def mamba2_prefill_forms(out: Path) -> None:
     for name, shape in MAMBA2_SHAPES.items():
         for lens in ([8192], [512] * 16):
             ms, num_chunks = _mamba2_forms_ms(shape, lens)
-            picks = m2c.prefers_chunked(len(lens), num_chunks, shape[0], shape[1], sms)
+            picks = m2c.prefers_chunked(len(lens), num_chunks, *shape[:2], shape[3], sms)
             record(out, name, f"mamba2_{len(lens)}x{lens[0]}", sequential_ms=ms["sequential"],
                    chunked_ms=ms["chunked"],
                    picks="chunked" if picks else "sequential")  # fmt: skip

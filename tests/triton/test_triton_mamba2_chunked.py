@@ -105,10 +105,14 @@ def test_the_backend_takes_the_chunked_prefill_for_few_long_segments(monkeypatch
     """The rule (``prefers_chunked``) and the backend's routing by it, per forward."""
     from mambaradix.kernels.cuda_backend import CudaBackend
 
-    granite = (24, 64)  # Granite-4.0-H-350M's heads and P
+    granite, nemotron = (24, 64, 128), (128, 64, 128)  # heads, P, N
     assert mamba2_chunked.prefers_chunked(1, 128, *granite, 132)  # one 8k prompt
     assert not mamba2_chunked.prefers_chunked(1, 2, *granite, 132)  # a short one
     assert not mamba2_chunked.prefers_chunked(64, 128 * 64, *granite, 132)  # the GPU is full
+    # Nemotron-H-8B: 512 programs for one prompt; its 2k-token prompt's chunk states (134 MB)
+    # fit the scratch bound, an 8k one's (537 MB) do not
+    assert mamba2_chunked.prefers_chunked(1, 32, *nemotron, 132)
+    assert not mamba2_chunked.prefers_chunked(1, 128, *nemotron, 132)
     taken = []
     for module, form in ((triton_mamba2, "mamba2_prefill"),
                          (mamba2_chunked, "mamba2_prefill_chunked")):  # fmt: skip

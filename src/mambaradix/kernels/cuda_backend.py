@@ -263,7 +263,7 @@ class CudaBackend(TorchBackend):
         if chunked is None:  # host integers only: the shapes of this forward's index tensors
             chunked = triton_chunked.prefers_chunked(
                 idx.cu_seqlens.shape[0] - 1, idx.gdn_chunks.indices.shape[0], x.shape[1],
-                x.shape[2], self._multiprocessors(),
+                x.shape[2], B.shape[2], self._multiprocessors(),
             )  # fmt: skip
         if chunked:
             return triton_chunked.mamba2_prefill_chunked(

@@ -34,6 +34,9 @@ from mambaradix.kernels.triton.mamba2 import FP32_DOT, PREFILL_BLOCK_P, _rows, _
 CHUNKED_L = 64  # fla-core's chunk, so snapshots fall on chunk starts
 CHUNKED_BLOCK_P = 32
 CHUNKED_BLOCK_N = 32
+# the most fp32 chunk-state scratch a forward may take (one 8k-token prompt of
+# Granite-4.0-H-350M: 100 MB; of Nemotron-H-8B: 537 MB, which takes the sequential form)
+CHUNKED_SCRATCH_BYTES = 256 << 20
 
 
 @triton.jit
@@ -141,14 +144,22 @@ def _mamba2_chunk_out_kernel(
     tl.store(y_ptr + t[:, None] * sy_t + h * sy_h + p[None, :] * sy_p, y, mask=tp_mask)
 
 
-def prefers_chunked(num_segs: int, num_chunks: int, H: int, P: int, multiprocessors: int) -> bool:
+def prefers_chunked(
+    num_segs: int, num_chunks: int, H: int, P: int, N: int, multiprocessors: int
+) -> bool:
     """Whether a prefill should take the fully parallel form: the sequential kernel's programs
     (segments x heads x blocks of P) would leave the GPU's multiprocessors short of work (under
     four programs each) while its segments are long enough (four chunks of 64 on average) to
-    walk many chunks in sequence. Host integers only. Not yet tuned on a GPU: the device
-    benchmark times both forms (``bench_gpu.py``)."""
+    walk many chunks in sequence, and the chunk states it keeps fit ``CHUNKED_SCRATCH_BYTES``
+    (models with many heads fill the GPU with the sequential kernel anyway). Host integers
+    only. Not yet tuned on a GPU: the device benchmark times both forms (``bench_gpu.py``)."""
     programs = num_segs * H * triton.cdiv(P, PREFILL_BLOCK_P)
-    return programs < 4 * multiprocessors and num_chunks >= 4 * num_segs
+    scratch = (num_chunks + num_segs) * H * P * N * 4
+    return (
+        programs < 4 * multiprocessors
+        and num_chunks >= 4 * num_segs
+        and scratch <= CHUNKED_SCRATCH_BYTES
+    )
 
 
 def mamba2_prefill_chunked(
