@@ -26,6 +26,7 @@ timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -m "slow or n
   tests/triton tests/engine/test_cuda_backend.py \
   "tests/models/test_backend_contract.py::test_backend_passes_the_contract" \
   "tests/models/test_backend_contract.py::test_backend_passes_the_contract_at_real_shapes" \
+  "tests/models/test_backend_contract.py::test_the_cuda_backends_chunked_mamba2_prefill_passes_the_contract" \
   -k "cuda or triton or Triton or test_engine or captured or stale" 2>&1 | tail -40 > "$OUT/tests.txt"
 tail -15 "$OUT/tests.txt"
 
