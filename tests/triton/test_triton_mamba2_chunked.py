@@ -4,7 +4,10 @@ backend's op (the reference), checked as the sequential kernel is in ``test_trit
 on a layout whose snapshots fall where the ``cuda`` backend declares them (a multiple of 64 new
 tokens, or a segment's end); the backend's choice between the two forms. Negative controls:
 wrong state slots, snapshots taken from shifted or neighbouring chunks. Run by the interpreter
-where no GPU is (``conftest.py``)."""
+where no GPU is (``conftest.py``), which does not emulate TF32: the kernels' fp32 products ask
+for ``tf32x3`` (about fp32 accuracy) and ``C B^T`` of bf16 values for one TF32 pass (exact), so
+the fp32 tolerances here hold on a GPU only if those choices do, which the device script's run
+of these tests checks."""
 
 from __future__ import annotations
 
