@@ -143,12 +143,36 @@ def test_speculation_equals_the_reference_without_it(small_qwen3_5_mtp, algorith
     repeat a phrase) kept drafts. MTP's draft steps run the head's attention on this backend
     too (fewer tokens: the interpreter's time)."""
     path, tok = small_qwen3_5_mtp
+    stats = _speculation_equals_the_reference(path, tok, algorithm, new)
+    if algorithm == "NGRAM":
+        assert stats.spec_accepted_tokens > stats.spec_verify_ct  # some drafts were kept
+
+
+def test_speculation_on_a_mamba2_model_equals_the_reference_without_it(tmp_path):
+    """The same on a Granite-4.0-H (Mamba2 and attention layers): the verify steps run the conv
+    and Mamba2 decode kernels over several positions, and the drafts they keep carry those
+    positions' states."""
+    path = make_tiny_checkpoint("granite_hybrid", str(tmp_path), num_hidden_layers=2,
+                                layer_types=["mamba", "attention"])  # fmt: skip
+    # prompts whose continuations this checkpoint repeats in part (seeds found by a search)
+    stats = _speculation_equals_the_reference(path, load_tokenizer(path), "NGRAM", 16,
+                                              seeds=(27, 14, 53), reps=24)  # fmt: skip
+    assert stats.spec_accepted_tokens > stats.spec_verify_ct  # some drafts were kept
+
+
+def _speculation_equals_the_reference(
+    path: str, tok, algorithm: str, new: int, seeds: tuple[int, ...] = (1, 2, 3), reps: int = 12
+):
+    """Greedy ids and logprobs with speculation on the cuda backend against the torch reference
+    without it, on prompts that repeat a phrase ``reps`` times (one per seed, then the first
+    again: a cache hit, so the first must pass a snapshot at 64 tokens); verify steps ran.
+    Returns the engine's stats."""
     ref_model = load_model(path)
     prompts = []
-    for seed in (1, 2, 3):  # phrases whose continuations this checkpoint repeats in part
+    for seed in seeds:  # phrases whose continuations the checkpoint repeats in part
         rng = random.Random(seed)
         prompts.append([rng.randrange(3, ref_model.vocab_size)
-                        for _ in range(rng.randrange(1, 6))] * 12)  # fmt: skip
+                        for _ in range(rng.randrange(1, 6))] * reps)  # fmt: skip
     ref, _ = run(ref_model, tok, prompts, REFERENCE, max_new_tokens=new)
     model = load_model(path, device=DEVICE, mtp=algorithm == "MTP")
     flags = dict(kernel_backend="cuda", device=DEVICE, skip_warmup=True, chunked_prefill_size=64,
@@ -165,8 +189,7 @@ def test_speculation_equals_the_reference_without_it(small_qwen3_5_mtp, algorith
     ties, worst = compare(ref + ref[:1], got)
     assert ties <= MAX_TIES and worst <= 10 * LOGPROB_ATOL, (ties, worst)
     assert stats.spec_verify_ct > 0 and stats.cached_tokens > 0
-    if algorithm == "NGRAM":
-        assert stats.spec_accepted_tokens > stats.spec_verify_ct  # some drafts were kept
+    return stats
 
 
 def test_processed_and_constrained_sampling_equals_the_reference(small_qwen3_5):
