@@ -660,20 +660,26 @@ def test_a_backend_that_drops_snapshots_fails_the_contract() -> None:
     assert any("ssm_pool differs" in f for f in failures), failures
 
 
+def _cuda_backend_rolling(part: str, name: str, device: str):
+    """A cuda backend whose per-forward index tensor ``CudaIndex.<part>.<name>`` is rolled by
+    one (each segment or row given its neighbour's), its kernels otherwise unchanged."""
+    from mambaradix.kernels.cuda_backend import CudaBackend
+
+    class Rolled(CudaBackend):
+        def prepare(self, layout):
+            super().prepare(layout)
+            idx = getattr(layout.meta, part)
+            setattr(idx, name, getattr(idx, name).roll(1))
+
+    return Rolled(device)
+
+
 def test_a_cuda_backend_fed_the_wrong_state_slot_fails_the_contract() -> None:
     """Negative control for the Triton kernels: the prefill ops read and write each segment's
     neighbour's slot (its kernels otherwise unchanged)."""
-    from mambaradix.kernels.cuda_backend import CudaBackend
-
-    class WrongSlot(CudaBackend):
-        def prepare(self, layout):
-            super().prepare(layout)
-            idx = layout.meta.prefill
-            idx.state_slots = idx.state_slots.roll(1)
-
     device, _ = _runs("cuda")
     for chunked in (False, True):  # both forms of the Mamba2 prefill
-        backend = WrongSlot(device)
+        backend = _cuda_backend_rolling("prefill", "state_slots", device)
         backend.mamba2_chunked = chunked
         failures = contract_failures(backend, _case("fp32", device), SMALL, REQUESTS_STRIDE_64,
                                      device)  # fmt: skip
@@ -684,16 +690,9 @@ def test_a_cuda_backend_fed_the_wrong_state_slot_fails_the_contract() -> None:
 def test_a_cuda_backend_whose_verify_rows_write_the_wrong_slots_fails_the_contract() -> None:
     """Negative control for the multi-position decode kernels: each verify row's state goes
     into its neighbour row's slot (the kernels otherwise unchanged)."""
-    from mambaradix.kernels.cuda_backend import CudaBackend
-
-    class WrongRowSlots(CudaBackend):
-        def prepare(self, layout):
-            super().prepare(layout)
-            idx = layout.meta.decode
-            idx.row_slots = idx.row_slots.roll(1)
-
     device, _ = _runs("cuda")
-    failures = contract_failures(WrongRowSlots(device), _case("fp32", device), SMALL,
+    backend = _cuda_backend_rolling("decode", "row_slots", device)
+    failures = contract_failures(backend, _case("fp32", device), SMALL,
                                  REQUESTS_VERIFY_STRIDE_64, device)  # fmt: skip
     for op, pool in (("conv_decode", "conv_pool"), ("gdn_decode", "ssm_pool"),
                      ("mamba2_decode", "ssm_pool")):  # fmt: skip

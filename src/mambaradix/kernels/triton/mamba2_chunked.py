@@ -50,21 +50,34 @@ def _chunk_rows(chunk_ptr, cu_ptr, c, L: tl.constexpr):
 
 
 @triton.jit
+def _chunk_inputs(x_ptr, dt_ptr, A_ptr, chunk_ptr, cu_ptr, sx_t, sx_h, sx_p, sdt_t, sdt_h,
+                  HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
+                  L: tl.constexpr):  # fmt: skip
+    """A (chunk, head, block of P) program's indices and fp32 inputs: chunk ``c``, head ``h``,
+    its group ``g``, the block ``p`` and its mask, the chunk's rows ``t`` and their mask, and
+    ``dt``, ``a = dt A`` ([L]) and ``x`` ([L, BLOCK_P]), 0 on padded rows (a = 0, x = 0)."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_mask = p < P
+    t, t_mask = _chunk_rows(chunk_ptr, cu_ptr, c, L)
+    dt = tl.load(dt_ptr + t * sdt_t + h * sdt_h, mask=t_mask, other=0.0).to(tl.float32)
+    a = dt * tl.load(A_ptr + h).to(tl.float32)
+    x_ptrs = x_ptr + t[:, None] * sx_t + h * sx_h + p[None, :] * sx_p
+    x = tl.load(x_ptrs, mask=t_mask[:, None] & p_mask[None, :], other=0.0).to(tl.float32)
+    return c, h, h // HEADS_PER_GROUP, p, p_mask, t, t_mask, dt, a, x
+
+
+@triton.jit
 def _mamba2_chunk_state_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, st_ptr, asum_ptr, chunk_ptr, cu_ptr,
     sx_t, sx_h, sx_p, sdt_t, sdt_h, sb_t, sb_g, sb_n, ss_c, ss_h, ss_p, ss_n,
     H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, L: tl.constexpr, FP32_DOT: tl.constexpr,
 ):  # fmt: skip
-    c, h = tl.program_id(0), tl.program_id(1)
-    g = h // HEADS_PER_GROUP
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    p_mask = p < P
-    t, t_mask = _chunk_rows(chunk_ptr, cu_ptr, c, L)
-    dt = tl.load(dt_ptr + t * sdt_t + h * sdt_h, mask=t_mask, other=0.0).to(tl.float32)
-    a = dt * tl.load(A_ptr + h).to(tl.float32)  # padded rows: a = 0, x = B = 0
-    x_ptrs = x_ptr + t[:, None] * sx_t + h * sx_h + p[None, :] * sx_p
-    x = tl.load(x_ptrs, mask=t_mask[:, None] & p_mask[None, :], other=0.0).to(tl.float32)
+    c, h, g, p, p_mask, t, t_mask, dt, a, x = _chunk_inputs(
+        x_ptr, dt_ptr, A_ptr, chunk_ptr, cu_ptr, sx_t, sx_h, sx_p, sdt_t, sdt_h,
+        HEADS_PER_GROUP, P, BLOCK_P, L,
+    )  # fmt: skip
     after = tl.cumsum(a, axis=0, reverse=True) - a
     weighted = tl.trans(x * (dt * tl.exp(after))[:, None])  # [BLOCK_P, L]
     st = st_ptr + c.to(tl.int64) * ss_c + h * ss_h + p[:, None] * ss_p
@@ -113,16 +126,11 @@ def _mamba2_chunk_out_kernel(
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, L: tl.constexpr, CB_DOT: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):  # fmt: skip
-    c, h = tl.program_id(0), tl.program_id(1)
-    g = h // HEADS_PER_GROUP
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    p_mask = p < P
-    t, t_mask = _chunk_rows(chunk_ptr, cu_ptr, c, L)
+    c, h, g, p, p_mask, t, t_mask, dt, a, x = _chunk_inputs(
+        x_ptr, dt_ptr, A_ptr, chunk_ptr, cu_ptr, sx_t, sx_h, sx_p, sdt_t, sdt_h,
+        HEADS_PER_GROUP, P, BLOCK_P, L,
+    )  # fmt: skip
     tp_mask = t_mask[:, None] & p_mask[None, :]
-    dt = tl.load(dt_ptr + t * sdt_t + h * sdt_h, mask=t_mask, other=0.0).to(tl.float32)
-    a = dt * tl.load(A_ptr + h).to(tl.float32)
-    x_ptrs = x_ptr + t[:, None] * sx_t + h * sx_h + p[None, :] * sx_p
-    x = tl.load(x_ptrs, mask=tp_mask, other=0.0).to(tl.float32)
     st = st_ptr + c.to(tl.int64) * ss_c + h * ss_h + p[None, :] * ss_p
     cb = tl.zeros((L, L), dtype=tl.float32)
     c_s = tl.zeros((L, BLOCK_P), dtype=tl.float32)
