@@ -17,6 +17,12 @@ forms, the prefill attention's tile sets against SDPA); ``--presets`` with no na
 those.
 
     python bench/bench_gpu.py --out /tmp/gpu.jsonl --presets qwen3_5_0_8b granite_4_0_h_350m
+
+``--dry-run`` runs every part of it on this machine's CPU at toy sizes (presets cut to a few
+layers and a small vocabulary, short prompts, small batches, small kernel shapes; the engine on
+its CPU backend, the kernels' comparisons under Triton's interpreter when the caller installs
+it): its figures mean nothing, it checks that the script runs before a GPU's minutes are
+spent on it (tests/bench/test_bench_gpu.py).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import os
 import sys
 import time
 import warnings
+from importlib.util import find_spec
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -49,6 +56,7 @@ TOKENIZER_CLASS = {
     "lfm2_350m": "TokenizersBackend",
 }
 RECORDS: list[dict] = []
+DEV = "cuda"  # "cpu" under --dry-run
 
 
 def record(out: Path, preset: str, what: str, **fields) -> None:
@@ -62,7 +70,14 @@ def record(out: Path, preset: str, what: str, **fields) -> None:
 
 
 def sync() -> None:
-    torch.cuda.synchronize()
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def empty_cache() -> None:
+    gc.collect()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
 
 
 def timed(fn) -> float:
@@ -76,38 +91,46 @@ def timed(fn) -> float:
 # --------------------------------------------------------------------------- limits
 
 
-def hbm_read_bandwidth() -> float:
-    """Bytes/s of a sum over 4 GiB of bf16 (a read-only stream), best of 10."""
-    x = torch.ones(1 << 31, dtype=torch.bfloat16, device="cuda")
+def hbm_read_bandwidth(numel: int = 1 << 31) -> float:
+    """Bytes/s of a sum over ``numel`` bf16 values (4 GiB: a read-only stream), best of 10."""
+    x = torch.ones(numel, dtype=torch.bfloat16, device=DEV)
     x.sum()
     best = min(timed(x.sum) for _ in range(10))
     del x
-    return (1 << 31) * 2 / best
+    return numel * 2 / best
 
 
-def bf16_matmul_rate() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+def bf16_matmul_rate(n: int = 8192) -> float:
+    a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
     best = min(timed(lambda: a @ b) for _ in range(10))
-    return 2 * 8192**3 / best
+    return 2 * n**3 / best
 
 
 # --------------------------------------------------------------------------- kernels
 
+
+def multiprocessors() -> int:
+    """The GPU's multiprocessors (an H100 SXM's 132 in a dry run, which has none)."""
+    if DEV != "cuda":
+        return 132
+    return torch.cuda.get_device_properties("cuda").multi_processor_count
+
+
 MAMBA2_SHAPES = {"granite_4_0_h_350m": (24, 64, 1, 128), "nemotron_h_8b": (128, 64, 8, 128)}
 
 
-def mamba2_prefill_forms(out: Path) -> None:
+def mamba2_prefill_forms(out: Path, shapes: dict = MAMBA2_SHAPES, long: int = 8192) -> None:
     """The cuda backend's two Mamba2 prefills (the sequential kernel and the fully parallel
     one) at real head shapes, bf16 inputs, fp32 pool: one 8k-token segment and 16 of 512; ms
     each (best of 5), and the form ``prefers_chunked`` picks, to check and tune that rule."""
     from mambaradix.kernels.triton import mamba2_chunked as m2c
 
-    sms = torch.cuda.get_device_properties("cuda").multi_processor_count
-    for name, shape in MAMBA2_SHAPES.items():
-        for lens in ([8192], [512] * 16):
+    sms = multiprocessors()
+    for name, shape in shapes.items():
+        for lens in ([long], [long // 16] * 16):
             ms, num_chunks = _mamba2_forms_ms(shape, lens)
             picks = m2c.prefers_chunked(len(lens), num_chunks, *shape[:2], shape[3], sms)
             record(out, name, f"mamba2_{len(lens)}x{lens[0]}", sequential_ms=ms["sequential"],
@@ -118,25 +141,28 @@ def mamba2_prefill_forms(out: Path) -> None:
 ATTENTION_TILES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)]
 
 
-def attention_prefill_tiles(out: Path) -> None:
+def attention_prefill_tiles(
+    out: Path, heads: tuple = ((8, 2, 128), (16, 4, 256)), segs: int = 4, n: int = 2048
+) -> None:
     """The prefill attention kernel under each tile set (``ATTENTION_TILES``: rows, keys,
     warps, stages) and its default, 4 causal segments of 2,048 tokens, bf16, at 128-wide heads
     with GQA 4 (Nemotron-H's) and Qwen3.5-9B's 16 x 4 x 256: ms (best of 5) and torch's SDPA
     on the same causal problem over its ms. ``ptxas`` reports spills for the default 4-warp
     128 x 64 tiles at 128-wide heads and none with 8 warps (tests/triton/compile_for_gpu.py):
     this run decides which is faster."""
-    for hq, hkv, d in ((8, 2, 128), (16, 4, 256)):
-        sdpa_ms, ms = _attention_tiles_ms(hq, hkv, d)
+    for hq, hkv, d in heads:
+        sdpa_ms, ms = _attention_tiles_ms(hq, hkv, d, segs, n)
         record(out, f"attn_{hq}x{hkv}x{d}", "prefill_tiles", sdpa_ms=sdpa_ms,
                **{f"ms_{k}": v for k, v in ms.items()},
                **{f"sdpa_over_{k}": sdpa_ms / v for k, v in ms.items()})  # fmt: skip
 
 
 def _attention_tiles_ms(
-    hq: int, hkv: int, d: int, segs: int = 4, n: int = 2048, dev: str = "cuda"
+    hq: int, hkv: int, d: int, segs: int = 4, n: int = 2048
 ) -> tuple[float, dict]:
     from mambaradix.kernels.triton import attention
 
+    dev = DEV
     T = segs * n
     q = torch.randn(T, hq, d, device=dev, dtype=torch.bfloat16)
     k = torch.randn(T, hkv, d, device=dev, dtype=torch.bfloat16)
@@ -164,13 +190,12 @@ def _attention_tiles_ms(
     return min(timed(sdpa) for _ in range(5)) * 1e3, ms
 
 
-def _mamba2_forms_ms(
-    shape: tuple[int, int, int, int], lens: list[int], dev: str = "cuda"
-) -> tuple[dict, int]:
+def _mamba2_forms_ms(shape: tuple[int, int, int, int], lens: list[int]) -> tuple[dict, int]:
     from mambaradix.kernels.triton import gdn
     from mambaradix.kernels.triton import mamba2 as m2
     from mambaradix.kernels.triton import mamba2_chunked as m2c
 
+    dev = DEV
     H, P, G, N = shape
     T, segs = sum(lens), len(lens)
     bf16 = dict(device=dev, dtype=torch.bfloat16)
@@ -198,14 +223,16 @@ def _mamba2_forms_ms(
 # --------------------------------------------------------------------------- checkpoints
 
 
-def checkpoint(preset: str, root: Path) -> Path:
+def checkpoint(preset: str, root: Path, **cuts: int | None) -> Path:
+    """The preset's bf16 checkpoint under ``root`` (built once, its weights drawn on the
+    device; ``cuts``: ``layers`` / ``vocab`` for a dry run)."""
     from mambaradix.models.published import build_published
 
-    folder = root / preset
+    folder = root / "-".join([preset, *(f"{k}{v}" for k, v in cuts.items() if v)])
     if (folder / "config.json").is_file():
         return folder
     tmp = folder.with_name(folder.name + ".tmp")
-    build_published(preset, tmp, device="cuda")
+    build_published(preset, tmp, device=DEV, **cuts)
     config = json.loads((tmp / "config.json").read_text())
     tok = large_tokenizer(config["vocab_size"])
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
@@ -217,8 +244,7 @@ def checkpoint(preset: str, root: Path) -> Path:
     bench_real.TOKENIZER_CLASS.setdefault(preset, TOKENIZER_CLASS[preset])
     published_tokenizer_config(tmp, preset)
     tmp.rename(folder)
-    gc.collect()
-    torch.cuda.empty_cache()
+    empty_cache()
     return folder
 
 
@@ -238,7 +264,7 @@ def decode_syncs(eng, vocab: int, steps: int = 8) -> float:
     read is one)."""
     from mambaradix.core import SamplingParams
 
-    p = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    p = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
     eng.generate(input_ids=[list(range(5, 133))], sampling_params=p)  # shapes seen
     p = SamplingParams(temperature=0.0, max_new_tokens=steps + 1, ignore_eos=True)
     handle = eng.submit_many([list(range(7, 135))], [p])[0]
@@ -248,13 +274,18 @@ def decode_syncs(eng, vocab: int, steps: int = 8) -> float:
         first = True
         for out in handle.events():
             if first and out.new_token_ids:  # prefill done: count the decode steps only
-                torch.cuda.set_sync_debug_mode("warn")
+                sync_debug("warn")
                 first = False
                 continue
             seen += len(out.new_token_ids)
-        torch.cuda.set_sync_debug_mode(0)
+        sync_debug(0)
     syncs = sum("synchroniz" in str(w.message) for w in caught)
     return syncs / max(seen, 1)
+
+
+def sync_debug(mode: str | int) -> None:
+    if DEV == "cuda":
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 def engine_w1(eng, prompts: list[list[int]]) -> tuple[float, int]:
@@ -276,8 +307,29 @@ def w1_prompts(vocab: int, groups: int, system: int) -> list[list[int]]:
 # --------------------------------------------------------------------------- transformers
 
 
+def hf_load_model(folder: Path) -> tuple[torch.nn.Module, str]:
+    """transformers' model of ``folder`` on the device, and how it got there: straight onto it
+    (``device_map``, which needs ``accelerate``) or, without ``accelerate``, loaded into host
+    memory and moved (slower: the start comparison names which)."""
+    from transformers import AutoModelForCausalLM
+
+    kw = dict(dtype=torch.bfloat16)
+    if find_spec("accelerate") is not None:
+        hf, path = (
+            AutoModelForCausalLM.from_pretrained(str(folder), device_map=DEV, **kw),
+            "device_map",
+        )
+    else:
+        hf, path = (
+            AutoModelForCausalLM.from_pretrained(str(folder), **kw).to(DEV),
+            "host_then_moved",
+        )
+    sync()
+    return hf.eval(), path
+
+
 def hf_prefill(hf, n: int, vocab: int) -> float:
-    ids = torch.tensor([[(i * 7919) % (vocab - 10) + 5 for i in range(n)]], device="cuda")
+    ids = torch.tensor([[(i * 7919) % (vocab - 10) + 5 for i in range(n)]], device=DEV)
     with torch.inference_mode():
         hf(input_ids=ids, logits_to_keep=1)
         return n / min(timed(lambda: hf(input_ids=ids, logits_to_keep=1)) for _ in range(2))
@@ -286,17 +338,17 @@ def hf_prefill(hf, n: int, vocab: int) -> float:
 def hf_decode(hf, batch: int, vocab: int, steps: int) -> float:
     from transformers import DynamicCache
 
-    ids = torch.randint(5, vocab - 5, (batch, 128), device="cuda")
+    ids = torch.randint(5, vocab - 5, (batch, 128), device=DEV)
     with torch.inference_mode():
         cache = DynamicCache(config=hf.config)
-        pos = torch.arange(128, device="cuda")[None].expand(batch, -1)
+        pos = torch.arange(128, device=DEV)[None].expand(batch, -1)
         hf(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True,
            logits_to_keep=1)  # fmt: skip
-        tok = torch.ones(batch, 1, dtype=torch.long, device="cuda")
+        tok = torch.ones(batch, 1, dtype=torch.long, device=DEV)
 
         def run() -> None:
             for s in range(steps):
-                pos = torch.full((batch, 1), 128 + s, device="cuda")
+                pos = torch.full((batch, 1), 128 + s, device=DEV)
                 hf(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True)
 
         return batch * steps / timed(run)
@@ -306,7 +358,7 @@ def hf_w1(hf, prompts: list[list[int]]) -> float:
     def run() -> None:
         with torch.inference_mode():
             for i in range(0, len(prompts), 16):
-                batch = torch.tensor(prompts[i : i + 16], device="cuda")
+                batch = torch.tensor(prompts[i : i + 16], device=DEV)
                 hf.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=16,
                             min_new_tokens=16, do_sample=False)  # fmt: skip
 
@@ -320,10 +372,10 @@ def run_preset(preset: str, args, out: Path, limits: dict, deadline: float) -> N
     from mambaradix.engine.engine import Engine
 
     t0 = time.perf_counter()
-    folder = checkpoint(preset, Path(args.root))
+    folder = checkpoint(preset, Path(args.root), layers=args.layers, vocab=args.vocab)
     record(out, preset, "checkpoint", seconds=time.perf_counter() - t0)
-    kw = dict(device="cuda", dtype="bfloat16", disable_radix_cache=True,
-              mem_fraction_static=args.mem_fraction)  # fmt: skip
+    kw = dict(device=DEV, dtype="bfloat16", disable_radix_cache=True,
+              mem_fraction_static=args.mem_fraction, mem_budget_gb=args.mem_budget_gb)  # fmt: skip
     t0 = time.perf_counter()
     eng = Engine(model_path=str(folder), **kw)
     start = time.perf_counter() - t0
@@ -332,7 +384,7 @@ def run_preset(preset: str, args, out: Path, limits: dict, deadline: float) -> N
     record(out, preset, "start", seconds=start, weight_gb=read_bytes / 1e9,
            backend=eng.kernel_backend)  # fmt: skip
     prefill = {}
-    for n in (2048, 8192):
+    for n in args.prefill_lens:
         prefill[n] = engine_prefill(eng, n, vocab)
     decode = {}
     for b in args.batches:
@@ -342,8 +394,7 @@ def run_preset(preset: str, args, out: Path, limits: dict, deadline: float) -> N
     syncs = decode_syncs(eng, vocab)
     eng.shutdown()
     del eng
-    gc.collect()
-    torch.cuda.empty_cache()
+    empty_cache()
     eager = {}
     if time.perf_counter() < deadline:
         eng = Engine(model_path=str(folder), disable_cuda_graph=True, **kw)
@@ -353,8 +404,7 @@ def run_preset(preset: str, args, out: Path, limits: dict, deadline: float) -> N
             eager[b] = engine_decode(eng, b, vocab, args.steps, 0)
         eng.shutdown()
         del eng
-        gc.collect()
-        torch.cuda.empty_cache()
+        empty_cache()
     w1 = None
     prompts = w1_prompts(vocab, args.w1_groups, args.w1_system)
     if time.perf_counter() < deadline:
@@ -363,19 +413,19 @@ def run_preset(preset: str, args, out: Path, limits: dict, deadline: float) -> N
         w1 = engine_w1(eng, prompts)
         eng.shutdown()
         del eng
-        gc.collect()
-        torch.cuda.empty_cache()
+        empty_cache()
     nan = float("nan")
     hf_load = nan
     hf_pre, hf_dec, hf_w1_s = {}, {}, nan
     if not args.skip_hf and time.perf_counter() < deadline:
-        from transformers import AutoModelForCausalLM
-
         t0 = time.perf_counter()
-        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16,
-                                                  device_map="cuda").eval()  # fmt: skip
-        sync()
+        hf, hf_load_path = hf_load_model(folder)
         hf_load = time.perf_counter() - t0
+        # the kernel packages transformers' hybrid models take when installed (without them,
+        # its Mamba2 / conv layers run their PyTorch reference: its figures say so)
+        kernels = [m for m in ("fla", "mamba_ssm", "causal_conv1d") if find_spec(m) is not None]
+        record(out, preset, "hf_load", seconds=hf_load, path=hf_load_path,
+               kernels="+".join(kernels) or "none")  # fmt: skip
         for n in prefill:
             try:
                 hf_pre[n] = hf_prefill(hf, n, vocab)
@@ -387,8 +437,7 @@ def run_preset(preset: str, args, out: Path, limits: dict, deadline: float) -> N
             sub = prompts[: 16 * args.hf_w1_groups]
             hf_w1_s = hf_w1(hf, sub) * len(prompts) / len(sub)
         del hf
-        gc.collect()
-        torch.cuda.empty_cache()
+        empty_cache()
     bw, flops = limits["hbm_read_bytes_s"], limits["bf16_flops"]
     record(out, preset, "start_vs_hf", seconds=start, hf_load_seconds=hf_load,
            ratio_to_hf=start / hf_load)  # fmt: skip
@@ -411,25 +460,61 @@ def run_preset(preset: str, args, out: Path, limits: dict, deadline: float) -> N
                speedup_vs_hf=hf_w1_s / t)  # fmt: skip
 
 
-def main() -> None:
+# --dry-run's toy sizes: every part runs on the CPU in well under a minute
+DRY_RUN = dict(presets=["qwen3_5_0_8b", "granite_4_0_h_350m"], layers=4, vocab=2048,
+               prefill_lens=[64, 160], batches=[1, 3], steps=3, w1_groups=2, w1_system=128,
+               hf_w1_groups=1, mem_budget_gb=0.5)  # fmt: skip
+DRY_KERNELS = dict(mamba2=({"toy": (2, 16, 1, 16)}, 128), attention=(((2, 1, 32),), 2, 64))
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--presets", nargs="*",
                     default=["qwen3_5_0_8b", "granite_4_0_h_350m", "qwen3_5_9b"])  # fmt: skip
     ap.add_argument("--out", default="gpu.jsonl")
     ap.add_argument("--root", default="/tmp/mambaradix-gpu")
+    ap.add_argument("--prefill-lens", type=int, nargs="*", default=[2048, 8192])
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64, 256])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--w1-groups", type=int, default=64)
     ap.add_argument("--w1-system", type=int, default=2048)
     ap.add_argument("--hf-w1-groups", type=int, default=4)
     ap.add_argument("--mem-fraction", type=float, default=0.6)
+    ap.add_argument("--mem-budget-gb", type=float, default=0.0, help="pools' budget (0: fraction)")
+    ap.add_argument("--layers", type=int, default=None, help="cut the presets to this many layers")
+    ap.add_argument("--vocab", type=int, default=None, help="cut the presets' vocabulary")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--budget-s", type=float, default=360.0, help="stop starting new parts after")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="every part on the CPU at toy sizes: checks the script, not the GPU",
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    global DEV
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        DEV = "cpu"
+        for k, v in DRY_RUN.items():
+            if getattr(args, k) == ap.get_default(k):
+                setattr(args, k, v)
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + args.budget_s
-    limits = {"hbm_read_bytes_s": hbm_read_bandwidth(), "bf16_flops": bf16_matmul_rate()}
-    record(out, "machine", "limits", gpu=torch.cuda.get_device_name(), **limits)
+    if DEV == "cuda":
+        limits = {"hbm_read_bytes_s": hbm_read_bandwidth(), "bf16_flops": bf16_matmul_rate()}
+        name = torch.cuda.get_device_name()
+    else:
+        limits = {
+            "hbm_read_bytes_s": hbm_read_bandwidth(1 << 24),
+            "bf16_flops": bf16_matmul_rate(512),
+        }
+        name = "cpu (dry run)"
+    record(out, "machine", "limits", gpu=name, **limits)
     for preset in args.presets:
         if time.perf_counter() > deadline:
             record(out, preset, "skipped", reason="time budget")
@@ -442,13 +527,20 @@ def main() -> None:
             traceback.print_exc()
             record(out, preset, "error", error=repr(e)[:500])
     # the kernels' own comparisons, after the presets' figures, in the time left
-    for part in (mamba2_prefill_forms, attention_prefill_tiles):
+    parts = [(mamba2_prefill_forms, ()), (attention_prefill_tiles, ())]
+    if args.dry_run:
+        parts = [(mamba2_prefill_forms, DRY_KERNELS["mamba2"]),
+                 (attention_prefill_tiles, DRY_KERNELS["attention"])]  # fmt: skip
+    for part, sizes in parts:
         if time.perf_counter() > deadline:
             record(out, "kernels", "skipped", part=part.__name__, reason="time budget")
             continue
         try:
-            part(out)
+            part(out, *sizes)
         except Exception as e:  # one part's failure is reported, the other still runs
+            import traceback
+
+            traceback.print_exc()
             record(out, "kernels", "error", part=part.__name__, error=repr(e)[:500])
     print("done", flush=True)
 

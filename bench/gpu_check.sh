@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The cuda backend's check on one GPU machine (one NVIDIA H200 here): its tests on the GPU, then
 # the real-size benchmark (bench/bench_gpu.py). Needs, beyond PyTorch with CUDA and Triton:
-# fla-core==0.6.0 and transformers==5.24.0 (wheels in .whl/ where the machine has no network:
-#   pip download --no-deps -d .whl fla-core==0.6.0 transformers==5.24.0
-# and einops, tokenizers, safetensors, huggingface-hub, jinja2, tqdm, numpy, pytest, hypothesis,
-# which that machine's image has). Output: $OUT/gpu.jsonl (one JSON object per figure), the
+# fla-core==0.6.0, transformers==5.24.0 and accelerate==1.16.0 (transformers loads straight onto
+# the GPU with it; without it, into host memory and then moved, and the start comparison says
+# so); wheels in .whl/ where the machine has no network:
+#   pip download --no-deps -d .whl fla-core==0.6.0 transformers==5.24.0 accelerate==1.16.0
+# and einops, tokenizers, safetensors, huggingface-hub, jinja2, tqdm, numpy, psutil, pytest,
+# hypothesis, which that machine's image has). Before spending a GPU's minutes on a change to
+# bench_gpu.py: tests/bench/test_bench_gpu.py runs all of it on the CPU (--dry-run). Output: $OUT/gpu.jsonl (one JSON object per figure), the
 # tests' and the benchmark's logs, and a table on stdout. About 8 minutes.
 #
 #   OUT=/tmp/out bash bench/gpu_check.sh [bench_gpu.py flags]
