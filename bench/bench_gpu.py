@@ -12,22 +12,23 @@ rate) and the bf16 matmul rate (2 x linear parameters per token). Also the host-
 of a decode step (``torch.cuda.set_sync_debug_mode``). Writes one JSON object per line to
 ``--out`` and a table to stdout.
 
-After the presets, in the time left: the kernels' own comparisons (the two Mamba2 prefill
-forms, the prefill attention's tile sets against SDPA); ``--presets`` with no names runs only
-those.
+After the presets, in the last ``--kernels-s`` of ``--budget-s`` (the presets start no new part
+in them): the kernels' own comparisons (the two Mamba2 prefill forms, the prefill attention's
+tile sets against SDPA); ``--presets`` with no names runs only those.
 
     python bench/bench_gpu.py --out /tmp/gpu.jsonl --presets qwen3_5_0_8b granite_4_0_h_350m
 
 ``--dry-run`` runs every part of it on this machine's CPU at toy sizes (presets cut to a few
 layers and a small vocabulary, short prompts, small batches, small kernel shapes; the engine on
-its CPU backend, the kernels' comparisons under Triton's interpreter when the caller installs
-it): its figures mean nothing, it checks that the script runs before a GPU's minutes are
+its CPU backend, the kernels' comparisons under Triton's interpreter with the tests' shim): its
+figures mean nothing, it checks that the script runs before a GPU's minutes are
 spent on it (tests/bench/test_bench_gpu.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -223,6 +224,12 @@ def _mamba2_forms_ms(shape: tuple[int, int, int, int], lens: list[int]) -> tuple
 # --------------------------------------------------------------------------- checkpoints
 
 
+@functools.lru_cache(maxsize=2)
+def _tokenizer(vocab_size: int):
+    """``large_tokenizer``, built once per vocabulary (both Qwen3.5 presets have 248,320)."""
+    return large_tokenizer(vocab_size)
+
+
 def checkpoint(preset: str, root: Path, **cuts: int | None) -> Path:
     """The preset's bf16 checkpoint under ``root`` (built once, its weights drawn on the
     device; ``cuts``: ``layers`` / ``vocab`` for a dry run)."""
@@ -234,7 +241,7 @@ def checkpoint(preset: str, root: Path, **cuts: int | None) -> Path:
     tmp = folder.with_name(folder.name + ".tmp")
     build_published(preset, tmp, device=DEV, **cuts)
     config = json.loads((tmp / "config.json").read_text())
-    tok = large_tokenizer(config["vocab_size"])
+    tok = _tokenizer(config["vocab_size"])
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
     config.update(eos_token_id=eos, pad_token_id=eos, bos_token_id=None)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -369,7 +376,14 @@ def hf_w1(hf, prompts: list[list[int]]) -> float:
 
 
 def run_preset(preset: str, args, out: Path, limits: dict, deadline: float) -> None:
+    """The preset's figures, each written as soon as it is measured (a run its timeout cuts
+    short keeps what it had), then transformers' on the same checkpoint, in records of their
+    own with the ratio to ours. Eager decode is the same engine with its captured steps put
+    aside (``runner.graphs``), which saves a second load of the weights (18 GB at 9B)."""
     from mambaradix.engine.engine import Engine
+
+    def time_left() -> bool:
+        return time.perf_counter() < deadline
 
     t0 = time.perf_counter()
     folder = checkpoint(preset, Path(args.root), layers=args.layers, vocab=args.vocab)
@@ -378,86 +392,85 @@ def run_preset(preset: str, args, out: Path, limits: dict, deadline: float) -> N
               mem_fraction_static=args.mem_fraction, mem_budget_gb=args.mem_budget_gb)  # fmt: skip
     t0 = time.perf_counter()
     eng = Engine(model_path=str(folder), **kw)
-    start = time.perf_counter() - t0
+    ours = {"start": time.perf_counter() - t0}
     read_bytes, linear_params, head_params = weight_figures(eng.model)
     vocab = eng.model.vocab_size
-    record(out, preset, "start", seconds=start, weight_gb=read_bytes / 1e9,
+    record(out, preset, "start", seconds=ours["start"], weight_gb=read_bytes / 1e9,
            backend=eng.kernel_backend)  # fmt: skip
-    prefill = {}
+    # a prefill token's linear FLOPs at the bf16 rate (the LM head: last tokens only); a
+    # decode step's bytes at the read bandwidth
+    prefill_limit = limits["bf16_flops"] / (2 * (linear_params - head_params))
+    decode_limit = limits["hbm_read_bytes_s"] / read_bytes
     for n in args.prefill_lens:
-        prefill[n] = engine_prefill(eng, n, vocab)
-    decode = {}
+        ours[f"prefill_{n}"] = tok_s = engine_prefill(eng, n, vocab)
+        record(out, preset, f"prefill_{n}", tok_s=tok_s, of_bf16_limit=tok_s / prefill_limit)
     for b in args.batches:
-        if time.perf_counter() > deadline:
+        if not time_left():
             break
-        decode[b] = engine_decode(eng, b, vocab, args.steps, 0)
-    syncs = decode_syncs(eng, vocab)
+        ours[f"decode_b{b}"] = tok_s = engine_decode(eng, b, vocab, args.steps, 0)
+        extra = {"of_hbm_limit": tok_s / decode_limit} if b == 1 else {}
+        record(out, preset, f"decode_b{b}", tok_s=tok_s, **extra)
+    record(out, preset, "decode_syncs", per_step=decode_syncs(eng, vocab))
+    graphs, eng.runner.graphs = eng.runner.graphs, None
+    for b in args.batches:
+        if not time_left() or f"decode_b{b}" not in ours:
+            break
+        tok_s = engine_decode(eng, b, vocab, args.steps, 0)
+        record(out, preset, f"decode_eager_b{b}", tok_s=tok_s,
+               graphs_over_eager=ours[f"decode_b{b}"] / tok_s)  # fmt: skip
+    eng.runner.graphs = graphs
     eng.shutdown()
-    del eng
+    del eng, graphs
     empty_cache()
-    eager = {}
-    if time.perf_counter() < deadline:
-        eng = Engine(model_path=str(folder), disable_cuda_graph=True, **kw)
-        for b in args.batches:
-            if time.perf_counter() > deadline:
-                break
-            eager[b] = engine_decode(eng, b, vocab, args.steps, 0)
-        eng.shutdown()
-        del eng
-        empty_cache()
-    w1 = None
     prompts = w1_prompts(vocab, args.w1_groups, args.w1_system)
-    if time.perf_counter() < deadline:
-        kw_on = dict(kw, disable_radix_cache=False)
-        eng = Engine(model_path=str(folder), **kw_on)
-        w1 = engine_w1(eng, prompts)
-        eng.shutdown()
-        del eng
-        empty_cache()
-    nan = float("nan")
-    hf_load = nan
-    hf_pre, hf_dec, hf_w1_s = {}, {}, nan
-    if not args.skip_hf and time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        hf, hf_load_path = hf_load_model(folder)
-        hf_load = time.perf_counter() - t0
-        # the kernel packages transformers' hybrid models take when installed (without them,
-        # its Mamba2 / conv layers run their PyTorch reference: its figures say so)
-        kernels = [m for m in ("fla", "mamba_ssm", "causal_conv1d") if find_spec(m) is not None]
-        record(out, preset, "hf_load", seconds=hf_load, path=hf_load_path,
-               kernels="+".join(kernels) or "none")  # fmt: skip
-        for n in prefill:
-            try:
-                hf_pre[n] = hf_prefill(hf, n, vocab)
-            except Exception as e:  # (out of memory at 8k, say): reported, not fatal
-                record(out, preset, f"hf_prefill_{n}_error", error=repr(e)[:200])
-        for b in (1, 16):
-            hf_dec[b] = hf_decode(hf, b, vocab, args.steps)
-        if time.perf_counter() < deadline:
-            sub = prompts[: 16 * args.hf_w1_groups]
-            hf_w1_s = hf_w1(hf, sub) * len(prompts) / len(sub)
-        del hf
-        empty_cache()
-    bw, flops = limits["hbm_read_bytes_s"], limits["bf16_flops"]
-    record(out, preset, "start_vs_hf", seconds=start, hf_load_seconds=hf_load,
-           ratio_to_hf=start / hf_load)  # fmt: skip
-    for n, ours in prefill.items():
-        limit = flops / (2 * (linear_params - head_params))  # the LM head: last tokens only
-        record(out, preset, f"prefill_{n}", tok_s=ours, hf_tok_s=hf_pre.get(n, nan),
-               ratio_to_hf=ours / hf_pre.get(n, nan), of_bf16_limit=ours / limit)  # fmt: skip
-    for b, ours in decode.items():
-        extra = {"of_hbm_limit": ours * read_bytes / bw} if b == 1 else {}
-        record(out, preset, f"decode_b{b}", tok_s=ours, eager_tok_s=eager.get(b, nan),
-               graphs_over_eager=ours / eager.get(b, nan), hf_tok_s=hf_dec.get(b, nan),
-               ratio_to_hf=ours / hf_dec.get(b, nan), **extra)  # fmt: skip
-    record(out, preset, "decode_syncs", per_step=syncs)
-    if w1 is not None:
-        t, computed = w1
+    if time_left():
+        eng = Engine(model_path=str(folder), **dict(kw, disable_radix_cache=False))
+        t, computed = engine_w1(eng, prompts)
+        ours["w1"] = t
         groups = args.w1_groups
         ideal = groups * (args.w1_system + 64) + groups * 15 * 64
-        record(out, preset, "w1", seconds=t, computed_prompt_tokens=computed, ideal_tokens=ideal,
-               hf_seconds_scaled=hf_w1_s, hf_groups_run=args.hf_w1_groups,
-               speedup_vs_hf=hf_w1_s / t)  # fmt: skip
+        record(out, preset, "w1", seconds=t, computed_prompt_tokens=computed,
+               ideal_tokens=ideal)  # fmt: skip
+        eng.shutdown()
+        del eng
+        empty_cache()
+    if not args.skip_hf and time_left():
+        hf_figures(preset, folder, args, out, ours, prompts, vocab, time_left)
+
+
+def hf_figures(preset: str, folder: Path, args, out: Path, ours: dict, prompts, vocab: int,
+               time_left) -> None:  # fmt: skip
+    """transformers on the same checkpoint and GPU: its load, prefill, cached decode at batch
+    1 and 16, and W1 ``generate`` over the first ``--hf-w1-groups`` groups, its time scaled to
+    all of them; each record has ours over it (W1: its time over ours)."""
+    t0 = time.perf_counter()
+    hf, path = hf_load_model(folder)
+    load = time.perf_counter() - t0
+    # the kernel packages transformers' hybrid models take when installed (without them, its
+    # Mamba2 / conv layers run their PyTorch reference: its figures say so)
+    kernels = [m for m in ("fla", "mamba_ssm", "causal_conv1d") if find_spec(m) is not None]
+    record(out, preset, "hf_load", seconds=load, path=path, kernels="+".join(kernels) or "none",
+           ours_start_over_it=ours["start"] / load)  # fmt: skip
+    for n in args.prefill_lens:
+        try:
+            tok_s = hf_prefill(hf, n, vocab)
+        except Exception as e:  # (out of memory at 8k, say): reported, not fatal
+            record(out, preset, f"hf_prefill_{n}_error", error=repr(e)[:200])
+            continue
+        record(out, preset, f"hf_prefill_{n}", tok_s=tok_s,
+               ours_over_it=ours[f"prefill_{n}"] / tok_s)  # fmt: skip
+    for b in (1, 16):
+        if f"decode_b{b}" in ours and time_left():
+            tok_s = hf_decode(hf, b, vocab, args.steps)
+            record(out, preset, f"hf_decode_b{b}", tok_s=tok_s,
+                   ours_over_it=ours[f"decode_b{b}"] / tok_s)  # fmt: skip
+    if "w1" in ours and time_left():
+        sub = prompts[: 16 * args.hf_w1_groups]
+        scaled = hf_w1(hf, sub) * len(prompts) / len(sub)
+        record(out, preset, "hf_w1", seconds_scaled=scaled, groups_run=args.hf_w1_groups,
+               ours_speedup=scaled / ours["w1"])  # fmt: skip
+    del hf
+    empty_cache()
 
 
 # --dry-run's toy sizes: every part runs on the CPU in well under a minute
@@ -469,8 +482,10 @@ DRY_KERNELS = dict(mamba2=({"toy": (2, 16, 1, 16)}, 128), attention=(((2, 1, 32)
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    # the 9B shape first: two of the goals (decode batch 1 against HBM, prefill at 8k against
+    # the bf16 rate) are its figures, and the budget may not reach the last preset
     ap.add_argument("--presets", nargs="*",
-                    default=["qwen3_5_0_8b", "granite_4_0_h_350m", "qwen3_5_9b"])  # fmt: skip
+                    default=["qwen3_5_9b", "qwen3_5_0_8b", "granite_4_0_h_350m"])  # fmt: skip
     ap.add_argument("--out", default="gpu.jsonl")
     ap.add_argument("--root", default="/tmp/mambaradix-gpu")
     ap.add_argument("--prefill-lens", type=int, nargs="*", default=[2048, 8192])
@@ -485,6 +500,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab", type=int, default=None, help="cut the presets' vocabulary")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--budget-s", type=float, default=360.0, help="stop starting new parts after")
+    ap.add_argument("--kernels-s", type=float, default=45.0,
+                    help="of the budget, kept for the kernels' comparisons")  # fmt: skip
     ap.add_argument(
         "--dry-run",
         action="store_true",
@@ -493,18 +510,35 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _interpret_triton_kernels() -> None:
+    """A dry run without a GPU runs the kernels' comparisons under Triton's interpreter, with the
+    tests' shim (tests/triton/interpreter.py: bf16 on values, no autotuning), installed before
+    any kernel module is imported (a no-op where it already is or where a GPU exists)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "triton"))
+    import interpreter
+
+    if "mambaradix.kernels.triton" in sys.modules and not interpreter._INSTALLED:
+        raise RuntimeError("--dry-run: the Triton kernels were imported before the interpreter")
+    interpreter.install()
+
+
 def main(argv: list[str] | None = None) -> None:
     global DEV
     ap = parser()
     args = ap.parse_args(argv)
     if args.dry_run:
         DEV = "cpu"
+        _interpret_triton_kernels()
+        from mambaradix.models.transformers_torch_path import use_torch_path
+
+        use_torch_path()  # transformers' layers on their torch path (fla's need a GPU)
         for k, v in DRY_RUN.items():
             if getattr(args, k) == ap.get_default(k):
                 setattr(args, k, v)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    deadline = time.perf_counter() + args.budget_s
+    end = time.perf_counter() + args.budget_s
+    deadline = end - args.kernels_s  # the presets'
     if DEV == "cuda":
         limits = {"hbm_read_bytes_s": hbm_read_bandwidth(), "bf16_flops": bf16_matmul_rate()}
         name = torch.cuda.get_device_name()
@@ -532,7 +566,7 @@ def main(argv: list[str] | None = None) -> None:
         parts = [(mamba2_prefill_forms, DRY_KERNELS["mamba2"]),
                  (attention_prefill_tiles, DRY_KERNELS["attention"])]  # fmt: skip
     for part, sizes in parts:
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > end:
             record(out, "kernels", "skipped", part=part.__name__, reason="time budget")
             continue
         try:
