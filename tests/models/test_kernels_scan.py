@@ -208,9 +208,10 @@ def test_native_gdn_scan_snapshot_control(monkeypatch):
         (1792 + 256, 4, "silu", True, torch.bfloat16),  # Granite-4.0-H-350M's xBC
         (6144, 4, "silu", False, torch.bfloat16),  # Qwen3.5-0.8B's q|k|v
         (1024, 3, None, False, torch.bfloat16),  # LFM2-350M's short conv
-        (40, 4, "silu", True, torch.bfloat16),  # 8 channels past the vectors: scalar tail
+        (40, 4, "silu", True, torch.bfloat16),  # 8 channels past the 16-lane vectors: the loop
         (37, 2, "silu", True, torch.float32),  # fp32, odd channels, width 2
-        (50, 4, "silu", True, torch.float32),  # fp32: 32 lanes, 8 lanes, then 2 channels alone
+        (50, 4, "silu", True, torch.float32),  # fp32: the portable loop, 32 lanes, then 18
+        (24, 9, "silu", True, torch.bfloat16),  # a width no published model has: 8 taps carried
     ],
 )
 def test_native_conv_prefill_matches_the_reference(channels, width, activation, bias, dtype,
