@@ -576,7 +576,38 @@ def main(argv: list[str] | None = None) -> None:
 
             traceback.print_exc()
             record(out, "kernels", "error", part=part.__name__, error=repr(e)[:500])
+    goals(out, max(args.prefill_lens))
     print("done", flush=True)
+
+
+# issue 31's goals: (record, field, at least / at most, threshold); the decode at batch 1 is
+# the 9B shape's where it ran (else every preset's is shown), the others every preset's
+GOALS = [
+    ("decode_b1", "of_hbm_limit", ">=", 0.6),
+    ("prefill_{long}", "of_bf16_limit", ">=", 0.5),
+    ("hf_w1", "ours_speedup", ">=", 5.0),
+    ("decode_syncs", "per_step", "<=", 1.0),  # the greedy tokens' one read
+]
+
+
+def goals(out: Path, long: int) -> None:
+    """One record per (goal, preset) measured: the figure, the threshold and whether it is met
+    (a goal no preset measured is recorded as not measured)."""
+    import math
+
+    for what, field, sense, threshold in GOALS:
+        what = what.format(long=long)
+        found = [r for r in RECORDS if r["what"] == what and field in r]
+        if what == "decode_b1":
+            found = [r for r in found if r["preset"] == "qwen3_5_9b"] or found
+        for r in found:
+            v = r[field]
+            met = not math.isnan(v) and (v >= threshold if sense == ">=" else v <= threshold)
+            record(out, r["preset"], "goal", figure=f"{what}.{field}", value=v,
+                   threshold=f"{sense} {threshold}", met=met)  # fmt: skip
+        if not found:
+            record(out, "-", "goal", figure=f"{what}.{field}", threshold=f"{sense} {threshold}",
+                   met="not measured")  # fmt: skip
 
 
 if __name__ == "__main__":

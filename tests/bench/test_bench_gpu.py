@@ -46,6 +46,22 @@ def test_the_gpu_benchmark_runs_every_part_in_a_dry_run(tmp_path, capsys) -> Non
             r = by[name, what]
             assert r["sequential_ms"] > 0 and r["chunked_ms"] > 0
             assert r["picks"] in ("chunked", "sequential")
+    # issue 31's goals, one record per preset measured, each judged against its threshold
+    goals = [r for r in records if r["what"] == "goal"]
+    long = max(dry["prefill_lens"])
+    want = {"decode_b1.of_hbm_limit", f"prefill_{long}.of_bf16_limit", "hf_w1.ours_speedup",
+            "decode_syncs.per_step"}  # fmt: skip
+    assert {(g["preset"], g["figure"]) for g in goals} == {
+        (p, f) for p in dry["presets"] for f in want
+    }
+    for g in goals:
+        what, field = g["figure"].split(".")
+        sense, threshold = g["threshold"].split()
+        value = by[g["preset"], what][field]
+        assert g["value"] == value
+        assert g["met"] == (
+            value >= float(threshold) if sense == ">=" else value <= float(threshold)
+        )
     for hq, hkv, d in bench.DRY_KERNELS["attention"][0]:
         r = by[f"attn_{hq}x{hkv}x{d}", "prefill_tiles"]
         tiles = ["default", *("x".join(map(str, t)) for t in bench.ATTENTION_TILES)]
