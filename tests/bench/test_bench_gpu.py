@@ -99,3 +99,30 @@ def _assert_preset_ran(by: dict, preset: str, dry: dict) -> None:
     # every group's system prompt (a multiple of the snapshot stride) computed once
     assert w1["computed_prompt_tokens"] == w1["ideal_tokens"] > 0
     assert by[preset, "hf_w1"]["ours_speedup"] > 0
+
+
+def test_the_benchmark_tokenizer_draws_what_random_choice_draws() -> None:
+    """``bench_real.large_tokenizer`` draws its merges with ``rng.choice`` inlined (for speed):
+    the same merges as ``random.Random(0).choice``, so the presets' cached tokenizers stay the
+    ones a fresh build makes (checked once against the cached 248,320-token one by hand)."""
+    import random
+    import sys
+
+    sys.path.insert(0, str(BENCH.parent))
+    from bench_real import large_tokenizer
+    from tokenizers import pre_tokenizers
+
+    from mambaradix.models.tiny import SPECIAL_TOKENS
+
+    size = 2000
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tokens, rng = sorted(pre_tokenizers.ByteLevel.alphabet()), random.Random(0)
+    while len(vocab) < size:
+        a, b = rng.choice(tokens), rng.choice(tokens)
+        if len(a) + len(b) <= 12 and a + b not in vocab:
+            vocab[a + b] = len(vocab)
+            tokens.append(a + b)
+    got = large_tokenizer(size).get_vocab()
+    assert {t: i for t, i in got.items() if t in vocab} == vocab and len(got) == size
