@@ -9,8 +9,9 @@ prefill, cached decode at batch 1 and 16, and W1 ``generate`` in batches of 16 o
 ``--hf-w1-groups`` groups, its time scaled to all of them and labelled so) and against the
 limits measured in the same run: HBM read bandwidth (bytes of a decode step's weights / read
 rate) and the bf16 matmul rate (2 x linear parameters per token). Also the host-device syncs
-of a decode step (``torch.cuda.set_sync_debug_mode``). Writes one JSON object per line to
-``--out`` and a table to stdout.
+of a decode step (``torch.cuda.set_sync_debug_mode``). The presets run in the order given (the
+9B shape first by default). Each figure is written as measured, one JSON object per line to
+``--out`` and a line to stdout; the last records judge issue 31's goals (``GOALS``).
 
 After the presets, in the last ``--kernels-s`` of ``--budget-s`` (the presets start no new part
 in them): the kernels' own comparisons (the two Mamba2 prefill forms, the prefill attention's
@@ -21,8 +22,8 @@ tile sets against SDPA); ``--presets`` with no names runs only those.
 ``--dry-run`` runs every part of it on this machine's CPU at toy sizes (presets cut to a few
 layers and a small vocabulary, short prompts, small batches, small kernel shapes; the engine on
 its CPU backend, the kernels' comparisons under Triton's interpreter with the tests' shim): its
-figures mean nothing, it checks that the script runs before a GPU's minutes are
-spent on it (tests/bench/test_bench_gpu.py).
+figures mean nothing; it checks that the script runs before a GPU's minutes are spent on it
+(tests/bench/test_bench_gpu.py).
 """
 
 from __future__ import annotations
