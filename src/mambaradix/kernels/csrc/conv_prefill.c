@@ -120,7 +120,7 @@ static inline __attribute__((always_inline)) const char *conv_input_row(
             free(task);                                                                      \
             return -1;                                                                       \
         }                                                                                    \
-        float *bf32 = bias ? wt + K * C : NULL;                                              \
+        float *bias32 = bias ? wt + K * C : NULL;                                              \
         for (int64_t s = 0, n = 0; s < S; s++)                                               \
             for (int64_t t = 0; t < cu[s + 1] - cu[s]; t += TILE, n++) {                     \
                 task[2 * n] = s;                                                             \
@@ -133,7 +133,7 @@ static inline __attribute__((always_inline)) const char *conv_input_row(
                 for (int64_t j = 0; j < K; j++)                                              \
                     wt[j * C + c] = ld(w, c * K + j, bf);                                    \
                 if (bias)                                                                    \
-                    bf32[c] = ld(bias, c, bf);                                               \
+                    bias32[c] = ld(bias, c, bf);                                               \
             }                                                                                \
             _Pragma("omp for schedule(static)")                                              \
             for (int64_t s = 0; s < S; s++)                                                  \
@@ -150,7 +150,7 @@ static inline __attribute__((always_inline)) const char *conv_input_row(
                 for (int64_t t = t0; t < t1; t++) {                                          \
                     for (int64_t j = 0; j < K; j++)                                          \
                         rows[j] = conv_input_row(s, t - k1 + j, cu, x, xs, pre, C, k1, esz); \
-                    conv_row(rows, wt, bf32, (char *)out + (cu[s] + t) * C * esz, C, K, silu, \
+                    conv_row(rows, wt, bias32, (char *)out + (cu[s] + t) * C * esz, C, K, silu, \
                              bf);                                                            \
                 }                                                                            \
             }                                                                                \
