@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mambaradix.kernels import bf16_matmul, cpu
+from mambaradix.kernels import bf16_matmul, cpu, native
 from mambaradix.kernels.cpu_backend import CpuBackend
 from mambaradix.kernels.torch_backend import TorchBackend
 from mambaradix.layers.ops import Linear
@@ -271,6 +271,46 @@ def test_gated_mlp_falls_back_to_the_composition(matmul_mode):
         act = F.gelu if args[3] == "gelu" else F.silu
         want = F.linear(act(a) * b, args[2])
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_the_blocks_silu_equals_torchs_on_every_bf16_gate():
+    """gated_mlp_bf16's activation on all 65,536 bf16 gate values (one row, one-hot x, so the
+    gate|up row it computes holds the gate_up weight's first column exactly; read back from its
+    scratch): torch's ``silu(gate) * up`` bit for bit down to gate = -88. Below, where e^-gate
+    leaves the exponent's range, both are within 1e-36 of zero (torch -0 or ~-5e-37, ours -0)
+    where exp_poly's clamp alone gave up to 5.7 (gate = -3e38: x / e^88); NaN stays NaN, and
+    gate = -inf gives 0, SiLU's limit (torch NaN from -inf / inf). Control: the product taken
+    unrounded after the SiLU differs from torch's."""
+    lib = native.load("linear")
+    if lib is None:
+        pytest.skip("the native linear kernels did not build here")
+    n, hidden = 65536, 16
+    gates = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    up = torch.linspace(-3, 3, n).bfloat16()[order]
+    gate_up = torch.zeros(2 * n, hidden, dtype=torch.bfloat16)
+    gate_up[:, 0] = torch.cat([gates, up])
+    down = torch.zeros(hidden, n, dtype=torch.bfloat16)
+    x = torch.zeros(1, hidden, dtype=torch.bfloat16)
+    x[0, 0] = 1
+    gu, h, out = (torch.empty(1, k, dtype=torch.bfloat16) for k in (2 * n, n, hidden))
+    lib.gated_mlp_bf16(
+        1, n, hidden, x.data_ptr(), hidden, gate_up.data_ptr(), down.data_ptr(), gu.data_ptr(),
+        h.data_ptr(), out.data_ptr(), None,
+    )  # fmt: skip
+    g, u = gu[0].chunk(2)
+    assert torch.equal(torch.isnan(g), torch.isnan(gates)) and torch.equal(u, up)
+    want, got = F.silu(g) * u, h[0]
+    neg_inf = g == float("-inf")
+    assert neg_inf.sum() == 1 and (got[neg_inf] == 0).all()
+    nan = torch.isnan(want) & ~neg_inf
+    assert torch.equal(torch.isnan(got) & ~neg_inf, nan)
+    exact = (g >= -88) & ~nan
+    assert torch.equal(got[exact].view(torch.int16), want[exact].view(torch.int16))
+    rest = ~exact & ~nan & ~neg_inf
+    assert rest.sum() > 15_000 and (got[rest].float() - want[rest].float()).abs().max() < 1e-36
+    unrounded = (F.silu(g.float()) * u.float()).bfloat16()
+    assert not torch.equal(unrounded[exact], want[exact])
 
 
 # --------------------------------------------------------------------------- tile kernel

@@ -74,7 +74,7 @@ static inline __attribute__((always_inline)) void conv_row(
         if (silu) {
 #pragma omp simd
             for (int i = 0; i < n; i++)
-                st(out, c0 + i, acc[i] / (1.0f + exp_poly(-acc[i])), bf);
+                st(out, c0 + i, silu_poly(acc[i]), bf);
         } else {
 #pragma omp simd
             for (int i = 0; i < n; i++)

@@ -100,11 +100,13 @@ CW_INLINE __m512 cw_exp_poly(__m512 x)
     return _mm512_mul_ps(y, _mm512_castsi512_ps(two_n));
 }
 
-/* v / (1 + exp_poly(-v)) of 16 lanes (the kernels' SiLU) */
+/* silu_poly of 16 lanes (the kernels' SiLU: -0 below -88) */
 CW_INLINE __m512 cw_silu(__m512 v)
 {
-    return _mm512_div_ps(
+    const __m512 s = _mm512_div_ps(
         v, _mm512_add_ps(_mm512_set1_ps(1.0f), cw_exp_poly(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+    const __mmask16 low = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-88.0f), _CMP_LT_OQ);
+    return _mm512_mask_mov_ps(s, low, _mm512_set1_ps(-0.0f));
 }
 
 /* Channels c .. c + 15 of one request, kernel width K (3 or 4): the window win[0 .. K-1]

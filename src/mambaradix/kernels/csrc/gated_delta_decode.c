@@ -95,7 +95,7 @@ static inline __attribute__((always_inline)) void gdn_conv_k(
     if (silu) {
 #pragma omp simd
         for (int64_t i = first; i < c1; i++)
-            y[i] = rnd(y[i] / (1.0f + exp_poly(-y[i])), bf);
+            y[i] = rnd(silu_poly(y[i]), bf);
     } else {
 #pragma omp simd
         for (int64_t i = first; i < c1; i++)

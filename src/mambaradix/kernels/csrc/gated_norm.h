@@ -51,7 +51,7 @@ ALWAYS_INLINE void silu_row(float *gr, const void *z, int64_t zo, int64_t n, con
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) {
         const float g = ld(z, zo + i, bf);
-        gr[i] = g / (1.0f + exp_poly(-g));
+        gr[i] = silu_poly(g);
     }
 }
 

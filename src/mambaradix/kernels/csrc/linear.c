@@ -1105,7 +1105,7 @@ void gated_mlp_bf16(int64_t M, int64_t I, int64_t H, const uint16_t *x, int64_t 
 #endif
             for (; i < ACT_CHUNK; i++) {
                 const float a = bf16_to_f32(g[i]);
-                const float act = round_bf16(a / (1.0f + exp_poly(-a)));
+                const float act = round_bf16(silu_poly(a));
                 hc[i] = f32_to_bf16(act * bf16_to_f32(g[I + i]));
             }
         }

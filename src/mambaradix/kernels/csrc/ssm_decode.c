@@ -94,7 +94,7 @@ static inline __attribute__((always_inline)) void conv_channels_k(
     if (silu) {
 #pragma omp simd
         for (int64_t i = first; i < c1; i++)
-            st(out, b * C + i, pre[i - first] / (1.0f + exp_poly(-pre[i - first])), bf);
+            st(out, b * C + i, silu_poly(pre[i - first]), bf);
     } else {
 #pragma omp simd
         for (int64_t i = first; i < c1; i++)

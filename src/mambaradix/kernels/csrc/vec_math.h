@@ -29,6 +29,15 @@ static inline float exp_poly(float x)
     return y * two_n.f;
 }
 
+/* SiLU, x / (1 + e^-x), with exp_poly. Below -88, where e^-x leaves exp_poly's range, it is
+ * -0: exp_poly's clamp would give x / e^88 there, -0.6 at x = -1e38 where SiLU is ~0 (torch's
+ * fp32 SiLU gives -0 from -88.7 on and ~-5e-37 between, NaN at -inf). */
+#pragma omp declare simd notinbranch
+static inline float silu_poly(float x)
+{
+    return x < -88.0f ? -0.0f : x / (1.0f + exp_poly(-x));
+}
+
 /* bf16 <-> fp32. bf16 is the top half of an fp32; a store rounds to nearest even (NaN kept
  * quiet), as torch's conversion does. */
 #pragma omp declare simd notinbranch
