@@ -6,19 +6,23 @@
 # 5.24.0, xgrammar and their needs), carried: run it as
 #   run(command="OUT=$OUT bash bench/gpu_check.sh", carry=[".whl"], timeout_s=560)
 # Before spending a GPU's minutes on a change to bench_gpu.py: tests/bench/test_bench_gpu.py runs
-# all of it on the CPU (--dry-run), and `bash bench/gpu_check.sh --dry-run` this whole script.
+# all of it on the CPU (--dry-run), and `bash bench/gpu_check.sh --dry-run` this whole script;
+# bench/gpu_image_venv.sh's header rehearses it in a stand-in for the GPU machine's image.
 # Output: $OUT/gpu.jsonl (one JSON object per figure), the tests' and the benchmark's logs, and
 # the figures on stdout. About 8 minutes.
 #   OUT=/tmp/out bash bench/gpu_check.sh [bench_gpu.py flags]
 set -uo pipefail
 OUT=${OUT:-/tmp/mambaradix-gpu-out}
 mkdir -p "$OUT"
-DRY=0
-[[ " $* " == *" --dry-run "* ]] && DRY=1  # on this CPU: the local packages, not the wheels
-if [ "$DRY" = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
+# the carried wheels: on the GPU; in a dry run only with WHEELS=1 (a rehearsal in the image's
+# stand-in, bench/gpu_image_venv.sh), else a dry run takes the local packages
+WHEELS=${WHEELS:-}
+[[ " $* " == *" --dry-run "* ]] && WHEELS=${WHEELS:-0}
+if [ "${WHEELS:-1}" != 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
+  SITE=${SITE:-/tmp/site}
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+    --target "$SITE" .whl/*.whl || exit 1
+  export PYTHONPATH=$SITE:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
