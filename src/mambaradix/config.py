@@ -48,9 +48,16 @@ class EngineConfig:
     context_length: int = opt(0, "Maximum sequence length; 0 takes the checkpoint's.")
     page_size: int = opt(1, "KV slots per page; the radix tree caches whole pages.")
     chunked_prefill_size: int = opt(
-        512, "Max prompt tokens computed per request per forward; -1 disables chunking."
+        0,
+        "Max prompt tokens computed per request per forward; -1 disables chunking; 0 "
+        "(default): 512 on a CPU device, on a CUDA device by its memory as SGLang sizes it "
+        "(2048 under 35 GiB, 8192 under 160 GiB: H100, H200; else 16384).",
     )
-    max_prefill_tokens: int = opt(4096, "Max new tokens in one forward (prefill + decode).")
+    max_prefill_tokens: int = opt(
+        0,
+        "Max new tokens in one forward (prefill + decode); 0 (default): 4096 on a CPU device, "
+        "16384 on a CUDA device (SGLang's), and at least --chunked-prefill-size.",
+    )
     max_running_requests: int = opt(
         0, "Cap on running requests; 0 derives it from the state slots."
     )
@@ -225,8 +232,10 @@ class EngineConfig:
     def validate(self) -> None:
         if self.page_size < 1:
             raise ValueError("--page-size must be >= 1")
-        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
-            raise ValueError("--chunked-prefill-size must be -1 (off) or >= 1")
+        if self.chunked_prefill_size < -1:
+            raise ValueError("--chunked-prefill-size must be -1 (off), 0 (by device) or >= 1")
+        if self.max_prefill_tokens < 0:
+            raise ValueError("--max-prefill-tokens must be >= 0 (0: by device)")
         if self.mamba_track_interval < 1:
             raise ValueError("--mamba-track-interval must be >= 1")
         if not 0 < self.mem_fraction_static <= 1:
@@ -269,6 +278,24 @@ class EngineConfig:
             )
         check_device(self.device)
 
+    def with_device_defaults(self) -> EngineConfig:
+        """A copy with the fields left at 0 for the device to decide given their values
+        (``prefill_defaults``); called once ``validate`` has checked the device."""
+        if self.chunked_prefill_size and self.max_prefill_tokens:
+            return self
+        memory = None
+        if self.device.split(":", 1)[0] == "cuda":
+            import torch
+
+            memory = torch.cuda.get_device_properties(torch.device(self.device)).total_memory
+        chunk, budget = prefill_defaults(self.device, memory)
+        chunk = self.chunked_prefill_size or chunk
+        return dataclasses.replace(
+            self,
+            chunked_prefill_size=chunk,
+            max_prefill_tokens=self.max_prefill_tokens or max(budget, chunk),
+        )
+
     def _validate_speculative(self) -> None:
         algo = self.speculative_algorithm
         if not algo:
@@ -302,6 +329,21 @@ class EngineConfig:
                 "--speculative-ngram-min-match-window-size must be >= 1 and <= "
                 "--speculative-ngram-max-match-window-size"
             )
+
+
+def prefill_defaults(device: str, memory_bytes: int | None) -> tuple[int, int]:
+    """``(chunked_prefill_size, max_prefill_tokens)`` for a device whose flags are left at 0.
+    On a CPU 512 and 4096: a 512-token forward already runs its matmuls at the machine's rate,
+    and keeps the steps of a running decode batch short between a long prompt's chunks. On a
+    CUDA device SGLang's, by the device's memory (``memory_bytes``): a chunk of 2048 tokens under
+    35 GiB, 8192 under 160 GiB (H100, H200), else 16384; 16384 tokens a forward. Larger chunks
+    there keep the matmuls of one long prompt large and its forwards (each with its launches and
+    its metadata) few."""
+    if device.split(":", 1)[0] != "cuda":
+        return 512, 4096
+    gib = (memory_bytes or 0) / 2**30
+    chunk = 2048 if gib < 35 else 8192 if gib < 160 else 16384
+    return chunk, 16384
 
 
 def check_device(device: str) -> None:

@@ -54,7 +54,7 @@ def make_scheduler(model=None, **flags):
     kv_tokens = flags.pop("max_total_tokens", 8192)
     slots = flags.pop("max_mamba_cache_size", 64)
     max_running = flags.pop("max_running_requests", 8)
-    cfg = EngineConfig(**flags)
+    cfg = EngineConfig(**flags).with_device_defaults()
     strategy = cfg.mamba_scheduler_strategy
     strategy = EXTRA_BUFFER if strategy == "auto" else strategy
     kv = KVPool(model.kv_spec, kv_tokens, cfg.page_size)

@@ -50,6 +50,7 @@ class Engine:
     ) -> None:
         cfg = dataclasses.replace(config or EngineConfig(), **flags)
         cfg.validate()
+        cfg = cfg.with_device_defaults()
         self.config = cfg
         self.model_name = cfg.model_path
         if cfg.num_threads > 0:

@@ -60,6 +60,11 @@ class Scheduler:
         on_finish: Callable[[Req], None] = lambda r: None,
         capabilities: BackendCapabilities | None = None,
     ) -> None:
+        if not cfg.chunked_prefill_size or not cfg.max_prefill_tokens:
+            raise ValueError(
+                "the scheduler takes a config with its prefill sizes decided: pass "
+                "cfg.with_device_defaults() (the Engine does)"
+            )
         self.cfg = cfg
         self.cache = cache
         self.runner = runner
