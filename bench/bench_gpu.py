@@ -397,7 +397,8 @@ def run_preset(preset: str, args, out: Path, limits: dict, deadline: float) -> N
     read_bytes, linear_params, head_params = weight_figures(eng.model)
     vocab = eng.model.vocab_size
     record(out, preset, "start", seconds=ours["start"], weight_gb=read_bytes / 1e9,
-           backend=eng.kernel_backend)  # fmt: skip
+           backend=eng.kernel_backend, chunk=eng.config.chunked_prefill_size,
+           forward_tokens=eng.config.max_prefill_tokens)  # fmt: skip
     # a prefill token's linear FLOPs at the bf16 rate (the LM head: last tokens only); a
     # decode step's bytes at the read bandwidth
     prefill_limit = limits["bf16_flops"] / (2 * (linear_params - head_params))

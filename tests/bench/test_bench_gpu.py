@@ -81,7 +81,9 @@ def test_the_gpu_benchmarks_default_presets_exist() -> None:
 
 
 def _assert_preset_ran(by: dict, preset: str, dry: dict) -> None:
-    assert by[preset, "start"]["backend"] == "cpu"
+    start = by[preset, "start"]
+    assert start["backend"] == "cpu"
+    assert (start["chunk"], start["forward_tokens"]) == (512, 4096)  # (the CPU's sizes)
     hf_load = by[preset, "hf_load"]
     assert hf_load["path"] in ("device_map", "host_then_moved") and "fla" in hf_load["kernels"]
     assert hf_load["ours_start_over_it"] > 0
