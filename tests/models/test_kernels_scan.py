@@ -250,6 +250,27 @@ def test_native_conv_prefill_matches_the_reference(channels, width, activation, 
     assert (diff > 0).float().mean() <= 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_conv_prefills_silu_saturates_as_torchs(dtype, monkeypatch):
+    """Pre-activations far below -88 (inputs of ~1e30): the SiLU is ~0 as torch's is, in the
+    16-lane vectors and the loop past them (40 channels). Before silu_poly, exp_poly's clamp at
+    88 gave x / e^88 there (~-6e-9 at -1e30), which this fails."""
+    g = torch.Generator().manual_seed(1)
+    lens = [70, 9]
+    x = (torch.randn(sum(lens), 40, generator=g) * 1e30).to(dtype)
+    w = (torch.rand(40, 4, generator=g) + 0.1).to(dtype)
+    pool = torch.zeros(64, 40, 3, dtype=dtype)
+    layout = _layout(lens, [[], []])
+    want = TorchBackend().conv1d_prefill(x, w, None, pool.clone(), layout, "silu")
+    assert (want.float() < -1e20).sum() == 0 and (x.float() < -1e29).sum() > 1000
+    monkeypatch.setattr(TorchBackend, "conv1d_prefill", None)  # the native path must run
+    got = CpuBackend().conv1d_prefill(x, w, None, pool.clone(), layout, "silu")
+    low = want.float() <= 0
+    assert low.sum() > 1000 and (got.float()[low].abs() <= 1e-30).all()
+    tol = (2**-7 if dtype == torch.bfloat16 else 1e-6) * want.float().abs().max()
+    assert ((got[~low].float() - want[~low].float()).abs() <= tol).all()
+
+
 def test_native_conv_prefill_snapshot_control(monkeypatch):
     """The state after 40 tokens is not the state after 41 (so the equality above is not
     vacuous), and neither is the carried-in state."""
