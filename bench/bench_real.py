@@ -44,6 +44,8 @@ CACHE = Path(os.environ.get("MAMBARADIX_CACHE", Path.home() / ".cache" / "mambar
 # Published configurations (models/published_configs.py), full size: random weights in bf16,
 # the published dimensions, layer pattern and vocabulary.
 PRESETS = ("qwen3_5_0_8b", "lfm2_350m", "granite_4_0_h_350m")
+# larger ones, run only when named (--presets): a mixture of experts (7B, 1B active: 14 GB)
+MORE_PRESETS = ("granite_4_0_h_tiny",)
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -122,6 +124,7 @@ TOKENIZER_CLASS = {
     "qwen3_5_0_8b": "Qwen2Tokenizer",
     "lfm2_350m": "TokenizersBackend",
     "granite_4_0_h_350m": "GPT2Tokenizer",
+    "granite_4_0_h_tiny": "GPT2Tokenizer",
 }
 
 
@@ -493,7 +496,9 @@ def run_preset(preset: str, args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--presets", nargs="*", default=list(PRESETS), choices=list(PRESETS))
+    ap.add_argument(
+        "--presets", nargs="*", default=list(PRESETS), choices=[*PRESETS, *MORE_PRESETS]
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--starts", type=int, default=3, help="fresh processes for start figures")
     ap.add_argument("--repeats", type=int, default=2)

@@ -322,8 +322,17 @@ class _Ops:
             _rand(g, 8, 64, 256, dtype=dt, scale=0.1),
             _rand(g, 8, 256, 32, dtype=dt, scale=0.1),
         )
-        x, gate, w, heads, cos, sin, ids, weights, gate_up, down = _moved(
-            [x, gate, w, heads, cos, sin, ids, weights, gate_up, down], self.device
+        # a decode batch's routed experts (5 tokens, 2 of 8 experts each; intermediate 64, the
+        # width the cpu backend's C call takes): expert 3 unrouted
+        ids5 = torch.tensor([[0, 1], [1, 5], [7, 0], [2, 1], [6, 4]])
+        w5 = torch.softmax(_rand(g, 5, 2), -1).to(dt)
+        gu5, down5 = (
+            _rand(g, 8, 128, 256, dtype=dt, scale=0.1),
+            _rand(g, 8, 256, 64, dtype=dt, scale=0.1),
+        )
+        x, gate, w, heads, cos, sin, ids, weights, gate_up, down, ids5, w5, gu5, down5 = _moved(
+            [x, gate, w, heads, cos, sin, ids, weights, gate_up, down, ids5, w5, gu5, down5],
+            self.device,
         )
         outs = [
             be.rms_norm(x, w, 1e-6, False),
@@ -332,7 +341,8 @@ class _Ops:
             *be.add_rms_norm(x, gate, w, 1e-6, True),
             be.rms_norm_gated(x, gate, w, 1e-6),
             be.rms_norm_rope(heads, w[:128], 1e-6, True, cos, sin),
-            experts_forward(x, weights, ids, gate_up, down, torch.nn.functional.silu, be),
+            experts_forward(x, weights, ids, gate_up, down, "silu", be),
+            experts_forward(x[:5], w5, ids5, gu5, down5, "silu", be),
         ]
         return outs, {}
 

@@ -229,6 +229,8 @@ def test_linear_module_goes_through_its_backend(monkeypatch):
         (768, 2048, 11, "bf16"),
         (1024, 4608, 16, "fp32"),  # the tile kernel from 12 rows
         (768, 2048, 37, "fp32"),
+        (64, 40, 3, "bf16"),  # an intermediate that is no multiple of the activation's chunks
+        (64, 100, 2, "fp32"),
     ],
 )
 def test_gated_mlp_is_the_composition_bit_for_bit(hidden, inter, m, mode, matmul_mode):

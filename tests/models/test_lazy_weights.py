@@ -95,7 +95,7 @@ def test_stack_fills_the_parameter_layout_experts_use(ckpt):
     lazy = scanned(path)
     stack = W.Stack([W.Concat([lazy["a"], lazy["c"]]), W.Concat([lazy["c"], lazy["a"]])])
     assert stack.shape == (2, 5, 8)
-    out = torch.empty(2, 8, 5, dtype=torch.bfloat16).transpose(1, 2)  # expert_weights' layout
+    out = torch.empty(2, 8, 5, dtype=torch.bfloat16).transpose(1, 2)  # a strided parameter
     stack.read_into(out)
     want = torch.stack([torch.cat([ref["a"], ref["c"]]), torch.cat([ref["c"], ref["a"]])])
     assert torch.equal(out, want)

@@ -1,5 +1,5 @@
 """Routed experts: the padded-bmm path (few tokens per expert) and the per-expert loop both
-equal a token-by-token computation, on the input-major weight layout."""
+equal a token-by-token computation, on the checkpoint's ``[E, out, in]`` weight layout."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mambaradix.layers import moe
+from mambaradix.kernels import cpu, moe
+from mambaradix.kernels.cpu_backend import CpuBackend
+from mambaradix.kernels.torch_backend import TorchBackend
 from mambaradix.layers.moe import expert_weights, experts_forward, route_topk
 
 
@@ -29,7 +31,7 @@ def test_both_paths_equal_direct_computation(tokens):
     with torch.no_grad():
         gate_up.copy_(torch.randn(E, 2 * inter, H) * 0.3)
         down.copy_(torch.randn(E, H, inter) * 0.3)
-    assert not gate_up.is_contiguous() and gate_up.transpose(1, 2).is_contiguous()
+    assert gate_up.is_contiguous() and down.is_contiguous()
     x = torch.randn(tokens, H)
     logits = torch.randn(tokens, E)
     logits[:, 5] = -1e4  # expert 5 never chosen: an empty group on both paths
@@ -37,12 +39,106 @@ def test_both_paths_equal_direct_computation(tokens):
     ref = _direct(x, w, ids, gate_up.detach(), down.detach())
     padded = tokens * K <= moe.PADDED_MAX_PER_EXPERT * E
     with torch.no_grad():
-        got = experts_forward(x, w, ids, gate_up, down, F.silu)
+        got = experts_forward(x, w, ids, gate_up, down, "silu")
         old = moe.PADDED_MAX_PER_EXPERT
         try:  # the other path on the same input
             moe.PADDED_MAX_PER_EXPERT = 0 if padded else 1 << 30
-            other = experts_forward(x, w, ids, gate_up, down, F.silu)
+            other = experts_forward(x, w, ids, gate_up, down, "silu")
         finally:
             moe.PADDED_MAX_PER_EXPERT = old
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(other, ref, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- the C call
+
+
+def _bf16_experts(E: int, H: int, inter: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(E, 2 * inter, H, generator=g) * 0.1).bfloat16()
+    down = (torch.randn(E, H, inter, generator=g) * 0.1).bfloat16()
+    return g, gate_up, down
+
+
+def _routed(g, tokens: int, E: int, K: int, unrouted: tuple[int, ...] = ()):
+    logits = torch.randn(tokens, E, generator=g)
+    logits[:, list(unrouted)] = -1e4
+    w, ids = route_topk(logits, K, normalize=True)
+    return w.bfloat16(), ids
+
+
+def _per_row_blocks(x, w, ids, gate_up, down):
+    """Each pair's expert block through the cpu backend's gated_mlp (one row), summed in fp32
+    by weight and rounded once: the C call's arithmetic, but for its fp32 contractions."""
+    be = CpuBackend()
+    out = torch.empty_like(x)
+    for t in range(x.shape[0]):
+        acc = torch.zeros(x.shape[1])
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            block = be.gated_mlp(x[t : t + 1], gate_up[e], down[e], "silu")[0]
+            acc += w[t, k].float() * block.float()
+        out[t] = acc.bfloat16()
+    return out
+
+
+@pytest.mark.parametrize("tokens,K", [(1, 1), (1, 4), (5, 4), (32, 4), (9, 1)])
+def test_the_cpu_backends_moe_call_is_each_routed_experts_block(tokens, K):
+    """bf16 decode batches (16 experts, at most 8 pairs an expert on average) run the C call
+    (cpu.moe_experts is not None): one expert a token gives exactly the backend's gated_mlp of
+    its row; k of them its fp32 weighted sum within one bf16 rounding (the C code may fuse the
+    multiply-adds), and the torch reference (padded batched GEMMs) within bf16 rounding of
+    every intermediate. Unrouted experts' weights are never used: NaN there changes nothing,
+    NaN in a routed one reaches the output (the control)."""
+    E, H, inter = 16, 256, 96  # (96: the activation's last chunk of a row is short)
+    g, gate_up, down = _bf16_experts(E, H, inter, tokens * 10 + K)
+    x = torch.randn(tokens, H, generator=g).bfloat16()
+    w, ids = _routed(g, tokens, E, K, unrouted=(3, 11))
+    got = cpu.moe_experts(x, w, ids, gate_up, down, "silu")
+    assert got is not None and got.shape == (tokens, H) and got.dtype == torch.bfloat16
+    want = _per_row_blocks(x, w, ids, gate_up, down)
+    if K == 1:
+        assert torch.equal(got, want)
+    else:
+        ulp = want.float().abs() * 2.0**-7 + 1e-30
+        assert ((got.float() - want.float()).abs() <= ulp).all()
+    assert torch.equal(CpuBackend().moe_experts(x, w, ids, gate_up, down, "silu"), got)
+    ref = TorchBackend().moe_experts(x, w, ids, gate_up, down, "silu")
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+    poisoned_gu, poisoned_down = gate_up.clone(), down.clone()
+    poisoned_gu[[3, 11]] = float("nan")
+    poisoned_down[[3, 11]] = float("nan")
+    assert torch.equal(cpu.moe_experts(x, w, ids, poisoned_gu, poisoned_down, "silu"), got)
+    poisoned_down[int(ids[0, 0])] = float("nan")
+    assert cpu.moe_experts(x, w, ids, poisoned_gu, poisoned_down, "silu")[0].isnan().any()
+
+
+def test_the_cpu_backends_moe_call_takes_only_decode_batches_and_bf16():
+    """Prefill-sized batches (more than 8 pairs an expert on average), fp32 and another
+    activation get None from cpu.moe_experts and the reference from the backend."""
+    E, H, inter, K = 4, 64, 32, 2
+    g, gate_up, down = _bf16_experts(E, H, inter, 0)
+    for tokens, dtype, act in ((17, torch.bfloat16, "silu"), (3, torch.float32, "silu"),
+                               (3, torch.bfloat16, "gelu")):  # fmt: skip
+        x = torch.randn(tokens, H, generator=g).to(dtype)
+        w, ids = _routed(g, tokens, E, K)
+        args = (x, w.to(dtype), ids, gate_up.to(dtype), down.to(dtype), act)
+        assert cpu.moe_experts(*args) is None
+        be = CpuBackend()  # the reference's composition over this backend's pad / unpad
+        assert torch.equal(be.moe_experts(*args), TorchBackend.moe_experts(be, *args))
+
+
+def test_the_cpu_backends_moe_call_skips_ids_out_of_range():
+    """A pair whose expert id is outside 0..E-1 adds nothing (the C call never reads or
+    writes past the weights or its scratch): the same as that pair with weight 0."""
+    E, H, inter, K = 8, 64, 64, 2
+    g, gate_up, down = _bf16_experts(E, H, inter, 1)
+    x = torch.randn(3, H, generator=g).bfloat16()
+    w, ids = _routed(g, 3, E, K)
+    bad, zero = ids.clone(), w.clone()
+    bad[1, 0], bad[2, 1] = E, -1
+    zero[1, 0] = zero[2, 1] = 0
+    got = cpu.moe_experts(x, w, bad, gate_up, down, "silu")
+    assert got is not None
+    assert torch.equal(got, cpu.moe_experts(x, zero, ids, gate_up, down, "silu"))
+    assert not torch.equal(got, cpu.moe_experts(x, w, ids, gate_up, down, "silu"))

@@ -212,6 +212,14 @@ class KernelBackend(ABC):
     def moe_unpad(self, y: Tensor, ids: Tensor, pos: Tensor, weights: Tensor) -> Tensor:
         """Sum each token's expert outputs ``y`` ``[E, cap, H]`` by its routing weights."""
 
+    @abstractmethod
+    def moe_experts(self, x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor,
+                    down: Tensor, act: str) -> Tensor:  # fmt: skip
+        """A mixture of experts' routed part: ``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``
+        (``x`` ``[T, H]``, ``ids`` / ``weights`` ``[T, K]``), each expert a gated block as
+        ``gated_mlp``'s (``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]``, ``act`` a Hugging
+        Face ``hidden_act`` name)."""
+
 
 # --------------------------------------------------------------------------- the registry
 

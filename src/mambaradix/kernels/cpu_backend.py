@@ -50,6 +50,7 @@ class CpuBackend(TorchBackend):
             "conv1d_decode", "mamba2_prefill", "mamba2_decode", "mamba2_mixer_decode",
             "linear (bf16, decode)", "gated_mlp (bf16, decode)", "rms_norm", "add_rms_norm",
             "rms_norm_gated", "rms_norm_gate_first", "rms_norm_rope", "moe_pad", "moe_unpad",
+            "moe_experts (bf16, decode)",
         ]  # fmt: skip
 
     def paged_attention_decode(self, q, k_pool, v_pool, layout, scale):
@@ -87,6 +88,11 @@ class CpuBackend(TorchBackend):
         for key, groups in self._index(layout)._memo.items():
             if key[0] == "row_groups" and groups is not None:
                 self._index(recorded)._memo[key].copy_(groups)
+
+    def moe_experts(self, x, weights, ids, gate_up, down, act):
+        """Decode batches in one C call that reads only the routed experts' weights."""
+        out = cpu.moe_experts(x, weights, ids, gate_up, down, act)
+        return super().moe_experts(x, weights, ids, gate_up, down, act) if out is None else out
 
     def gated_mlp(self, x, gate_up, down, act):
         out = cpu.gated_mlp(x, gate_up, down, act)

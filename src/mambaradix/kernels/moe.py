@@ -1,14 +1,66 @@
 """Mixture-of-experts routing around the expert GEMMs (torch reference kernels).
 
-Decode batches run all experts as one padded batched GEMM: ``moe_pad`` lays the (token,
-expert) pairs out as ``[E, cap, H]`` blocks, ``cap`` the busiest expert's count, and
-``moe_unpad`` gathers the expert outputs back and sums each token's ``k`` of them by weight.
+``moe_experts`` is the reference of the backend op: decode batches run all experts as one
+padded batched GEMM (``moe_pad`` lays the (token, expert) pairs out as ``[E, cap, H]`` blocks,
+``cap`` the busiest expert's count, and ``moe_unpad`` gathers the expert outputs back and sums
+each token's ``k`` of them by weight); larger batches loop over the experts with tokens, one
+exact-size GEMM pair each.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from mambaradix.kernels.backend import KernelBackend
+
+# at most this many (token, expert) pairs per expert on average: run all experts as one padded
+# bmm instead of a loop of small GEMMs (decode batches; prefill keeps the exact-size loop)
+PADDED_MAX_PER_EXPERT = 64
+
+
+def moe_experts(
+    ops: KernelBackend,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` (``gate_up`` ``[E, 2I, H]``,
+    ``down`` ``[E, H, I]``, ``act`` the gate's activation): few pairs an expert, one padded
+    batched GEMM over every expert (``ops``' ``moe_pad`` / ``moe_unpad``); else one GEMM pair
+    per expert with tokens."""
+    T, K = ids.shape
+    E = gate_up.shape[0]
+    if T * K <= PADDED_MAX_PER_EXPERT * E:
+        buf, pos = ops.moe_pad(x, ids, E)
+        g, u = torch.bmm(buf, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+        y = torch.bmm(act(g) * u, down.transpose(1, 2))
+        return ops.moe_unpad(y, ids, pos, weights)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    token_of = order // K
+    xs = x.index_select(0, token_of)
+    out = torch.empty(T * K, x.shape[-1], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        h = F.linear(xs[start : start + n], gate_up[e])
+        g, u = h.chunk(2, dim=-1)
+        out[start : start + n] = F.linear(act(g) * u, down[e])
+        start += n
+    out = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    result = torch.zeros_like(x)
+    result.index_add_(0, token_of, out)  # sum the k experts of each token
+    return result
 
 
 def moe_pad(

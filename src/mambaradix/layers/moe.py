@@ -30,17 +30,12 @@ def route_topk(
 
 
 def expert_weights(num_experts: int, out_features: int, in_features: int) -> nn.Parameter:
-    """A ``[E, out, in]`` stack of expert weights (the checkpoint's shape) laid out in memory as
-    ``[E, in, out]``: ``w[e]`` is then the transposed view GEMMs read fastest (``x @ w[e].T``
-    with ``w[e].T`` row-major; the per-expert loop got ~25% faster on CPU), and
-    ``w.transpose(1, 2)`` is a contiguous operand for ``bmm``. Loading copies into it as into
-    any parameter."""
-    return nn.Parameter(torch.empty(num_experts, in_features, out_features).transpose(1, 2))
-
-
-# at most this many (token, expert) pairs per expert on average: run all experts as one padded
-# bmm instead of a loop of small GEMMs (decode batches; prefill keeps the exact-size loop)
-PADDED_MAX_PER_EXPERT = 64
+    """A ``[E, out, in]`` stack of expert weights, contiguous: the checkpoint's layout, each
+    ``w[e]`` an ``nn.Linear`` weight, which the native decode kernels read row by row
+    (``KernelBackend.moe_experts``). Loading copies into it as into any parameter. (It was laid
+    out ``[E, in, out]`` before; on an Intel Xeon with AMX the expert GEMMs took the same time
+    either way, bf16 and fp32, 16 to 1,024 rows an expert.)"""
+    return nn.Parameter(torch.empty(num_experts, out_features, in_features))
 
 
 def experts_forward(
@@ -49,53 +44,13 @@ def experts_forward(
     ids: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    act,
+    act: str,
     ops: KernelBackend | None = None,
 ) -> torch.Tensor:
-    """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``, grouping tokens by expert.
-
-    ``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]``. Few tokens per expert (decode): one
-    batched GEMM over all experts, each padded to the busiest one's count; otherwise one GEMM
-    per expert with tokens. ``ops``: the backend (default the torch reference)."""
-    T, K = ids.shape
-    E = gate_up.shape[0]
-    if T * K <= PADDED_MAX_PER_EXPERT * E:
-        return _padded_experts(x, weights, ids, gate_up, down, act, ops or reference_backend())
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=E)
-    token_of = order // K
-    xs = x.index_select(0, token_of)
-    out = torch.empty(T * K, x.shape[-1], dtype=x.dtype, device=x.device)
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        if n == 0:
-            continue
-        h = F.linear(xs[start : start + n], gate_up[e])
-        g, u = h.chunk(2, dim=-1)
-        out[start : start + n] = F.linear(act(g) * u, down[e])
-        start += n
-    out = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-    result = torch.zeros_like(x)
-    result.index_add_(0, token_of, out)  # sum the k experts of each token
-    return result
-
-
-def _padded_experts(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    act,
-    ops: KernelBackend,
-) -> torch.Tensor:
-    """``experts_forward`` as ``[E, cap, *]`` bmm's, ``cap`` the largest count: the pairs are
-    laid out by ``moe_pad`` and summed back by ``moe_unpad`` (padding rows are never read)."""
-    buf, pos = ops.moe_pad(x, ids, gate_up.shape[0])
-    g, u = torch.bmm(buf, gate_up.transpose(1, 2)).chunk(2, dim=-1)
-    y = torch.bmm(act(g) * u, down.transpose(1, 2))
-    return ops.moe_unpad(y, ids, pos, weights)
+    """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``: the backend's ``moe_experts``
+    (default the torch reference). ``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]``, ``act``
+    a Hugging Face ``hidden_act`` name."""
+    return (ops or reference_backend()).moe_experts(x, weights, ids, gate_up, down, act)
 
 
 class Experts(KernelUser, nn.Module):
@@ -103,7 +58,8 @@ class Experts(KernelUser, nn.Module):
         super().__init__()
         self.gate_up_proj = expert_weights(num_experts, 2 * intermediate, hidden)
         self.down_proj = expert_weights(num_experts, hidden, intermediate)
-        self.act = activation(act)
+        activation(act)  # an unsupported name fails here, at build
+        self.act = act
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return experts_forward(

@@ -127,7 +127,8 @@ class GraniteMoE(KernelUser, nn.Module):
         self.router = _Router(hidden, num_experts)
         self.input_linear = _Weight(num_experts, 2 * intermediate, hidden)
         self.output_linear = _Weight(num_experts, hidden, intermediate)
-        self.act = activation(act)
+        activation(act)  # an unsupported name fails here, at build
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_logits, top_idx = self.router.layer(x).float().topk(self.top_k, dim=-1)

@@ -48,7 +48,7 @@
  * better with two streams per thread. Prefetches past the matrix's end are hints and never
  * fault. */
 #define PF_DIST 1024
-#define ACT_CHUNK 64 /* gated_mlp_bf16's activation in chunks (I a multiple of it) */
+#define ACT_CHUNK 64 /* the gated blocks' activation in chunks of a row (act_team) */
 
 #if HAVE_DPBF16
 #define LD(p) ((__m512bh)_mm512_loadu_si512((const void *)(p)))
@@ -1075,6 +1075,35 @@ void linear_bf16_many(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_
     many_team(M, N, K, x, x_stride, w, bias, out, N, xs);
 }
 
+/* h = silu(gate) * up for M rows of gu = [gate | up] ([M][2I] -> [M][I], bf16: the activation
+ * and the product each rounded, as torch's bf16 ops hold them), in chunks of ACT_CHUNK of a row
+ * (the last one of a row shorter where I is not a multiple). Called by every thread of a team;
+ * the loop's barrier at its end. */
+ALWAYS_INLINE void act_team(int64_t M, int64_t I, const uint16_t *gu, uint16_t *h)
+{
+    const int64_t chunks = (I + ACT_CHUNK - 1) / ACT_CHUNK; /* a row's */
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < M * chunks; c++) {
+        const int64_t m = c / chunks, i0 = c % chunks * ACT_CHUNK;
+        const int64_t n = I - i0 < ACT_CHUNK ? I - i0 : ACT_CHUNK;
+        const uint16_t *g = gu + m * 2 * I + i0;
+        uint16_t *hc = h + m * I + i0;
+        int64_t i = 0;
+#if HAVE_CONV_WINDOW
+        for (; i + 16 <= n; i += 16) {
+            const __m512 act = cw_round_bf16(cw_silu(cw_load_bf16(g + i)));
+            _mm256_storeu_si256((__m256i *)(hc + i),
+                                cw_ps_to_bf16(_mm512_mul_ps(act, cw_load_bf16(g + I + i))));
+        }
+#endif
+        for (; i < n; i++) {
+            const float a = bf16_to_f32(g[i]);
+            const float act = round_bf16(silu_poly(a));
+            hc[i] = f32_to_bf16(act * bf16_to_f32(g[I + i]));
+        }
+    }
+}
+
 /* A gated feed-forward block of a decode batch, one call: gu = x w_gu^T ([M][2I], bf16, gate
  * first), h = silu(gate) * up ([M][I], bf16: the activation and the product each rounded, as
  * torch's bf16 ops hold them), out = h w_down^T ([M][H]). gu and h: caller's scratch; xs: NULL
@@ -1091,28 +1120,87 @@ void gated_mlp_bf16(int64_t M, int64_t I, int64_t H, const uint16_t *x, int64_t 
             many_team(M, 2 * I, H, x, x_stride, w_gu, NULL, gu, 2 * I, xs);
         else
             rows_team(M, 2 * I, H, x, x_stride, w_gu, NULL, gu, 2 * I);
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < M * I; c += ACT_CHUNK) { /* rows of I are whole chunks */
-            const uint16_t *g = gu + c / I * 2 * I + c % I;
-            uint16_t *hc = h + c;
-            int64_t i = 0;
-#if HAVE_CONV_WINDOW
-            for (; i < ACT_CHUNK; i += 16) {
-                const __m512 act = cw_round_bf16(cw_silu(cw_load_bf16(g + i)));
-                _mm256_storeu_si256((__m256i *)(hc + i),
-                                    cw_ps_to_bf16(_mm512_mul_ps(act, cw_load_bf16(g + I + i))));
-            }
-#endif
-            for (; i < ACT_CHUNK; i++) {
-                const float a = bf16_to_f32(g[i]);
-                const float act = round_bf16(silu_poly(a));
-                hc[i] = f32_to_bf16(act * bf16_to_f32(g[I + i]));
-            }
-        }
+        act_team(M, I, gu, h);
         if (xs)
             many_team(M, H, I, h, I, w_down, NULL, out, H, xs);
         else
             rows_team(M, H, I, h, I, w_down, NULL, out, H);
+    }
+}
+
+#define MOE_SUM_COLS 256 /* moe_gated_bf16's weighted sums, columns at a time */
+
+/* The routed experts of a mixture-of-experts layer for a decode batch, one call:
+ * out[t] = sum_k weights[t*K + k] * expert_e(x[t]), e = ids[t*K + k], each expert a gated
+ * block as gated_mlp_bf16's (w_gu [E][2I][H], gate rows first; w_down [E][H][I]) over the rows
+ * routed to it, so only the routed experts' weights are read: at batch 1 the k of E, where
+ * the padded batched GEMM (kernels/moe.py) reads every expert's. The sum runs in fp32 in k
+ * order and is rounded once, as moe_unpad_bf16's. Pairs are grouped by expert with a counting
+ * sort (stable: an expert's rows in pair order); an id outside 0..E-1 contributes nothing
+ * (nothing is read or written out of bounds). Nothing is returned for Python to read, so a
+ * decode step holding the call can be recorded (engine/step_graph.py).
+ * Scratch, P = T * K: xs [P][H], gu [P][2I], h [P][I], y [P][H] bf16; idx [2P + 2E + 1]. */
+void moe_gated_bf16(int64_t T, int64_t K, int64_t E, int64_t I, int64_t H, const uint16_t *x,
+                    int64_t x_stride, const int64_t *ids, const float *weights,
+                    const uint16_t *w_gu, const uint16_t *w_down, uint16_t *xs, uint16_t *gu,
+                    uint16_t *h, uint16_t *y, int64_t *idx, uint16_t *out)
+{
+    const int64_t P = T * K;
+    int64_t *slot = idx;               /* slot[p]: pair p's row in the sorted order, or -1 */
+    int64_t *pair = idx + P;           /* pair[s]: the pair at sorted row s */
+    int64_t *start = idx + 2 * P;      /* expert e's rows: start[e] .. start[e + 1] */
+    int64_t *next = idx + 2 * P + E + 1; /* the counting sort's cursors */
+    for (int64_t e = 0; e <= E; e++)
+        start[e] = 0;
+    for (int64_t p = 0; p < P; p++)
+        if (ids[p] >= 0 && ids[p] < E)
+            start[ids[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) {
+        start[e + 1] += start[e];
+        next[e] = start[e];
+    }
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t e = ids[p];
+        slot[p] = e >= 0 && e < E ? next[e]++ : -1;
+        if (slot[p] >= 0)
+            pair[slot[p]] = p;
+    }
+    const int64_t rows = start[E];
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < rows; s++)
+            memcpy(xs + s * H, x + pair[s] / K * x_stride, (size_t)H * sizeof(uint16_t));
+        for (int64_t e = 0; e < E; e++) /* every thread walks every expert: the teams' barriers */
+            if (start[e + 1] > start[e])
+                rows_team(start[e + 1] - start[e], 2 * I, H, xs + start[e] * H, H,
+                          w_gu + e * 2 * I * H, NULL, gu + start[e] * 2 * I, 2 * I);
+        act_team(rows, I, gu, h);
+        for (int64_t e = 0; e < E; e++)
+            if (start[e + 1] > start[e])
+                rows_team(start[e + 1] - start[e], H, I, h + start[e] * I, I,
+                          w_down + e * H * I, NULL, y + start[e] * H, H);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t d0 = 0; d0 < H; d0 += MOE_SUM_COLS) {
+                const int64_t n = H - d0 < MOE_SUM_COLS ? H - d0 : MOE_SUM_COLS;
+                float acc[MOE_SUM_COLS];
+                for (int64_t d = 0; d < n; d++)
+                    acc[d] = 0.0f;
+                for (int64_t k = 0; k < K; k++) {
+                    const int64_t s = slot[t * K + k];
+                    if (s < 0)
+                        continue;
+                    const float w = weights[t * K + k];
+                    const uint16_t *ys = y + s * H + d0;
+#pragma omp simd
+                    for (int64_t d = 0; d < n; d++)
+                        acc[d] += w * bf16_to_f32(ys[d]);
+                }
+#pragma omp simd
+                for (int64_t d = 0; d < n; d++)
+                    out[t * H + d0 + d] = f32_to_bf16(acc[d]);
+            }
     }
 }
 
