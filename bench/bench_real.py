@@ -26,6 +26,7 @@ Per preset it prints, in a fixed format:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -209,9 +210,12 @@ def _timed(fn) -> float:
 
 
 def weight_figures(model: torch.nn.Module) -> tuple[int, int, int]:
-    """(bytes a decode step reads: every linear weight incl. the LM head, norms, convs and
-    one embedding row; parameters of the linear layers incl. the LM head; the LM head's)."""
+    """(bytes a batch-1 decode step reads: every linear weight incl. the LM head, norms, convs,
+    one embedding row and, of a mixture of experts, the routed experts' share of the stacks
+    (``routed_share``); parameters of the linear layers a token computes with, incl. the LM head
+    (of the experts, the routed share); the LM head's)."""
     read = linear = head = 0
+    share = routed_share(model)
     for name, p in model.named_parameters():
         if "embed" in name and p.dim() == 2:
             read += p.shape[1] * p.element_size()  # one row per token
@@ -220,11 +224,32 @@ def weight_figures(model: torch.nn.Module) -> tuple[int, int, int]:
                 head += p.numel()
                 read += p.numel() * p.element_size()
             continue
-        read += p.numel() * p.element_size()
+        used = share if _is_expert(name, p) else 1.0
+        read += int(p.numel() * p.element_size() * used)
         if p.dim() >= 2 and "conv" not in name:
-            linear += p.numel()
+            linear += int(p.numel() * used)
             head += p.numel() if name.startswith("lm_head") else 0
     return read, linear, head
+
+
+def routed_share(model: torch.nn.Module) -> float:
+    """The share of a mixture of experts' expert weights one token reads: top-k / experts
+    (1 for a dense model)."""
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    experts = max(
+        getattr(cfg, k, 0) or 0 for k in ("num_local_experts", "num_experts", "n_routed_experts")
+    )
+    top_k = getattr(cfg, "num_experts_per_tok", 0) or 0
+    return top_k / experts if experts and top_k else 1.0
+
+
+def _is_expert(name: str, p: torch.Tensor) -> bool:
+    """A routed expert's weights: a 3-D stack (the shared expert is 2-D), or one of a list
+    (``experts.<e>.``, Nemotron-H)."""
+    if ".experts." in name and name.split(".experts.")[1].split(".")[0].isdigit():
+        return True
+    return p.dim() == 3 and ("experts" in name or "block_sparse_moe" in name)
 
 
 def _tied(model: torch.nn.Module) -> bool:
@@ -460,11 +485,15 @@ def run_preset(preset: str, args: argparse.Namespace) -> None:
         )
         bar.update()
     eng.shutdown()
+    del eng  # (its weights: a 14 GB model loaded twice at once exceeded 24 GB here)
+    gc.collect()
     prompts = w1_workload(vocab)
     eng = Engine(model_path=str(folder), num_threads=args.threads, dtype=dtype)
     ideal = 4 * 576 + 28 * (576 - 512)  # each group's first computes all, the rest the question
     t, computed = engine_w1(eng, prompts)
     eng.shutdown()
+    del eng
+    gc.collect()
     nan = float("nan")
     hf_prefill_s, hf_decode_s, hf_w1_s = dict.fromkeys(prefill, nan), {}, nan
     if not args.skip_hf:

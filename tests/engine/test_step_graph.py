@@ -113,6 +113,8 @@ def _generate(eng: Engine, prompts, new_tokens: list[int], **params):
         ("nemotron_h_8b", "float32"),
         ("nemotron_h_8b", "bfloat16"),
         ("nemotron_nano_9b_v2", "bfloat16"),
+        ("granite_hybrid_moe", "bfloat16"),  # MoE: the routed experts in one C call
+        ("qwen3_next", "bfloat16"),
     ],
 )
 def test_every_replay_equals_the_python_forward(model_path, arch, dtype):
@@ -260,8 +262,10 @@ def test_engine_outputs_equal_with_graphs_on_and_off(flags):
 
 
 def test_moe_steps_are_refused_and_still_correct():
-    """An MoE layer's routing is read by Python (the expert counts): the recording is refused,
-    the step runs the Python path, outputs equal those without graphs; after
+    """An fp32 MoE layer's routing is read by Python (the padded pair layout's expert counts;
+    a bf16 decode batch's routed experts run in one C call that returns nothing, replayed
+    above): the recording is refused, the step runs the Python path, outputs equal those
+    without graphs; after
     REFUSALS_TO_STOP keys refused for that reason nothing more is recorded (batches 5, 4, 3,
     2 and 1 below, two steps each, would otherwise each be tried)."""
     outs = {}

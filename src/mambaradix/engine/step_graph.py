@@ -36,9 +36,10 @@ recorded) where a replay
 could not give the Python path's result: Python read a tensor's data (``item``, ``bool``,
 ``tolist``) or built a tensor from Python values, an op's output shape or values depend on
 more than its inputs (``nonzero``, random ops), a native call returned a value Python reads
-(MoE routing), or a native call reads memory the graph does not hold. Steps with prefill rows
-or with a snapshot copied after the step (a decode's at its last position: the decode
-interval's) are never replayed, nor those the backend's ``replay_key`` refuses.
+(an fp32 MoE's padded pair layout), or a native call reads memory the graph does not hold.
+Steps with prefill rows or with a snapshot copied after the step (a decode's at its last
+position: the decode interval's) are never replayed, nor those the backend's ``replay_key``
+refuses.
 """
 
 from __future__ import annotations
