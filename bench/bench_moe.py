@@ -5,7 +5,7 @@ still cached from the run before; the best of ``--reps``) of the torch reference
 per expert with tokens for larger ones) and of the backend's ``moe_experts`` (for bf16 decode
 batches one C call that reads only the routed experts' weights, ``moe_gated_bf16``; other batches
 the reference), alternated; and the GB/s at which the backend read the routed experts' weights.
-Random routing (each token's ``k`` experts drawn without repeats), bf16.
+Random routing (each token's ``k`` experts drawn without repeats), bf16 (``--dtype``).
 
     python bench/bench_moe.py --shape granite_4_0_h_tiny --batches 1 4 16 64 512 --threads 2
 """
@@ -35,14 +35,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="layers of distinct weights")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     E, K, inter, hidden = SHAPES[args.shape]
     g = torch.Generator().manual_seed(0)
     layers = [
         (
-            (torch.randn(E, 2 * inter, hidden, generator=g) * 0.02).bfloat16(),
-            (torch.randn(E, hidden, inter, generator=g) * 0.02).bfloat16(),
+            (torch.randn(E, 2 * inter, hidden, generator=g) * 0.02).to(dtype),
+            (torch.randn(E, hidden, inter, generator=g) * 0.02).to(dtype),
         )
         for _ in range(args.layers)
     ]
@@ -51,12 +53,12 @@ def main() -> None:
         "reference": lambda *a: TorchBackend.moe_experts(be, *a),
         "backend": be.moe_experts,
     }
-    print(f"# {args.shape}: {E} experts, top {K}, intermediate {inter}, hidden {hidden}, bf16, "
+    print(f"# {args.shape}: {E} experts, top {K}, intermediate {inter}, hidden {hidden}, {dtype}, "
           f"{args.threads} threads; ms a layer")  # fmt: skip
     for T in args.batches:
-        x = torch.randn(T, hidden, generator=g).bfloat16()
+        x = torch.randn(T, hidden, generator=g).to(dtype)
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-        w = torch.softmax(torch.randn(T, K, generator=g), -1).bfloat16()
+        w = torch.softmax(torch.randn(T, K, generator=g), -1).to(dtype)
         best = dict.fromkeys(sides, float("inf"))
         for _ in range(args.reps):
             for name, fn in sides.items():
@@ -64,7 +66,7 @@ def main() -> None:
                 for gate_up, down in layers:
                     fn(x, w, ids, gate_up, down, "silu")
                 best[name] = min(best[name], (time.perf_counter() - t0) / len(layers))
-        routed = len(set(ids.flatten().tolist())) * 3 * inter * hidden * 2
+        routed = len(set(ids.flatten().tolist())) * 3 * inter * hidden * dtype.itemsize
         print(f"batch {T:5d}: reference {best['reference'] * 1e3:8.2f}  backend "
               f"{best['backend'] * 1e3:8.2f}  ({best['reference'] / best['backend']:.2f}x; "
               f"{routed / best['backend'] / 1e9:.1f} GB/s of the routed weights)")  # fmt: skip

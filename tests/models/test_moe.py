@@ -142,3 +142,29 @@ def test_the_cpu_backends_moe_call_skips_ids_out_of_range():
     assert got is not None
     assert torch.equal(got, cpu.moe_experts(x, zero, ids, gate_up, down, "silu"))
     assert not torch.equal(got, cpu.moe_experts(x, w, ids, gate_up, down, "silu"))
+
+
+def test_the_cpu_backend_loops_over_the_routed_experts_for_fewer_pairs_than_experts(monkeypatch):
+    """fp32 decode batches (no C call) of fewer (token, expert) pairs than experts take the
+    per-expert loop, which reads only the routed experts' weights: the padded layout is never
+    built (moe_pad raising changes nothing) and the result is the token-by-token one. From as
+    many pairs as experts the padded GEMM runs (moe_pad raising then fails: the control)."""
+    E, H, inter, K = 16, 32, 24, 2
+    g = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(E, 2 * inter, H, generator=g) * 0.3
+    down = torch.randn(E, H, inter, generator=g) * 0.3
+
+    def refuse(*args):
+        raise AssertionError("the padded layout was built")
+
+    monkeypatch.setattr(CpuBackend, "moe_pad", staticmethod(refuse))
+    be = CpuBackend()
+    for tokens in (1, 7):  # 2 and 14 pairs
+        x = torch.randn(tokens, H, generator=g)
+        w, ids = route_topk(torch.randn(tokens, E, generator=g), K, normalize=True)
+        got = be.moe_experts(x, w, ids, gate_up, down, "silu")
+        torch.testing.assert_close(got, _direct(x, w, ids, gate_up, down), atol=1e-5, rtol=1e-5)
+    x = torch.randn(8, H, generator=g)
+    w, ids = route_topk(torch.randn(8, E, generator=g), K, normalize=True)
+    with pytest.raises(AssertionError, match="padded layout"):
+        be.moe_experts(x, w, ids, gate_up, down, "silu")

@@ -8,7 +8,8 @@ after each written into its position's slot (``csrc/decode.h``)."""
 
 from __future__ import annotations
 
-from mambaradix.kernels import cpu, native
+from mambaradix.kernels import cpu, moe, native
+from mambaradix.kernels.activation import activation
 from mambaradix.kernels.backend import register_backend
 from mambaradix.kernels.torch_backend import TorchBackend, _copy_decode_snapshots
 
@@ -90,9 +91,15 @@ class CpuBackend(TorchBackend):
                 self._index(recorded)._memo[key].copy_(groups)
 
     def moe_experts(self, x, weights, ids, gate_up, down, act):
-        """Decode batches in one C call that reads only the routed experts' weights."""
+        """bf16 decode batches in one C call that reads only the routed experts' weights; other
+        batches of fewer pairs than experts (fp32 decodes) by the reference's per-expert loop,
+        which reads only theirs too (Granite-4.0-H-tiny's shape, fp32, batch 1: 29.1 -> 3.6 ms
+        a layer); the rest by the reference."""
         out = cpu.moe_experts(x, weights, ids, gate_up, down, act)
-        return super().moe_experts(x, weights, ids, gate_up, down, act) if out is None else out
+        if out is not None:
+            return out
+        few = gate_up.shape[0]  # the padded GEMM from as many pairs as experts
+        return moe.moe_experts(self, x, weights, ids, gate_up, down, activation(act), few)
 
     def gated_mlp(self, x, gate_up, down, act):
         out = cpu.gated_mlp(x, gate_up, down, act)

@@ -31,14 +31,16 @@ def moe_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
+    padded_min_pairs: int = 0,
 ) -> torch.Tensor:
     """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` (``gate_up`` ``[E, 2I, H]``,
     ``down`` ``[E, H, I]``, ``act`` the gate's activation): few pairs an expert, one padded
     batched GEMM over every expert (``ops``' ``moe_pad`` / ``moe_unpad``); else one GEMM pair
-    per expert with tokens."""
+    per expert with tokens. ``padded_min_pairs``: batches of fewer (token, expert) pairs take the
+    loop too (it reads only the routed experts' weights, the padded GEMM every expert's)."""
     T, K = ids.shape
     E = gate_up.shape[0]
-    if T * K <= PADDED_MAX_PER_EXPERT * E:
+    if padded_min_pairs <= T * K <= PADDED_MAX_PER_EXPERT * E:
         buf, pos = ops.moe_pad(x, ids, E)
         g, u = torch.bmm(buf, gate_up.transpose(1, 2)).chunk(2, dim=-1)
         y = torch.bmm(act(g) * u, down.transpose(1, 2))
