@@ -421,7 +421,7 @@ def moe_experts(
     fits = (
         lib is not None
         and x.stride(1) == 1
-        and x.shape[1] == h
+        and tuple(x.shape) == (T, h)  # (the C code reads a row for every token of ids)
         and _cpu_dense(gate_up, torch.bfloat16)
         and _cpu_dense(down, torch.bfloat16)
         and tuple(down.shape) == (E, h, i)
