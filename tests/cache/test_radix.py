@@ -342,3 +342,53 @@ def test_tuple_tokens_match_like_lists():
     m = tree.match((1, 2, 3, 4, 5))
     assert (m.kv_len, m.prefix_len) == (4, 4)
     tree.check_integrity()
+
+
+def test_pinned_states_go_last_and_never_for_optional_slots():
+    tree, *_ = make_tree()
+    a, b, c = (put(tree, k).node for k in ([1, 2], [5, 6], [9]))
+    tree.pin_state(a)  # oldest, but a waiting request expects to resume from it
+    tree.pin_state(a)
+    tree.check_integrity()
+    assert tree.evict_state(1) == 1 and b.state_slot is None  # the oldest unpinned went
+    assert tree.evict_state(2, pinned=False) == 1  # [9]; the pinned state is spared
+    assert a.state_slot is not None and c.state_slot is None
+    assert tree.evict_state(1, pinned=False) == 0
+    tree.unpin_state(a)
+    assert tree.evict_state(1, pinned=False) == 0  # one pin left
+    tree.unpin_state(a)  # back among the unpinned, as just used
+    tree.check_integrity()
+    assert tree.evict_state(1, pinned=False) == 1 and a.state_slot is None
+    with pytest.raises(ValueError, match="not pinned"):
+        tree.unpin_state(a)
+
+
+def test_a_pinned_state_still_goes_when_nothing_else_can():
+    """A soft pin: eviction that may take pinned states takes them (least recently pinned
+    first), and a pin on a node evicted meanwhile is released without touching the policy."""
+    tree, *_ = make_tree()
+    a, b = (put(tree, k).node for k in ([1, 2], [5, 6]))
+    tree.pin_state(b)
+    tree.pin_state(a)
+    assert tree.evict_state(1) == 1 and b.state_slot is None  # pinned first, so oldest
+    tree.unpin_state(b)  # deleted from the tree: only the count goes
+    assert b.wait_pins == 0
+    tree.check_integrity()
+    put(tree, [5, 6])  # the same prefix again, unpinned now
+    assert tree.evict_state(1) == 1 and shape(tree) == {((1, 2), True): {}}
+    tree.unpin_state(a)
+    tree.check_integrity()
+
+
+def test_a_pin_out_of_step_with_the_policy_is_caught():
+    """Negative control: a count changed behind the tree's back leaves the node in the wrong
+    tier, and the integrity check names it."""
+    from mambaradix.cache.integrity import IntegrityError
+
+    tree, *_ = make_tree()
+    a = put(tree, [1, 2]).node
+    a.wait_pins = 1
+    with pytest.raises(IntegrityError, match="tier does not match the pins"):
+        tree.check_integrity()
+    a.wait_pins = 0
+    tree.check_integrity()

@@ -1,5 +1,6 @@
 """Hypothesis stateful test: random inserts, lookups, requests (match, lock, allocate own KV and
-state, finish by inserting, or abort), evictions, checked against a brute-force reference.
+state, finish by inserting, or abort), waiting requests' soft pins, evictions, checked against a
+brute-force reference.
 
 The reference is the set of cached prefixes (one tuple per page boundary) and the subset where a
 state exists. Insert and lookup results are predicted from it exactly; evictions and unlocks may
@@ -73,6 +74,7 @@ class RadixMachine(RuleBasedStateMachine):
         self.kv_ref: set = set()
         self.st_ref: set = set()
         self.reqs: list[Req] = []
+        self.pins: list = []  # nodes pinned (one entry per pin_state), maybe evicted since
         self.history: list[list[int]] = []  # recently inserted sequences, to draw near them
 
     def draw_tokens(self, data) -> list[int]:
@@ -155,11 +157,19 @@ class RadixMachine(RuleBasedStateMachine):
         assert freed >= n or self.tree.evictable_kv() == 0
         assert self.st_ref <= self.kv_ref
 
-    def do_evict_state(self, n: int) -> None:
-        freed = self.tree.evict_state(n)
+    def pinned_with_state(self) -> set:
+        return {id(p) for p in self.pins if p.state_slot is not None and not p.state_lock}
+
+    def do_evict_state(self, n: int, pinned: bool = True) -> None:
+        before = self.pinned_with_state()
+        unpinned = self.tree.evictable_state() - len(before)
+        freed = self.tree.evict_state(n, pinned=pinned)
         _, removed_states = self.adopt_after_removal()
         assert freed == removed_states
-        assert freed >= n or self.tree.evictable_state() == 0
+        lost = len(before - self.pinned_with_state())
+        if not pinned or n <= unpinned:
+            assert lost == 0, "a pinned state went before the unpinned ones"
+        assert freed >= n or self.tree.evictable_state() == (0 if pinned else len(before))
 
     # ---------------------------------------------------------------- rules
 
@@ -259,6 +269,22 @@ class RadixMachine(RuleBasedStateMachine):
         self.tree.unlock(r.node)
         self.adopt_after_removal()
 
+    @rule(data=st.data())
+    def pin(self, data) -> None:
+        m = self.tree.match(self.draw_tokens(data))
+        if m.prefix_len:
+            self.tree.pin_state(m.node)
+            self.pins.append(m.node)
+
+    @rule(i=st.integers(0, 7))
+    def unpin(self, i: int) -> None:
+        if i < len(self.pins):
+            self.tree.unpin_state(self.pins.pop(i))
+
+    @rule(n=st.integers(1, 4))
+    def evict_state_sparing_pins(self, n: int) -> None:
+        self.do_evict_state(n, pinned=False)
+
     @rule(n=st.integers(1, 24))
     def evict_kv(self, n: int) -> None:
         self.do_evict_kv(n * self.PAGE if n > 12 else n)
@@ -279,6 +305,8 @@ class RadixMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         for r in list(self.reqs):
             self.abort(r)
+        for node in self.pins:
+            self.tree.unpin_state(node)
         self.tree.evict_kv(10**9)
         self.tree.evict_state(10**9)
         self.tree.check_integrity()

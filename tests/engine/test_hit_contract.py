@@ -74,6 +74,57 @@ def test_two_groups_together_each_computed_once(backend, strategy, rng):
     assert all(h >= (len(groups[i % 2]) // ALIGN) * ALIGN for i, h in enumerate(hits) if i > 1)
 
 
+def _groups_in_a_small_pool(backend, strategy, slots, rng):
+    """Four groups of six requests (a 256-token system prompt each) arriving together into a
+    state pool of ``slots``: the cached tokens per request, and the prompt tokens computed
+    beyond them (0: nothing computed twice)."""
+    systems = [rand_tokens(rng, 256) for _ in range(4)]
+    prompts = [s + rand_tokens(rng, rng.randrange(10, 40)) for s in systems for _ in range(6)]
+    with engine(backend, mamba_scheduler_strategy=strategy, max_mamba_cache_size=slots) as eng:
+        res = generate(eng, prompts, max_new_tokens=8, ignore_eos=True)
+        eng.check_integrity()
+        hits = [cached(r) for r in res]
+        extra = eng.stats().computed_prefill_tokens - sum(map(len, prompts)) + sum(hits)
+        return hits, extra
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("slots", [8, 12, 16])
+def test_groups_together_in_a_small_state_pool(backend, strategy, slots, rng):
+    """With few state slots, each group's shared snapshot is pinned by the requests waiting for
+    it: the snapshots of the requests running meanwhile (repeat points, finishes) are evicted
+    first, and no admission evicts it while running requests can free slots instead."""
+    hits, extra = _groups_in_a_small_pool(backend, strategy, slots, rng)
+    for g in range(4):
+        group = hits[6 * g : 6 * g + 6]
+        assert sum(h == 0 for h in group) == 1 and all(h in (0, 256) for h in group), hits
+    assert extra == 0
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_groups_together_in_a_small_state_pool_without_pins(backend, strategy, rng, monkeypatch):
+    """Negative control: with the pins off, the same burst recomputes shared prompts."""
+    import mambaradix.engine.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "pin_waiters", lambda *args: None)
+    hits, _ = _groups_in_a_small_pool(backend, strategy, 8, rng)
+    assert sum(h == 0 for h in hits) > 4, hits
+
+
+def test_admission_evicting_pinned_states_loses_hits(backend, rng, monkeypatch):
+    """Negative control of the admission rule: an admission that may evict pinned states
+    while others run (no_buffer, 8 slots: up to 6 running, 4 pinned prompts) trades a
+    group's shared prompt for one more running request."""
+    from mambaradix.cache.request_cache import RequestCache
+
+    admit = RequestCache.admit
+    monkeypatch.setattr(
+        RequestCache, "admit", lambda self, m, n, spare_pinned=False: admit(self, m, n)
+    )
+    hits, _ = _groups_in_a_small_pool(backend, "no_buffer", 8, rng)
+    assert sum(h == 0 for h in hits) > 4, hits
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_shared_prefix_one_after_another(backend, strategy, rng):
     system = rand_tokens(rng, 300)

@@ -99,3 +99,32 @@ def test_leaked_state_lock_is_caught():
         sched.check_integrity()
     tree.unlock_state(node)
     sched.runner.shutdown()
+
+
+def test_a_forgotten_wait_pin_is_caught():
+    """Requests held for a shared snapshot pin it once it is in the tree; a request that
+    forgets its pin (the node still counts it) fails the check."""
+    rng = random.Random(1)
+    sched = make_scheduler(disable_overlap_schedule=True, max_running_requests=2)
+    system = rand_tokens(rng, 130)
+    for i in range(5):
+        sched.add(
+            Req(
+                rid=f"r{i}",
+                prompt_ids=system + rand_tokens(rng, 20),
+                params=SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True),
+            )
+        )
+    for _ in range(30):
+        sched.step()
+        sched.check_integrity()
+        pinned = [r for r in sched.waiting if r.wait_pin is not None]
+        if pinned:
+            break
+    assert pinned, "no waiting request pinned the shared snapshot"
+    node, pinned[0].wait_pin = pinned[0].wait_pin, None
+    with pytest.raises(IntegrityError, match="pins, .* waiting requests pin it"):
+        sched.check_integrity()
+    pinned[0].wait_pin = node
+    sched.check_integrity()
+    sched.runner.shutdown()

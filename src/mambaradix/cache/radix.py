@@ -328,6 +328,32 @@ class RadixTree:
             self._evictable_state += 1
             self._protected_state -= 1
 
+    def pin_state(self, node: TreeNode) -> None:
+        """A waiting request expects to resume from ``node``'s state (one count per call): the
+        policy frees it only after every unpinned state, and never for an optional slot (a
+        snapshot's, a verify step's: ``evict_state(pinned=False)``). A soft pin: admission
+        still evicts it when nothing else is left (the request then recomputes), so pins can
+        never keep requests waiting."""
+        self._repin(node, +1)
+
+    def unpin_state(self, node: TreeNode) -> None:
+        """Release one ``pin_state``; the node may have been evicted (even deleted) since."""
+        if node.wait_pins <= 0:
+            raise ValueError(f"unpin_state of a node that is not pinned: {node!r}")
+        self._repin(node, -1)
+
+    def _repin(self, node: TreeNode, delta: int) -> None:
+        if node is self.root:
+            return
+        held = node.state_slot is not None and node.state_lock == 0 and node.parent is not None
+        moves = held and (node.wait_pins == 0) != (node.wait_pins + delta == 0)  # changes tier
+        if moves:
+            self.policy.remove(node)
+        node.wait_pins += delta
+        if moves:
+            self._tick += 1
+            self.policy.add(node, self._tick)
+
     # ------------------------------------------------------------------ eviction
 
     def _delete_cascade(self, node: TreeNode) -> int:
@@ -375,13 +401,14 @@ class RadixTree:
             freed += self._delete_cascade(node)
         return freed
 
-    def evict_state(self, num_slots: int) -> int:
+    def evict_state(self, num_slots: int, pinned: bool = True) -> int:
         """Free the least valuable unlocked states (per policy): an internal or kv-locked node
-        becomes a tombstone, an unlocked leaf is deleted (cascading, freeing its KV too)."""
+        becomes a tombstone, an unlocked leaf is deleted (cascading, freeing its KV too).
+        ``pinned`` False spares the states waiting requests pinned (``pin_state``)."""
         freed = 0
         policy = self.policy
         while freed < num_slots:
-            node = policy.victim()
+            node = policy.victim(pinned)
             if node is None:
                 break
             if node.children or node.kv_lock:

@@ -130,11 +130,15 @@ class RequestCache:
         cap = len(tokens) - 1 if limit is None else min(limit, len(tokens) - 1)
         return self.tree.match(tokens, limit=cap)
 
-    def admit(self, match: MatchResult, first_len: int) -> tuple[ReqCache, StateOps] | None:
+    def admit(
+        self, match: MatchResult, first_len: int, spare_pinned: bool = False
+    ) -> tuple[ReqCache, StateOps] | None:
         """Take a request row, its state slots and KV for tokens [0, first_len).
 
         Returns the request's resources and the deferred resume op (copy of the matched state
-        into the working slot, or a clear), or None with nothing taken.
+        into the working slot, or a clear), or None with nothing taken. ``spare_pinned``: do
+        not evict states waiting requests pinned (the caller can wait for running requests
+        to free slots instead).
         """
         node = match.node if self.tree is not None else None
         if node is not None:
@@ -142,7 +146,11 @@ class RequestCache:
             if match.prefix_len > 0:
                 self.tree.lock_state(node)
         row = self.req_slots.alloc()
-        slots = self._alloc_state(self.state_slots_per_req) if row is not None else None
+        slots = (
+            self._alloc_state(self.state_slots_per_req, optional=spare_pinned)
+            if row is not None
+            else None
+        )
         if slots is None:
             if row is not None:
                 self.req_slots.free(row)
@@ -226,39 +234,49 @@ class RequestCache:
 
     def alloc_snapshot_slot(self, rc: ReqCache) -> int | None:
         """no_buffer: a new slot for a recorded working -> snapshot copy (held until inserted)."""
-        got = self._alloc_state(1)
+        got = self._alloc_state(1, optional=True)
         if got is None:
             self.stats.skipped_snapshots += 1
             return None
         rc.pending.append(got[0])
         return got[0]
 
-    def insert_snapshot(self, rc: ReqCache, tokens: list[int], length: int, slot: int) -> None:
-        """no_buffer: the copy into ``slot`` has run; move it into the tree at ``length``."""
+    def insert_snapshot(
+        self, rc: ReqCache, tokens: list[int], length: int, slot: int
+    ) -> TreeNode | None:
+        """no_buffer: the copy into ``slot`` has run; move it into the tree at ``length``.
+        Returns the node now holding that state (None: the tree had one there already)."""
         rc.pending.remove(slot)
         self.stats.snapshot_attempts += 1
-        if not self._insert(rc, tokens, length, slot):
+        node = self._insert(rc, tokens, length, slot)
+        if node is None:
             self.state_pool.free([slot])
+        return node
 
-    def donate_track(self, rc: ReqCache, index: int, tokens: list[int], length: int) -> None:
+    def donate_track(
+        self, rc: ReqCache, index: int, tokens: list[int], length: int
+    ) -> TreeNode | None:
         """extra_buffer: the forward wrote the state at ``length`` into track slot ``index``;
-        give that slot to the tree (no copy) and take a fresh one in its place."""
-        fresh = self._alloc_state(1)
+        give that slot to the tree (no copy) and take a fresh one in its place. Returns the
+        node now holding that state (None: skipped, or the tree had one there already)."""
+        fresh = self._alloc_state(1, optional=True)
         if fresh is None:
             self.stats.skipped_snapshots += 1
-            return
+            return None
         self.stats.snapshot_attempts += 1
-        if self._insert(rc, tokens, length, rc.track_slots[index]):
+        node = self._insert(rc, tokens, length, rc.track_slots[index])
+        if node is not None:
             rc.track_slots[index] = fresh[0]
         else:
             self.state_pool.free(fresh)
+        return node
 
     # ------------------------------------------------------------------ speculative decoding
 
     def alloc_spec_slots(self, rc: ReqCache, n: int) -> bool:
         """``n`` scratch slots for a verify step's states after each draft token (evicting if
         needed); False (nothing taken) when the pool cannot give them."""
-        got = self._alloc_state(n)
+        got = self._alloc_state(n, optional=True)
         if got is None:
             return False
         rc.spec_slots = got
@@ -295,11 +313,11 @@ class RequestCache:
         boundary, which is donated instead."""
         if self.tree is not None and fed_len > rc.tree_len:
             if fed_len % self.page_size == 0:
-                if self._insert(rc, tokens, fed_len, rc.state_slot):
+                if self._insert(rc, tokens, fed_len, rc.state_slot) is not None:
                     rc.state_slot = -1
             elif tracked is not None and rc.tree_len < tracked[0] <= fed_len:
                 slot = rc.track_slots[tracked[1]]
-                if self._insert(rc, tokens, tracked[0], slot):
+                if self._insert(rc, tokens, tracked[0], slot) is not None:
                     rc.track_slots.remove(slot)
         self.release(rc)
 
@@ -482,7 +500,7 @@ class RequestCache:
         node = tree.deepest_node(tokens, found.position)  # at found.ram_depth
         tree.lock(node)  # the RAM part of the path stays while the rest is read
         kv = self._alloc_kv(found.position - node.depth)
-        state = self._alloc_state(1) if kv is not None else None
+        state = self._alloc_state(1, optional=True) if kv is not None else None
         if state is None:
             if kv is not None:
                 self.kv_pool.free(kv)
@@ -568,9 +586,12 @@ class RequestCache:
 
     # ------------------------------------------------------------------ internals
 
-    def _insert(self, rc: ReqCache, tokens: list[int], length: int, state_slot: int) -> bool:
+    def _insert(
+        self, rc: ReqCache, tokens: list[int], length: int, state_slot: int
+    ) -> TreeNode | None:
         """Insert tokens[:length] with the request's KV and a state; keep the row pointing at
-        the tree's slots and move the request's lock down to the new node."""
+        the tree's slots and move the request's lock down to the new node. Returns that node
+        if the tree took the state (None: it had one there already)."""
         tree = self.tree
         owned_from = min(rc.tree_len, length)
         kv = self.req_slots.table[rc.row, :length].clone()
@@ -584,12 +605,14 @@ class RequestCache:
             self.stats.snapshots_inserted += 1
             if self._write_policy == WRITE_THROUGH:
                 self._stage(res.node)
-        return res.state_attached
+        return res.node if res.state_attached else None
 
-    def _alloc_state(self, n: int) -> list[int] | None:
+    def _alloc_state(self, n: int, optional: bool = False) -> list[int] | None:
+        """``n`` state slots, evicting tree states if short; ``optional`` (a snapshot's, a
+        verify step's: skipped when missing) spares the states waiting requests pinned."""
         short = n - self.state_pool.available()
         if short > 0 and self.tree is not None:
-            self.stats.evicted_states += self.tree.evict_state(short)
+            self.stats.evicted_states += self.tree.evict_state(short, pinned=not optional)
         return self.state_pool.alloc(n)
 
     def _alloc_kv(self, n: int) -> torch.Tensor | None:

@@ -22,6 +22,7 @@ class TreeNode:
     state_lock: int = 0
     depth: int = 0
     stored: bool = False  # its prefix and state were also written to the storage tier
+    wait_pins: int = 0  # waiting requests that expect to resume from its state (soft pins)
     kv_link: LRULink = field(default=None)  # type: ignore[assignment]
     st_link: LRULink = field(default=None)  # type: ignore[assignment]
 

@@ -18,7 +18,7 @@ from mambaradix.cache.request_cache import RequestCache
 from mambaradix.engine.forwards import ForwardBuilder, ScheduledBatch
 from mambaradix.engine.planner import admission_targets
 from mambaradix.engine.request import Req, ReqStatus
-from mambaradix.engine.sharing import held_for_sharing, shared_with_queue
+from mambaradix.engine.sharing import held_for_sharing, match_limit, shared_with_queue, unpin
 from mambaradix.engine.strategies import SnapshotStrategy
 from mambaradix.stats import EngineStats
 
@@ -64,7 +64,7 @@ class Admission:
             if req.loading is not None and not req.loading.done:
                 continue  # its prefix is being read from storage
             tokens = req.tokens()
-            limit = _match_limit(req)
+            limit = match_limit(req)
             m = self.cache.match(tokens, limit)
             if self.cache.storage is not None and self._wait_for_storage(req, tokens, m, limit):
                 continue
@@ -97,11 +97,14 @@ class Admission:
                 first_end = self.strategy.plan_forward(
                     m.prefix_len, first_end, len(tokens), wanted
                 ).end
-            got = self.cache.admit(m, first_end)
+            # states pinned for waiting requests go only when nothing runs that could free
+            # slots by finishing
+            got = self.cache.admit(m, first_end, spare_pinned=bool(running))
             if got is None:
                 self.stats.admission_waits += 1
                 break
             req.rc, ops = got
+            unpin(self.cache.tree, req)
             self.stats.resumes += m.prefix_len > 0
             batch.state_ops.extend(ops)
             waiting.remove(req)
@@ -144,11 +147,3 @@ class Admission:
             return False
         req.loading = ticket
         return True
-
-
-def _match_limit(req: Req) -> int | None:
-    """Prompt logprobs need the logits of the positions before the first token still lacking
-    one: the cache may resume the request at most there."""
-    if not req.params.wants_prompt_logprobs:
-        return None
-    return req.params.prompt_logprob_start - 1 + len(req.prompt_lps)

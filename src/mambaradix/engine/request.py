@@ -49,6 +49,7 @@ class Req:
     loading: object = None  # cache.request_cache.LoadTicket this waiting request waits on
     storage_probed: bool = False  # the storage tier was asked for this request's prefix
     ram_prefix: int = 0  # prefix the RAM tree offered before a load
+    wait_pin: object = None  # waiting: the tree node whose state it pins (engine.sharing)
     snapshot_plan: SnapshotPlan = field(default_factory=SnapshotPlan)  # (engine.strategies)
     inflight: int = 0  # batches containing this request not yet processed
     finish_reason: FinishReason | None = None

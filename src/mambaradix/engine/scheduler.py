@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from mambaradix.cache.integrity import IntegrityError
+from mambaradix.cache.radix import TreeNode
 from mambaradix.cache.request_cache import RequestCache
 from mambaradix.config import EngineConfig
 from mambaradix.core import EXTRA_BUFFER, FinishReason
@@ -31,6 +32,7 @@ from mambaradix.engine.forwards import ForwardBuilder, ScheduledBatch
 from mambaradix.engine.request import Req, ReqStatus
 from mambaradix.engine.results import ResultProcessor
 from mambaradix.engine.running import RunningSet
+from mambaradix.engine.sharing import check_pins, pin_waiters, unpin
 from mambaradix.engine.speculative import DRAFT_HEAD_ALGORITHMS, Speculation
 from mambaradix.engine.strategies import make_strategy
 from mambaradix.kernels.capabilities import BackendCapabilities
@@ -126,6 +128,7 @@ class Scheduler:
             adaptive=self.adaptive,
         )
         self.waiting: list[Req] = []
+        self.strategy.on_shared = self._pin_waiters
         self.running: list[Req] = []
         self.finishing: list[Req] = []
         self.inflight: tuple[ScheduledBatch, Future] | None = None
@@ -186,11 +189,19 @@ class Scheduler:
         for req in self.waiting:
             if req.rc is not None:
                 raise IntegrityError(f"waiting request {req.rid} holds cache resources")
+        for req in self.running + self.finishing:
+            if req.wait_pin is not None:
+                raise IntegrityError(f"request {req.rid} pins a state it no longer waits for")
         for req in self.running:
             if req.rc is None:
                 raise IntegrityError(f"running request {req.rid} holds no cache resources")
         owners = [r.rc for r in self.running + self.finishing if r.rc is not None]
         self.cache.check_integrity(owners)
+        if self.cache.tree is not None:
+            check_pins(self.cache.tree, self.waiting)
+
+    def _pin_waiters(self, holder: Req, position: int, node: TreeNode) -> None:
+        pin_waiters(self.cache.tree, holder, position, node, self.waiting)
 
     def drain(self) -> None:
         """Process the batch in flight and release what finished."""
@@ -248,6 +259,7 @@ class Scheduler:
         """Abort or fail: reported at once; resources released, never cached."""
         if req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
+            unpin(self.cache.tree, req)
             req.status = ReqStatus.FINISHED
             req.finish_reason = reason
             self.on_finish(req)

@@ -2,15 +2,26 @@
 
 The first request of a group snapshots at the shared length; the others wait until that state is
 in the tree and then resume from it, so a burst of requests with one system prompt computes it
-once (design.md section 5, "Requests waiting together").
+once (design.md section 5, "Requests waiting together"). Once that state is in the tree, each
+waiting request sharing it pins it (``RadixTree.pin_state``) until it is admitted or ends: with
+few state slots, the snapshots of requests running meanwhile are evicted before it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mambaradix.cache.radix import IntegrityError, RadixTree, TreeNode
 from mambaradix.engine.planner import align_down, common_prefix_len
 from mambaradix.engine.request import Req
+
+
+def match_limit(req: Req) -> int | None:
+    """Prompt logprobs need the logits of the positions before the first token still lacking
+    one: the cache may resume the request at most there."""
+    if not req.params.wants_prompt_logprobs:
+        return None
+    return req.params.prompt_logprob_start - 1 + len(req.prompt_lps)
 
 
 def shared_with_queue(req: Req, waiting: list[Req], prefix_len: int, align: int) -> int:
@@ -61,3 +72,51 @@ def held_for_sharing(req: Req, prefix_len: int, running: list[Req], align: int) 
         if p > prefix_len and p > r.fed_len and p > r.rc.tree_len:
             return Hold(r, p, new_target=True)
     return None
+
+
+def pin_waiters(
+    tree: RadixTree, holder: Req, position: int, node: TreeNode, waiting: list[Req]
+) -> None:
+    """``holder``'s state at ``position`` (``node``) is in the tree and others wait for it: pin
+    it for every waiting request that can resume there (and has no deeper pin)."""
+    ids = holder.prefix_ids()[:position]
+    for w in waiting:
+        if w.prompt_ids[0] != holder.prompt_ids[0]:
+            continue
+        if w.wait_pin is not None and w.wait_pin.depth >= position:
+            continue
+        limit = match_limit(w)
+        cap = len(w.prompt_ids) + len(w.output_ids) - 1  # as RequestCache.match caps it
+        if (cap if limit is None else min(cap, limit)) < position:
+            continue
+        if not (w.prefix_ids()[:position] == ids).all():
+            continue
+        unpin(tree, w)
+        tree.pin_state(node)
+        w.wait_pin = node
+
+
+def unpin(tree: RadixTree | None, req: Req) -> None:
+    """``req`` is admitted, or ends while waiting: release its pin."""
+    if req.wait_pin is not None:
+        tree.unpin_state(req.wait_pin)
+        req.wait_pin = None
+
+
+def check_pins(tree: RadixTree, waiting: list[Req]) -> None:
+    """Every node's ``wait_pins`` counts exactly the waiting requests pinning it (integrity)."""
+    want: dict[int, int] = {}
+    for w in waiting:
+        if w.wait_pin is not None:
+            want[id(w.wait_pin)] = want.get(id(w.wait_pin), 0) + 1
+            if w.wait_pin.parent is not None and w.wait_pin.wait_pins <= 0:
+                raise IntegrityError(f"request {w.rid} pins a node that counts no pin")
+    stack = list(tree.root.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if node.wait_pins != want.get(id(node), 0):
+            raise IntegrityError(
+                f"{node!r} counts {node.wait_pins} pins, {want.get(id(node), 0)} waiting "
+                "requests pin it"
+            )

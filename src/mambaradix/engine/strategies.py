@@ -22,6 +22,7 @@ One request's snapshot plan is one record, ``SnapshotPlan``, on ``Req.snapshot_p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ from mambaradix.kernels.capabilities import BackendCapabilities
 from mambaradix.stats import EngineStats
 
 if TYPE_CHECKING:
+    from mambaradix.cache.radix import TreeNode
     from mambaradix.core import StateOps
     from mambaradix.engine.request import Req
 
@@ -100,6 +102,14 @@ class SnapshotStrategy:
         self.stats = stats
         self.capabilities = capabilities or BackendCapabilities()
         self.align = snapshot_alignment(cache.page_size)
+        # called with (request, position, node) when a state others wait for is in the tree
+        self.on_shared: Callable[[Req, int, TreeNode], None] | None = None
+
+    def _landed(self, req: Req, pos: int, node: TreeNode | None) -> None:
+        """The state of ``req`` at ``pos`` went into the tree (``node``; None: it did not)."""
+        plan = req.snapshot_plan
+        if node is not None and pos in plan.share_targets and self.on_shared is not None:
+            self.on_shared(req, pos, node)
 
     @property
     def repeat_align(self) -> int:
@@ -172,7 +182,7 @@ class NoBuffer(SnapshotStrategy):
     def copies_done(self, copies: list[tuple[Req, int, int]]) -> None:
         for req, pos, slot in copies:
             if req.rc is not None and slot in req.rc.pending:
-                self.cache.insert_snapshot(req.rc, req.tokens(), pos, slot)
+                self._landed(req, pos, self.cache.insert_snapshot(req.rc, req.tokens(), pos, slot))
                 req.snapshot_plan.drop_share_targets(pos)
 
     def snapshot(self, req: Req, start: int, end: int, snap: int | None) -> SnapshotSpot:
@@ -225,7 +235,8 @@ class ExtraBuffer(SnapshotStrategy):
     def forward_done(self, req: Req, end: int, spot: SnapshotSpot) -> None:
         plan = req.snapshot_plan
         if spot.track is not None:
-            self.cache.donate_track(req.rc, spot.track[1], req.tokens(), spot.track[0])
+            pos, idx = spot.track
+            self._landed(req, pos, self.cache.donate_track(req.rc, idx, req.tokens(), pos))
         if spot.page_track is not None and spot.page_track[2] == plan.track_epoch:
             plan.page_track = spot.page_track[:2]  # still what that slot holds
         plan.drop_share_targets(end)
