@@ -121,6 +121,7 @@ def main() -> None:
                 for name in contract.STATE_OPS:
                     contract._tensors(ops, name, backend)
         _split_attention(contract.CASES[case].dtype)
+        _routed_experts(contract.CASES[case].dtype)
     print(json.dumps({"arch": args.arch, "kernels": compiled}))
 
 
@@ -137,6 +138,20 @@ def _split_attention(dtype: torch.dtype) -> None:
     attention.paged_attention_decode(q, pool, pool, table, lens, 0.1, splits=8)
     cu, prefix = torch.tensor([0, 1], dtype=torch.int32), lens - 1
     attention.paged_attention_prefill(q, pool, pool, cu, prefix, table, 0.1, 1, splits=8)
+
+
+def _routed_experts(dtype: torch.dtype) -> None:
+    """The MoE grouped GEMM at Qwen3-Next's expert shape (512 experts of intermediate 512,
+    hidden 2048, top 10): a decode step's blocks of 16 pairs and a prefill's of 64."""
+    from mambaradix.kernels.activation import activation
+    from mambaradix.kernels.triton import moe
+
+    E, H, inter, K = 512, 2048, 512, 10
+    gate_up, down = torch.zeros(E, 2 * inter, H, dtype=dtype), torch.zeros(E, H, inter, dtype=dtype)
+    for T in (1, 512):
+        ids = torch.arange(T * K).reshape(T, K) % E
+        x, w = torch.zeros(T, H, dtype=dtype), torch.full((T, K), 1.0 / K)
+        moe.moe_experts(x, w, ids, gate_up, down, activation("silu"))
 
 
 if __name__ == "__main__":

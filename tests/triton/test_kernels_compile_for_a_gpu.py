@@ -29,7 +29,7 @@ KERNELS = {
     "_attention_kernel", "_merge_splits", "_conv_prefill_kernel", "_conv_states_kernel",
     "_conv_decode_kernel", "_mamba2_prefill_kernel", "_mamba2_decode_kernel",
     "_mamba2_chunk_state_kernel", "_mamba2_pass_kernel", "_mamba2_chunk_out_kernel",
-    "_gdn_positions_kernel",
+    "_gdn_positions_kernel", "_moe_gemm_kernel",
 }  # fmt: skip
 
 
@@ -65,7 +65,8 @@ def test_the_backends_kernels_compile_for_sm90_in_bf16(tmp_path) -> None:
     prefill forms, prefill and decode attention, split and not; none of the kernels that fit
     their registers today spills."""
     report = _compile(tmp_path, "bf16")
-    _check(report, {"_conv_decode_kernel": 2, "_mamba2_decode_kernel": 2, "_attention_kernel": 3})
+    _check(report, {"_conv_decode_kernel": 2, "_mamba2_decode_kernel": 2, "_attention_kernel": 3,
+                    "_moe_gemm_kernel": 2})  # fmt: skip
     spills = {name: [v["stack_bytes"] for v in variants]
               for name, variants in report["kernels"].items() if name in NO_SPILLS}  # fmt: skip
     assert all(b == 0 for bs in spills.values() for b in bs), spills

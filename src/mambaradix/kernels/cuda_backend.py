@@ -5,6 +5,8 @@ on the GPU (docs/backends.md).
   its recurrent step for decodes (``kernels/triton/gdn.py``);
 - the short conv, the Mamba2 scan and paged attention: this project's Triton kernels
   (``kernels/triton/conv.py``, ``mamba2.py``, ``attention.py``);
+- a mixture of experts' routed part: a grouped GEMM over blocks of one expert's pairs
+  (``kernels/triton/moe.py``), so only the routed experts' weights are read;
 - projections and norms: torch (cuBLAS and fused elementwise kernels).
 
 ``prepare`` builds every index tensor the kernels take (int32 ``cu_seqlens``, state slots,
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from mambaradix.kernels import gated_delta
+from mambaradix.kernels.activation import activation
 from mambaradix.kernels.backend import register_backend
 from mambaradix.kernels.capabilities import BackendCapabilities
 from mambaradix.kernels.torch_backend import TorchBackend, TorchIndex, _copy_decode_snapshots
@@ -169,7 +172,7 @@ class CudaBackend(TorchBackend):
         return [
             "paged_attention_prefill", "paged_attention_decode", "conv1d_prefill",
             "conv1d_decode", "gdn_prefill (fla-core)", "gdn_decode (fla-core)",
-            "mamba2_prefill", "mamba2_decode", "mamba2_mixer_decode",
+            "mamba2_prefill", "mamba2_decode", "mamba2_mixer_decode", "moe_experts",
         ]  # fmt: skip
 
     def prepare(self, layout: ForwardLayout) -> None:
@@ -283,5 +286,14 @@ class CudaBackend(TorchBackend):
                                         idx.row_slots)  # fmt: skip
         _copy_decode_snapshots(ssm_pool, layout.decode)
         return y
+
+    # ------------------------------------------------------------------ mixture of experts
+
+    def moe_experts(self, x, weights, ids, gate_up, down, act) -> Tensor:
+        """Each pair's row through its own expert only, with no host sync
+        (``kernels/triton/moe.py``; the reference reads every expert and the padding's size)."""
+        from mambaradix.kernels.triton import moe as triton_moe
+
+        return triton_moe.moe_experts(x, weights, ids, gate_up, down, activation(act))
 
     # mamba2_mixer_decode: the reference's composition of this backend's conv and scan steps
