@@ -6,6 +6,8 @@ import pytest
 import torch
 from test_radix_helpers import as_list, make_tree, put, seq, shape
 
+from mambaradix.cache.evict_policy import SPARE_PINNED, SPARE_SHARED
+
 
 def test_issue_scenario_split_lru_eviction_and_state_eviction():
     tree, kv_pool, state_pool = make_tree()
@@ -351,14 +353,14 @@ def test_pinned_states_go_last_and_never_for_optional_slots():
     tree.pin_state(a)
     tree.check_integrity()
     assert tree.evict_state(1) == 1 and b.state_slot is None  # the oldest unpinned went
-    assert tree.evict_state(2, pinned=False) == 1  # [9]; the pinned state is spared
+    assert tree.evict_state(2, spare=SPARE_PINNED) == 1  # [9]; the pinned state is spared
     assert a.state_slot is not None and c.state_slot is None
-    assert tree.evict_state(1, pinned=False) == 0
+    assert tree.evict_state(1, spare=SPARE_PINNED) == 0
     tree.unpin_state(a)
-    assert tree.evict_state(1, pinned=False) == 0  # one pin left
+    assert tree.evict_state(1, spare=SPARE_PINNED) == 0  # one pin left
     tree.unpin_state(a)  # back among the unpinned, as just used
     tree.check_integrity()
-    assert tree.evict_state(1, pinned=False) == 1 and a.state_slot is None
+    assert tree.evict_state(1, spare=SPARE_PINNED) == 1 and a.state_slot is None
     with pytest.raises(ValueError, match="not pinned"):
         tree.unpin_state(a)
 
@@ -388,7 +390,55 @@ def test_a_pin_out_of_step_with_the_policy_is_caught():
     tree, *_ = make_tree()
     a = put(tree, [1, 2]).node
     a.wait_pins = 1
-    with pytest.raises(IntegrityError, match="tier does not match the pins"):
+    with pytest.raises(IntegrityError, match="tier does not match the node's pins"):
         tree.check_integrity()
     a.wait_pins = 0
     tree.check_integrity()
+
+
+def test_branch_points_go_after_the_other_states():
+    """A node that has had two children (or that the planner marks) is a branch point: its
+    state goes after every other unpinned state, and never for an optional slot; it stays one
+    when its children are evicted."""
+    tree, *_ = make_tree(state_size=16)
+    put(tree, [1, 2, 3])
+    shared = put(tree, [1, 2]).node  # splits: [1, 2] with one child
+    assert not shared.branched
+    put(tree, [1, 2, 7])  # a second child
+    assert shared.branched
+    lone = put(tree, [9]).node
+    tree.check_integrity()
+    assert tree.evict_state(3, spare=SPARE_SHARED) == 3  # [3], [7], [9]: the branch point stays
+    assert shared.state_slot is not None and lone.parent is None
+    assert shared.branched and not shared.children  # its children went: still a branch point
+    assert tree.evict_state(1, spare=SPARE_SHARED) == 0
+    assert tree.evict_state(1, spare=SPARE_PINNED) == 1 and shared.parent is None
+    tree.check_integrity()
+
+
+def test_the_planners_branch_points_and_the_tiers_cap():
+    """``mark_branch`` makes a state a branch point without a second child; once branch points
+    hold more than half the pool the oldest of them goes first, even for an optional slot."""
+    tree, *_ = make_tree(state_size=6)
+    nodes = [put(tree, [k]).node for k in (1, 2, 3, 4)]
+    other = put(tree, [5]).node
+    for node in nodes:
+        tree.mark_branch(node)
+    tree.check_integrity()
+    assert tree.policy.branch_cap == 3
+    assert tree.evict_state(1, spare=SPARE_SHARED) == 1 and nodes[0].parent is None  # over cap
+    assert tree.evict_state(1, spare=SPARE_SHARED) == 1 and other.parent is None
+    assert tree.evict_state(1, spare=SPARE_SHARED) == 0  # three branch points: within the cap
+    assert all(n.state_slot is not None for n in nodes[1:])
+
+
+def test_a_branch_mark_out_of_step_with_the_policy_is_caught():
+    """Negative control: a node marked a branch point behind the tree's back stays in the wrong
+    tier, and the integrity check names it."""
+    from mambaradix.cache.integrity import IntegrityError
+
+    tree, *_ = make_tree()
+    a = put(tree, [1, 2]).node
+    a.branched = True
+    with pytest.raises(IntegrityError, match="tier does not match"):
+        tree.check_integrity()

@@ -1,6 +1,6 @@
 """Hypothesis stateful test: random inserts, lookups, requests (match, lock, allocate own KV and
-state, finish by inserting, or abort), waiting requests' soft pins, evictions, checked against a
-brute-force reference.
+state, finish by inserting, or abort), waiting requests' soft pins, branch points, evictions
+sparing either, checked against a brute-force reference.
 
 The reference is the set of cached prefixes (one tuple per page boundary) and the subset where a
 state exists. Insert and lookup results are predicted from it exactly; evictions and unlocks may
@@ -17,6 +17,8 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from test_radix_helpers import make_tree
+
+from mambaradix.cache.evict_policy import SPARE_NOTHING, SPARE_PINNED, SPARE_SHARED
 
 MAX_LIVE = 4
 
@@ -160,16 +162,34 @@ class RadixMachine(RuleBasedStateMachine):
     def pinned_with_state(self) -> set:
         return {id(p) for p in self.pins if p.state_slot is not None and not p.state_lock}
 
-    def do_evict_state(self, n: int, pinned: bool = True) -> None:
-        before = self.pinned_with_state()
-        unpinned = self.tree.evictable_state() - len(before)
-        freed = self.tree.evict_state(n, pinned=pinned)
+    def branches_with_state(self) -> set:
+        """Unpinned evictable states of branch points (the policy's second tier)."""
+        found, stack = set(), list(self.tree.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node.branched and not node.wait_pins and node.state_slot is not None:
+                if not node.state_lock:
+                    found.add(id(node))
+        return found
+
+    def do_evict_state(self, n: int, spare: int = SPARE_NOTHING) -> None:
+        pinned, branch = self.pinned_with_state(), self.branches_with_state()
+        others = self.tree.evictable_state() - len(pinned) - len(branch)
+        over = max(0, len(branch) - self.tree.policy.branch_cap)  # goes first, whatever spared
+        freed = self.tree.evict_state(n, spare)
         _, removed_states = self.adopt_after_removal()
         assert freed == removed_states
-        lost = len(before - self.pinned_with_state())
-        if not pinned or n <= unpinned:
-            assert lost == 0, "a pinned state went before the unpinned ones"
-        assert freed >= n or self.tree.evictable_state() == (0 if pinned else len(before))
+        pinned_left, branch_left = self.pinned_with_state(), self.branches_with_state()
+        if spare >= SPARE_PINNED or n <= others + len(branch):
+            assert pinned_left == pinned, "a pinned state went before the unpinned ones"
+        if spare >= SPARE_SHARED or n <= others + over:
+            assert len(branch - branch_left) <= over, "a branch point went before the others"
+        if freed < n:  # nothing left that may go
+            kept = {SPARE_NOTHING: 0, SPARE_PINNED: len(pinned_left)}.get(
+                spare, len(pinned_left) + len(branch_left)
+            )
+            assert self.tree.evictable_state() == kept
 
     # ---------------------------------------------------------------- rules
 
@@ -281,9 +301,15 @@ class RadixMachine(RuleBasedStateMachine):
         if i < len(self.pins):
             self.tree.unpin_state(self.pins.pop(i))
 
-    @rule(n=st.integers(1, 4))
-    def evict_state_sparing_pins(self, n: int) -> None:
-        self.do_evict_state(n, pinned=False)
+    @rule(data=st.data())
+    def mark_branch(self, data) -> None:
+        m = self.tree.match(self.draw_tokens(data))
+        if m.prefix_len:
+            self.tree.mark_branch(m.node)
+
+    @rule(n=st.integers(1, 4), spare=st.sampled_from([SPARE_PINNED, SPARE_SHARED]))
+    def evict_state_sparing(self, n: int, spare: int) -> None:
+        self.do_evict_state(n, spare)
 
     @rule(n=st.integers(1, 24))
     def evict_kv(self, n: int) -> None:

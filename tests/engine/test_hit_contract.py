@@ -101,13 +101,13 @@ def test_groups_together_in_a_small_state_pool(backend, strategy, slots, rng):
     assert extra == 0
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_groups_together_in_a_small_state_pool_without_pins(backend, strategy, rng, monkeypatch):
-    """Negative control: with the pins off, the same burst recomputes shared prompts."""
+def test_groups_together_in_a_small_state_pool_without_pins(backend, rng, monkeypatch):
+    """Negative control: with the pins off, the same burst recomputes shared prompts
+    (no_buffer, 8 slots; under extra_buffer the branch tier alone keeps these prompts)."""
     import mambaradix.engine.scheduler as scheduler
 
     monkeypatch.setattr(scheduler, "pin_waiters", lambda *args: None)
-    hits, _ = _groups_in_a_small_pool(backend, strategy, 8, rng)
+    hits, _ = _groups_in_a_small_pool(backend, "no_buffer", 8, rng)
     assert sum(h == 0 for h in hits) > 4, hits
 
 
@@ -118,11 +118,40 @@ def test_admission_evicting_pinned_states_loses_hits(backend, rng, monkeypatch):
     from mambaradix.cache.request_cache import RequestCache
 
     admit = RequestCache.admit
-    monkeypatch.setattr(
-        RequestCache, "admit", lambda self, m, n, spare_pinned=False: admit(self, m, n)
-    )
+    monkeypatch.setattr(RequestCache, "admit", lambda self, m, n, spare=0: admit(self, m, n))
     hits, _ = _groups_in_a_small_pool(backend, "no_buffer", 8, rng)
     assert sum(h == 0 for h in hits) > 4, hits
+
+
+def _groups_in_turn(backend, strategy, slots, rng) -> list[int]:
+    """Four groups (a 256-token system prompt each) taking turns, one request at a time, six
+    rounds, into a state pool of ``slots``: the cached tokens from the third round on."""
+    systems = [rand_tokens(rng, 256) for _ in range(4)]
+    with engine(backend, mamba_scheduler_strategy=strategy, max_mamba_cache_size=slots) as eng:
+        hits = [
+            cached(generate(eng, s + rand_tokens(rng, rng.randrange(10, 40)), ignore_eos=True))
+            for _ in range(6)
+            for s in systems
+        ]
+        eng.check_integrity()
+    return hits[8:]
+
+
+@pytest.mark.parametrize("strategy,slots", [("no_buffer", 8), ("extra_buffer", 12)])
+def test_groups_in_turn_in_a_small_state_pool(backend, strategy, slots, rng):
+    """Each request's own snapshots (its exact-repeat point, its finish) are newer than its
+    group's branch point; least-recently-used alone freed the branch points first. Branch
+    points go after them, so from the third round on every request hits its prompt."""
+    assert all(h >= 256 for h in _groups_in_turn(backend, strategy, slots, rng))
+
+
+def test_groups_in_turn_without_branch_points(backend, rng, monkeypatch):
+    """Negative control: with no state marked a branch point the same turns miss."""
+    from mambaradix.cache.radix import RadixTree
+
+    monkeypatch.setattr(RadixTree, "mark_branch", lambda self, node: None)
+    hits = _groups_in_turn(backend, "extra_buffer", 12, rng)
+    assert sum(h == 0 for h in hits) > 8, hits
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

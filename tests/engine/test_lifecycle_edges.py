@@ -27,8 +27,8 @@ def record_admissions(sched) -> list[int]:
     prefixes: list[int] = []
     admit = sched.cache.admit
 
-    def recording(match, first_len, **kw):
-        got = admit(match, first_len, **kw)
+    def recording(match, first_len, *args, **kw):
+        got = admit(match, first_len, *args, **kw)
         if got is not None:
             prefixes.append(match.prefix_len)
         return got

@@ -1,18 +1,34 @@
 """State eviction policies: which unlocked state snapshot the tree frees first.
 
 The radix tree tells the policy when a node's state becomes evictable (``add``), stops being
-evictable (``remove``: freed, or state-locked by a request), or is used (``touch``: a request
-resumes from it). ``victim`` names the next state to free without removing it. Every operation
-must be O(1) amortized; the tree never scans all states.
+evictable (``remove``: freed, or state-locked by a request), is used (``touch``: a request
+resumes from it), or may belong in another tier (``refresh``: a waiting request pinned or
+released it, or it became a branch point). ``victim`` names the next state to free
+without removing it. Every operation must be O(1) amortized; the tree never scans all states.
 
-A state some waiting request expects to resume from (``node.wait_pins`` > 0, set by the tree's
-``pin_state``) goes only after every state without: a soft pin. The tree changes ``wait_pins``
-only while the node is out of the policy (``remove``, then ``add`` again), so a policy reads it
-in ``add`` and may trust it until ``remove``.
+``lru`` (the default) keeps three tiers, each in least-recently-used order, and frees from the
+first that has a state:
 
-``lru`` (the default) frees the least recently used state. A value-aware policy (compute saved
-per byte combined with recency, as in the Marconi paper) plugs in by subclassing
-``StatePolicy`` and registering a name in ``STATE_POLICIES``.
+1. states at nodes that never had two children: a finish, an exact-repeat point, a chat
+   turn's end, a decode interval, which one continuation at most has reused;
+2. **branch points**, nodes that have had two children (``node.branched``, kept when the
+   children are evicted): prefixes that different requests went on from (a system prompt, a
+   few-shot header), the states most likely to be used again.
+   While this tier holds more than half the pool, its oldest goes first, so old branch points
+   cannot crowd the states of running conversations out;
+3. states some waiting request expects to resume from (``node.wait_pins`` > 0, the tree's
+   ``pin_state``): only when nothing else is left (a soft pin).
+
+A caller may ask to spare the later tiers (``victim``'s ``spare``): an optional slot (a
+snapshot's, a verify step's) is not worth a branch point or a pinned state, and is skipped
+instead; a branch point's own snapshot spares the pinned states only.
+
+Without the second tier a small pool lost every shared prompt when requests of several groups
+arrived one after another: each request's own snapshots (repeat point, finish) were newer than
+its group's branch point, so LRU freed the branch point before the group's next request came.
+A value-aware policy (compute saved per byte combined with recency, as the Marconi paper
+weighs it) plugs in by subclassing ``StatePolicy`` and registering a name in
+``STATE_POLICIES``.
 """
 
 from __future__ import annotations
@@ -24,6 +40,11 @@ from mambaradix.cache.lru import LRUList
 
 if TYPE_CHECKING:
     from mambaradix.cache.radix import TreeNode
+
+# what an eviction may not take (``victim``'s ``spare``), from least to most
+SPARE_NOTHING = 0  # admission with nothing running: pins must never keep requests waiting
+SPARE_PINNED = 1  # admission while requests run, a storage load, a branch point's snapshot
+SPARE_SHARED = 2  # other optional slots: branch points (within their tier's cap) and pins too
 
 
 class StatePolicy:
@@ -41,8 +62,13 @@ class StatePolicy:
         """Record a use of ``node``'s state; also called for nodes not held (locked ones)."""
         raise NotImplementedError
 
-    def victim(self, pinned: bool = True) -> TreeNode | None:
-        """The next state to free; ``pinned`` False: never a pinned one."""
+    def refresh(self, node: TreeNode, tick: int) -> None:
+        """``node``'s pins or children changed: move it to the tier it now belongs in, if it
+        is held; also called for nodes not held."""
+        raise NotImplementedError
+
+    def victim(self, spare: int = SPARE_NOTHING) -> TreeNode | None:
+        """The next state to free, none of those ``spare`` protects (None: nothing left)."""
         raise NotImplementedError
 
     def __len__(self) -> int:
@@ -58,41 +84,63 @@ class StatePolicy:
 
 
 class LRUStatePolicy(StatePolicy):
-    """Least recently used state first, the pinned ones after all others (each tier in LRU
-    order); uses each node's ``st_link``."""
+    """Least recently used state first within three tiers (the module docstring); uses each
+    node's ``st_link``."""
 
     name = "lru"
 
-    def __init__(self) -> None:
-        self.lru = LRUList()
+    def __init__(self, capacity: int = 0) -> None:
+        self.lru = LRUList()  # fewer than two children
+        self.branch = LRUList()  # two or more children
         self.pinned = LRUList()
+        self.branch_cap = capacity // 2  # beyond it the branch tier's oldest goes first
 
-    def _list(self, node: TreeNode) -> LRUList:
-        return self.pinned if node.wait_pins else self.lru
+    def _tier(self, node: TreeNode) -> LRUList:
+        if node.wait_pins:
+            return self.pinned
+        return self.branch if node.branched else self.lru
 
     def add(self, node: TreeNode, tick: int) -> None:
-        self._list(node).push_newest(node.st_link, tick)
+        self._tier(node).push_newest(node.st_link, tick)
 
     def remove(self, node: TreeNode) -> None:
-        self._list(node).remove(node.st_link)
+        node.st_link.home.remove(node.st_link)
 
     def touch(self, node: TreeNode, tick: int) -> None:
-        self._list(node).touch(node.st_link, tick)
+        link = node.st_link
+        if link.home is None:
+            link.tick = tick
+        else:
+            link.home.touch(link, tick)
 
-    def victim(self, pinned: bool = True) -> TreeNode | None:
-        link = self.lru.oldest() or (self.pinned.oldest() if pinned else None)
+    def refresh(self, node: TreeNode, tick: int) -> None:
+        link = node.st_link
+        tier = self._tier(node)
+        if link.home is not None and link.home is not tier:
+            link.home.remove(link)
+            tier.push_newest(link, tick)
+
+    def victim(self, spare: int = SPARE_NOTHING) -> TreeNode | None:
+        if len(self.branch) > self.branch_cap:
+            link = self.branch.oldest()
+        else:
+            link = self.lru.oldest()
+            if link is None and spare < SPARE_SHARED:
+                link = self.branch.oldest()
+        if link is None and spare < SPARE_PINNED:
+            link = self.pinned.oldest()
         return None if link is None else link.owner
 
     def __len__(self) -> int:
-        return len(self.lru) + len(self.pinned)
+        return len(self.lru) + len(self.branch) + len(self.pinned)
 
     def members(self, limit: int) -> Iterator[TreeNode]:
-        for tier in (self.lru, self.pinned):
+        for tier in (self.lru, self.branch, self.pinned):
             for link in tier.iter_oldest_first(limit):
                 yield link.owner
 
     def check(self) -> str | None:
-        for tier, pinned in ((self.lru, False), (self.pinned, True)):
+        for tier in (self.lru, self.branch, self.pinned):
             err = tier.check_links()
             if err:
                 return "state " + err
@@ -100,8 +148,10 @@ class LRUStatePolicy(StatePolicy):
             for link in tier.iter_oldest_first(len(tier) + 1):
                 if last is not None and link.tick < last:
                     return f"state LRU out of access order (tick {link.tick} after {last})"
-                if (link.owner.wait_pins > 0) != pinned:
-                    return f"state LRU tier does not match the pins: {link.owner!r}"
+                if link.home is not tier or self._tier(link.owner) is not tier:
+                    return (
+                        f"state LRU tier does not match the node's pins or children: {link.owner!r}"
+                    )
                 last = link.tick
         return None
 
@@ -109,9 +159,10 @@ class LRUStatePolicy(StatePolicy):
 STATE_POLICIES: dict[str, type[StatePolicy]] = {"lru": LRUStatePolicy}
 
 
-def make_state_policy(name: str) -> StatePolicy:
+def make_state_policy(name: str, capacity: int = 0) -> StatePolicy:
+    """The policy ``name`` over a state pool of ``capacity`` slots."""
     try:
-        return STATE_POLICIES[name]()
+        return STATE_POLICIES[name](capacity)
     except KeyError:
         raise ValueError(
             f"unknown state eviction policy {name!r}; choose one of {sorted(STATE_POLICIES)}"

@@ -18,6 +18,7 @@ class LRULink:
     tick: int = 0
     prv: LRULink | None = None  # toward the newer end
     nxt: LRULink | None = None  # toward the older end
+    home: LRUList | None = None  # the list it is in (None: in none)
 
 
 class LRUList:
@@ -43,6 +44,7 @@ class LRUList:
         link.nxt = first
         first.prv = link
         s.nxt = link
+        link.home = self
         self._len += 1
 
     def remove(self, link: LRULink) -> None:
@@ -51,6 +53,7 @@ class LRUList:
         n.prv = p
         link.prv = None
         link.nxt = None
+        link.home = None
         self._len -= 1
 
     def touch(self, link: LRULink, tick: int) -> None:
@@ -78,6 +81,7 @@ class LRUList:
         link.nxt = anchor
         p.nxt = link
         anchor.prv = link
+        link.home = self
         self._len += 1
 
     def oldest(self) -> LRULink | None:

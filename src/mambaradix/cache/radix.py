@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from mambaradix.cache.evict_policy import make_state_policy
+from mambaradix.cache.evict_policy import SPARE_NOTHING, make_state_policy
 from mambaradix.cache.integrity import IntegrityError, check_tree
 from mambaradix.cache.lru import LRUList
 from mambaradix.cache.tree_node import InsertResult, MatchResult, TreeNode, common_prefix_len
@@ -60,7 +60,7 @@ class RadixTree:
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.page_size = page_size
-        self.policy = make_state_policy(state_policy)
+        self.policy = make_state_policy(state_policy, getattr(state_pool, "size", 0))
         self.kv_lru = LRUList()
         self.root = TreeNode(
             key=[], kv=torch.empty(0, dtype=torch.long), state_slot=None, parent=None, kv_lock=1
@@ -250,6 +250,8 @@ class RadixTree:
                 depth=n,
             )
             node.children[self._child_key(tokens, pos)] = leaf
+            if len(node.children) == 2:
+                self.mark_branch(node)
             self.kv_lru.push_newest(leaf.kv_link, tick)
             self._evictable_kv += n - pos
             self._num_nodes += 1
@@ -331,7 +333,7 @@ class RadixTree:
     def pin_state(self, node: TreeNode) -> None:
         """A waiting request expects to resume from ``node``'s state (one count per call): the
         policy frees it only after every unpinned state, and never for an optional slot (a
-        snapshot's, a verify step's: ``evict_state(pinned=False)``). A soft pin: admission
+        snapshot's, a verify step's: ``evict_state``'s ``spare``). A soft pin: admission
         still evicts it when nothing else is left (the request then recomputes), so pins can
         never keep requests waiting."""
         self._repin(node, +1)
@@ -342,17 +344,22 @@ class RadixTree:
             raise ValueError(f"unpin_state of a node that is not pinned: {node!r}")
         self._repin(node, -1)
 
+    def mark_branch(self, node: TreeNode) -> None:
+        """Requests went on from ``node`` in different ways (the planner's branch point): its
+        state moves to the policy's branch tier for good. A node becomes one by itself when it
+        gets a second child."""
+        if node is self.root or node.branched:
+            return
+        node.branched = True
+        self._tick += 1
+        self.policy.refresh(node, self._tick)
+
     def _repin(self, node: TreeNode, delta: int) -> None:
         if node is self.root:
             return
-        held = node.state_slot is not None and node.state_lock == 0 and node.parent is not None
-        moves = held and (node.wait_pins == 0) != (node.wait_pins + delta == 0)  # changes tier
-        if moves:
-            self.policy.remove(node)
         node.wait_pins += delta
-        if moves:
-            self._tick += 1
-            self.policy.add(node, self._tick)
+        self._tick += 1
+        self.policy.refresh(node, self._tick)
 
     # ------------------------------------------------------------------ eviction
 
@@ -401,14 +408,14 @@ class RadixTree:
             freed += self._delete_cascade(node)
         return freed
 
-    def evict_state(self, num_slots: int, pinned: bool = True) -> int:
+    def evict_state(self, num_slots: int, spare: int = SPARE_NOTHING) -> int:
         """Free the least valuable unlocked states (per policy): an internal or kv-locked node
         becomes a tombstone, an unlocked leaf is deleted (cascading, freeing its KV too).
-        ``pinned`` False spares the states waiting requests pinned (``pin_state``)."""
+        ``spare``: the tiers left alone (``evict_policy``: pinned states, branch points)."""
         freed = 0
         policy = self.policy
         while freed < num_slots:
-            node = policy.victim(pinned)
+            node = policy.victim(spare)
             if node is None:
                 break
             if node.children or node.kv_lock:

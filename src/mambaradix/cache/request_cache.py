@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mambaradix.cache.evict_policy import SPARE_NOTHING, SPARE_PINNED, SPARE_SHARED
 from mambaradix.cache.kv_pool import KVPool
 from mambaradix.cache.radix import IntegrityError, MatchResult, RadixTree, TreeNode
 from mambaradix.cache.req_slots import ReqSlots
@@ -131,14 +132,14 @@ class RequestCache:
         return self.tree.match(tokens, limit=cap)
 
     def admit(
-        self, match: MatchResult, first_len: int, spare_pinned: bool = False
+        self, match: MatchResult, first_len: int, spare: int = SPARE_NOTHING
     ) -> tuple[ReqCache, StateOps] | None:
         """Take a request row, its state slots and KV for tokens [0, first_len).
 
         Returns the request's resources and the deferred resume op (copy of the matched state
-        into the working slot, or a clear), or None with nothing taken. ``spare_pinned``: do
-        not evict states waiting requests pinned (the caller can wait for running requests
-        to free slots instead).
+        into the working slot, or a clear), or None with nothing taken. ``spare``: the states
+        eviction leaves alone (``evict_policy``; pinned ones while running requests can free
+        slots instead).
         """
         node = match.node if self.tree is not None else None
         if node is not None:
@@ -146,11 +147,7 @@ class RequestCache:
             if match.prefix_len > 0:
                 self.tree.lock_state(node)
         row = self.req_slots.alloc()
-        slots = (
-            self._alloc_state(self.state_slots_per_req, optional=spare_pinned)
-            if row is not None
-            else None
-        )
+        slots = self._alloc_state(self.state_slots_per_req, spare) if row is not None else None
         if slots is None:
             if row is not None:
                 self.req_slots.free(row)
@@ -232,9 +229,10 @@ class RequestCache:
 
     # ------------------------------------------------------------------ snapshots
 
-    def alloc_snapshot_slot(self, rc: ReqCache) -> int | None:
-        """no_buffer: a new slot for a recorded working -> snapshot copy (held until inserted)."""
-        got = self._alloc_state(1, optional=True)
+    def alloc_snapshot_slot(self, rc: ReqCache, spare: int = SPARE_SHARED) -> int | None:
+        """no_buffer: a new slot for a recorded working -> snapshot copy (held until inserted);
+        ``spare``: what eviction leaves alone for it (a branch point's spares only pins)."""
+        got = self._alloc_state(1, spare)
         if got is None:
             self.stats.skipped_snapshots += 1
             return None
@@ -254,12 +252,13 @@ class RequestCache:
         return node
 
     def donate_track(
-        self, rc: ReqCache, index: int, tokens: list[int], length: int
+        self, rc: ReqCache, index: int, tokens: list[int], length: int, spare: int = SPARE_SHARED
     ) -> TreeNode | None:
         """extra_buffer: the forward wrote the state at ``length`` into track slot ``index``;
         give that slot to the tree (no copy) and take a fresh one in its place. Returns the
-        node now holding that state (None: skipped, or the tree had one there already)."""
-        fresh = self._alloc_state(1, optional=True)
+        node now holding that state (None: skipped, or the tree had one there already).
+        ``spare`` as ``alloc_snapshot_slot``'s."""
+        fresh = self._alloc_state(1, spare)
         if fresh is None:
             self.stats.skipped_snapshots += 1
             return None
@@ -276,7 +275,7 @@ class RequestCache:
     def alloc_spec_slots(self, rc: ReqCache, n: int) -> bool:
         """``n`` scratch slots for a verify step's states after each draft token (evicting if
         needed); False (nothing taken) when the pool cannot give them."""
-        got = self._alloc_state(n, optional=True)
+        got = self._alloc_state(n, SPARE_SHARED)
         if got is None:
             return False
         rc.spec_slots = got
@@ -500,7 +499,7 @@ class RequestCache:
         node = tree.deepest_node(tokens, found.position)  # at found.ram_depth
         tree.lock(node)  # the RAM part of the path stays while the rest is read
         kv = self._alloc_kv(found.position - node.depth)
-        state = self._alloc_state(1, optional=True) if kv is not None else None
+        state = self._alloc_state(1, SPARE_PINNED) if kv is not None else None
         if state is None:
             if kv is not None:
                 self.kv_pool.free(kv)
@@ -607,12 +606,11 @@ class RequestCache:
                 self._stage(res.node)
         return res.node if res.state_attached else None
 
-    def _alloc_state(self, n: int, optional: bool = False) -> list[int] | None:
-        """``n`` state slots, evicting tree states if short; ``optional`` (a snapshot's, a
-        verify step's: skipped when missing) spares the states waiting requests pinned."""
+    def _alloc_state(self, n: int, spare: int = SPARE_NOTHING) -> list[int] | None:
+        """``n`` state slots, evicting tree states if short, none that ``spare`` protects."""
         short = n - self.state_pool.available()
         if short > 0 and self.tree is not None:
-            self.stats.evicted_states += self.tree.evict_state(short, pinned=not optional)
+            self.stats.evicted_states += self.tree.evict_state(short, spare)
         return self.state_pool.alloc(n)
 
     def _alloc_kv(self, n: int) -> torch.Tensor | None:

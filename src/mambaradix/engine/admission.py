@@ -13,10 +13,11 @@ from collections.abc import Callable
 
 import torch
 
+from mambaradix.cache.evict_policy import SPARE_NOTHING, SPARE_PINNED
 from mambaradix.cache.radix import MatchResult
 from mambaradix.cache.request_cache import RequestCache
 from mambaradix.engine.forwards import ForwardBuilder, ScheduledBatch
-from mambaradix.engine.planner import admission_targets
+from mambaradix.engine.planner import admission_targets, branch_points
 from mambaradix.engine.request import Req, ReqStatus
 from mambaradix.engine.sharing import held_for_sharing, match_limit, shared_with_queue, unpin
 from mambaradix.engine.strategies import SnapshotStrategy
@@ -92,6 +93,7 @@ class Admission:
                 align=align,
                 repeat_align=self.strategy.repeat_align,
             )
+            branches = branch_points(len(tokens), m.prefix_len, m.kv_len, queue_branch, align)
             first_end = min(len(tokens), m.prefix_len + min(self.builder.chunk, budget))
             if self.cache.enabled:
                 first_end = self.strategy.plan_forward(
@@ -99,7 +101,7 @@ class Admission:
                 ).end
             # states pinned for waiting requests go only when nothing runs that could free
             # slots by finishing
-            got = self.cache.admit(m, first_end, spare_pinned=bool(running))
+            got = self.cache.admit(m, first_end, SPARE_PINNED if running else SPARE_NOTHING)
             if got is None:
                 self.stats.admission_waits += 1
                 break
@@ -113,6 +115,7 @@ class Admission:
             req.fed_len = m.prefix_len
             req.snapshot_plan.share_targets = [queue_branch] if queue_branch > m.prefix_len else []
             req.snapshot_plan.wanted = wanted
+            req.snapshot_plan.branches = branches
             if req.cached_tokens < 0:
                 req.cached_tokens = m.prefix_len
                 self.stats.prompt_tokens += len(req.prompt_ids)

@@ -53,13 +53,22 @@ def admission_targets(
     tracking slot can take any position inside the last forward at no extra cost, so under
     ``extra_buffer`` it is the page size (1: exactly ``seq_len - 1``).
     """
+    wanted = branch_points(seq_len, prefix_len, kv_len, queue_branch, align)
+    wanted.add(align_down(seq_len - 1, repeat_align or align))  # exact repeat
+    return sorted(w for w in wanted if w > prefix_len)
+
+
+def branch_points(
+    seq_len: int, prefix_len: int, kv_len: int, queue_branch: int, align: int
+) -> set[int]:
+    """Of ``admission_targets``, the positions where requests go on in different ways: the
+    branch point the lookup revealed and the one shared with waiting requests."""
     limit = seq_len - 1
-    wanted = {
+    points = {
         align_down(min(kv_len, limit), align),  # lookup branch (mid-edge or tombstone)
         align_down(min(queue_branch, limit), align),  # in-batch sharing
-        align_down(limit, repeat_align or align),  # exact repeat
     }
-    return sorted(w for w in wanted if w > prefix_len)
+    return {p for p in points if p > prefix_len}
 
 
 def plan_forward(

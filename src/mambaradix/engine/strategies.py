@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mambaradix.cache.evict_policy import SPARE_PINNED, SPARE_SHARED
 from mambaradix.cache.request_cache import RequestCache
 from mambaradix.core import EXTRA_BUFFER, NO_BUFFER
 from mambaradix.engine.planner import Segment, plan_forward, snapshot_alignment
@@ -44,6 +45,7 @@ class SnapshotPlan:
 
     wanted: list[int] = field(default_factory=list)  # snapshot positions it aims for, sorted
     share_targets: list[int] = field(default_factory=list)  # branch snapshots others wait for
+    branches: set[int] = field(default_factory=set)  # wanted positions that are branch points
     copy_at: int | None = None  # no_buffer: position copied out of the working slot next batch
     track_next: int = 0  # extra_buffer: the tracking slot the next snapshot goes into
     page_track: tuple[int, int] | None = None  # (page-aligned position, track index) written
@@ -55,6 +57,7 @@ class SnapshotPlan:
         ``RequestCache.finish``)."""
         self.wanted = []
         self.share_targets = []
+        self.branches = set()
         self.copy_at = None
 
     def reset(self) -> None:
@@ -67,6 +70,7 @@ class SnapshotPlan:
     def add_share_target(self, position: int) -> None:
         """Another request waits for this one's state at ``position``."""
         self.share_targets.append(position)
+        self.branches.add(position)
         if position not in self.wanted:
             self.wanted.append(position)
             self.wanted.sort()
@@ -108,7 +112,11 @@ class SnapshotStrategy:
     def _landed(self, req: Req, pos: int, node: TreeNode | None) -> None:
         """The state of ``req`` at ``pos`` went into the tree (``node``; None: it did not)."""
         plan = req.snapshot_plan
-        if node is not None and pos in plan.share_targets and self.on_shared is not None:
+        if node is None:
+            return
+        if pos in plan.branches:
+            self.cache.tree.mark_branch(node)
+        if pos in plan.share_targets and self.on_shared is not None:
             self.on_shared(req, pos, node)
 
     @property
@@ -169,7 +177,7 @@ class NoBuffer(SnapshotStrategy):
         copies = []
         for req in self._copies:
             pos, req.snapshot_plan.copy_at = req.snapshot_plan.copy_at, None
-            slot = self.cache.alloc_snapshot_slot(req.rc)
+            slot = self.cache.alloc_snapshot_slot(req.rc, _spare(req, pos))
             if slot is not None:
                 ops.add_copy(req.rc.state_slot, slot)
                 copies.append((req, pos, slot))
@@ -236,10 +244,17 @@ class ExtraBuffer(SnapshotStrategy):
         plan = req.snapshot_plan
         if spot.track is not None:
             pos, idx = spot.track
-            self._landed(req, pos, self.cache.donate_track(req.rc, idx, req.tokens(), pos))
+            node = self.cache.donate_track(req.rc, idx, req.tokens(), pos, _spare(req, pos))
+            self._landed(req, pos, node)
         if spot.page_track is not None and spot.page_track[2] == plan.track_epoch:
             plan.page_track = spot.page_track[:2]  # still what that slot holds
         plan.drop_share_targets(end)
+
+
+def _spare(req: Req, pos: int) -> int:
+    """What a snapshot's slot may not be taken from: a branch point's may evict other branch
+    points, any other snapshot only the states no request went on from in two ways."""
+    return SPARE_PINNED if pos in req.snapshot_plan.branches else SPARE_SHARED
 
 
 def make_strategy(
