@@ -159,7 +159,7 @@ def _lines(tree: RadixTree, node: TreeNode, preview: Callable[[list[int]], str])
         lines.append(f"state {node.state_slot}" + (", stored" if node.stored else ""))
     if node.kv_lock or node.state_lock:
         lines.append(f"kv_lock {node.kv_lock}, state_lock {node.state_lock}")
-    if node.branched:
+    if node.branched and node.state_slot is not None:  # its state is evicted last but pins
         lines.append("branch point")
     if node.wait_pins:
         lines.append(f"awaited by {_plural(node.wait_pins, 'waiting request')}")
