@@ -50,6 +50,26 @@ def test_both_paths_equal_direct_computation(tokens):
     torch.testing.assert_close(other, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_both_paths_take_routing_weights_in_another_dtype():
+    """fp32 routing weights with bf16 rows: each path rounds them to bf16 first, so both give
+    bf16 rows equal to the result with bf16 weights (the loop once failed on the dtypes)."""
+    torch.manual_seed(3)
+    E, H, inter, K, T = 6, 16, 12, 2, 300
+    gate_up = (torch.randn(E, 2 * inter, H) * 0.3).bfloat16()
+    down = (torch.randn(E, H, inter) * 0.3).bfloat16()
+    x = torch.randn(T, H).bfloat16()
+    w, ids = route_topk(torch.randn(T, E), K, normalize=True)  # fp32
+    for pad in (0, 1 << 30):  # the loop, then the padded GEMM
+        old = moe.PADDED_MAX_PER_EXPERT
+        try:
+            moe.PADDED_MAX_PER_EXPERT = pad
+            got = experts_forward(x, w, ids, gate_up, down, "silu")
+            want = experts_forward(x, w.bfloat16(), ids, gate_up, down, "silu")
+        finally:
+            moe.PADDED_MAX_PER_EXPERT = old
+        assert got.dtype is torch.bfloat16 and torch.equal(got, want)
+
+
 # --------------------------------------------------------------------------- the C call
 
 

@@ -40,6 +40,7 @@ def moe_experts(
     loop too (it reads only the routed experts' weights, the padded GEMM every expert's)."""
     T, K = ids.shape
     E = gate_up.shape[0]
+    weights = weights.to(x.dtype)  # (a router's weights: the activations' dtype on both paths)
     if padded_min_pairs <= T * K <= PADDED_MAX_PER_EXPERT * E:
         buf, pos = ops.moe_pad(x, ids, E)
         g, u = torch.bmm(buf, gate_up.transpose(1, 2)).chunk(2, dim=-1)

@@ -131,4 +131,5 @@ def moe_experts(
     gate, up = _gemm(x, gate_up, pairs, block_expert, P, K, block_m).chunk(2, dim=-1)
     h = (act(gate) * up).contiguous()
     y = _gemm(h, down, pairs, block_expert, P, 1, block_m).view(T, K, -1)
-    return (y.float() * weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
+    w = weights.to(x.dtype).float()  # rounded as the reference rounds them
+    return (y.float() * w.unsqueeze(-1)).sum(1).to(x.dtype)
