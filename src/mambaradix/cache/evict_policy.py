@@ -9,11 +9,12 @@ without removing it. Every operation must be O(1) amortized; the tree never scan
 ``lru`` (the default) keeps three tiers, each in least-recently-used order, and frees from the
 first that has a state:
 
-1. states at nodes that never had two children: a finish, an exact-repeat point, a chat
-   turn's end, a decode interval, which one continuation at most has reused;
-2. **branch points**, nodes that have had two children (``node.branched``, kept when the
-   children are evicted): prefixes that different requests went on from (a system prompt, a
-   few-shot header), the states most likely to be used again.
+1. states at other nodes: a finish, an exact-repeat point, a chat turn's end, a decode
+   interval, which one continuation at most has reused;
+2. **branch points** (``node.branched``: a node that has had two children, or where the planner
+   saw requests branch or share; kept when the children are evicted): prefixes that different
+   requests went on from (a system prompt, a few-shot header), the states most likely to be
+   used again.
    While this tier holds more than half the pool, its oldest goes first, so old branch points
    cannot crowd the states of running conversations out;
 3. states some waiting request expects to resume from (``node.wait_pins`` > 0, the tree's
