@@ -134,12 +134,24 @@ def small_granite_moe(tmp_path_factory):
     return path, load_tokenizer(path)
 
 
-def test_a_moe_model_equals_the_reference(small_granite_moe, monkeypatch):
-    """Routed experts on the cuda backend's Triton grouped GEMM (``triton/moe.py``): ids and
-    logprobs equal the reference's, cache off and on; decode steps and prefills both take it."""
+@pytest.fixture(scope="module")
+def small_nemotron_moe(tmp_path_factory):
+    """A Nemotron-H of a Mamba2 (two groups), a MoE (plain relu² experts, fp32 routing
+    weights, group-limited router) and an attention block."""
+    folder = str(tmp_path_factory.mktemp("nemotron_moe_small"))
+    path = make_tiny_checkpoint("nemotron_h", folder,
+                                layers_block_type=["mamba", "moe", "attention"])  # fmt: skip
+    return path, load_tokenizer(path)
+
+
+@pytest.mark.parametrize("model", ["small_granite_moe", "small_nemotron_moe"])
+def test_a_moe_model_equals_the_reference(model, request, monkeypatch):
+    """Routed experts on the cuda backend's Triton grouped GEMM (``triton/moe.py``), gated
+    (Granite-4.0-H) and plain (Nemotron-H): ids and logprobs equal the reference's, cache off
+    and on; decode steps and prefills both take it."""
     from mambaradix.kernels.triton import moe as triton_moe
 
-    path, tok = small_granite_moe
+    path, tok = request.getfixturevalue(model)
     ref_model = load_model(path)
     prompts = _prompts(ref_model.vocab_size)
     ref, _ = run(ref_model, tok, prompts, REFERENCE, max_new_tokens=3)
@@ -337,7 +349,7 @@ def _graphs(model, backend, kv, st) -> CudaGraphs:
     return CudaGraphs(model, backend, kv, st, [1, 2, 4], DEVICE)
 
 
-@pytest.mark.parametrize("model", ["small_qwen3_5", "small_granite_moe"])
+@pytest.mark.parametrize("model", ["small_qwen3_5", "small_granite_moe", "small_nemotron_moe"])
 def test_captured_decode_steps_equal_eager_step_by_step(model, request):
     """Logits and every pool (outside the scratch rows) equal the eager forward's after each
     step; a batch of 3 replays the graph of 4 with one padding row, whose writes land in the

@@ -114,6 +114,7 @@ def _generate(eng: Engine, prompts, new_tokens: list[int], **params):
         ("nemotron_h_8b", "bfloat16"),
         ("nemotron_nano_9b_v2", "bfloat16"),
         ("granite_hybrid_moe", "bfloat16"),  # MoE: the routed experts in one C call
+        ("nemotron_h", "bfloat16"),  # MoE of plain relu² experts, fp32 routing weights
         ("qwen3_next", "bfloat16"),
     ],
 )

@@ -1,7 +1,8 @@
 """The Triton mixture-of-experts kernels (``kernels/triton/moe.py``) against the torch reference
 (``kernels/moe.py``), the ``cuda`` backend's ``moe_experts`` op: decode-sized batches (fewer
-pairs than experts, and more), a prefill-sized one, fp32 and bf16, skewed routing (one expert
-taking most pairs, several blocks of it), and the alignment on its own.
+pairs than experts, and more), a prefill-sized one, fp32 and bf16, gated silu experts and plain
+relu² ones (Nemotron-H's), skewed routing (one expert taking most pairs, several blocks of it),
+and the alignment on its own.
 
 Negative controls: an unrouted expert's NaN weights change nothing while a routed one's reach
 the output (only the routed experts are read, and each pair reads its own); a block told the
@@ -25,11 +26,13 @@ from mambaradix.kernels.triton import moe as triton_moe
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SILU = activation("silu")
+BLOCKS = [(True, "silu"), (False, "relu2")]  # (gated, activation): Qwen / Granite, Nemotron-H
 
 
-def _experts(E, H, inter, dtype, seed=0):
+def _experts(E, H, inter, dtype, seed=0, gated=True):
     g = torch.Generator().manual_seed(seed)
-    gate_up = (torch.randn(E, 2 * inter, H, generator=g) / H**0.5).to(dtype)
+    rows = 2 * inter if gated else inter
+    gate_up = (torch.randn(E, rows, H, generator=g) / H**0.5).to(dtype)
     down = (torch.randn(E, H, inter, generator=g) / inter**0.5).to(dtype)
     return gate_up.to(DEVICE), down.to(DEVICE)
 
@@ -49,8 +52,8 @@ def _x(T, H, dtype, seed=2):
     return torch.randn(T, H, generator=g).to(dtype).to(DEVICE)
 
 
-def _reference(x, w, ids, gate_up, down):
-    return reference.moe_experts(TorchBackend(), x, w, ids, gate_up, down, SILU)
+def _reference(x, w, ids, gate_up, down, act=SILU, gated=True):
+    return reference.moe_experts(TorchBackend(), x, w, ids, gate_up, down, act, 0, gated)
 
 
 CASES = [  # (tokens, experts, top k, hidden, intermediate, skewed routing)
@@ -61,28 +64,33 @@ CASES = [  # (tokens, experts, top k, hidden, intermediate, skewed routing)
 ]
 
 
+@pytest.mark.parametrize("gated,act", BLOCKS, ids=["gated", "plain"])
 @pytest.mark.parametrize("T,E,K,H,inter,skew", CASES)
-def test_fp32_equals_the_reference(T, E, K, H, inter, skew):
-    gate_up, down = _experts(E, H, inter, torch.float32)
+def test_fp32_equals_the_reference(T, E, K, H, inter, skew, gated, act):
+    gate_up, down = _experts(E, H, inter, torch.float32, gated=gated)
     w, ids = _routing(T, E, K, skew=skew)
     x = _x(T, H, torch.float32)
-    got = triton_moe.moe_experts(x, w, ids, gate_up, down, SILU)
-    torch.testing.assert_close(got, _reference(x, w, ids, gate_up, down), atol=1e-5, rtol=1e-5)
+    fn = activation(act)
+    got = triton_moe.moe_experts(x, w, ids, gate_up, down, fn, gated)
+    want = _reference(x, w, ids, gate_up, down, fn, gated)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("gated,act", BLOCKS, ids=["gated", "plain"])
 @pytest.mark.parametrize("T,E,K,H,inter,skew", CASES)
-def test_bf16_is_the_fp32_computation_rounded(T, E, K, H, inter, skew):
+def test_bf16_is_the_fp32_computation_rounded(T, E, K, H, inter, skew, gated, act):
     """bf16: within bf16 roundings of the same computation in fp32 on the same bf16 inputs (each
     GEMM rounds its output once, as the reference's), and close to the reference itself."""
-    gate_up, down = _experts(E, H, inter, torch.bfloat16)
+    gate_up, down = _experts(E, H, inter, torch.bfloat16, gated=gated)
     w, ids = _routing(T, E, K, skew=skew)
     x = _x(T, H, torch.bfloat16)
-    got = triton_moe.moe_experts(x, w, ids, gate_up, down, SILU)
+    fn = activation(act)
+    got = triton_moe.moe_experts(x, w, ids, gate_up, down, fn, gated)
     assert got.dtype is torch.bfloat16
-    exact = _reference(x.float(), w, ids, gate_up.float(), down.float())
+    exact = _reference(x.float(), w, ids, gate_up.float(), down.float(), fn, gated)
     scale = exact.abs().max()
     assert (got.float() - exact).abs().max() <= 2e-2 * scale
-    ref = _reference(x, w, ids, gate_up, down)
+    ref = _reference(x, w, ids, gate_up, down, fn, gated)
     assert (got.float() - ref.float()).abs().max() <= 2e-2 * scale
 
 

@@ -214,11 +214,13 @@ class KernelBackend(ABC):
 
     @abstractmethod
     def moe_experts(self, x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor,
-                    down: Tensor, act: str) -> Tensor:  # fmt: skip
+                    down: Tensor, act: str, gated: bool = True) -> Tensor:  # fmt: skip
         """A mixture of experts' routed part: ``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``
         (``x`` ``[T, H]``, ``ids`` / ``weights`` ``[T, K]``), each expert a gated block as
         ``gated_mlp``'s (``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]``, ``act`` a Hugging
-        Face ``hidden_act`` name)."""
+        Face ``hidden_act`` name) or, not ``gated``, ``down(act(up(x)))`` (``gate_up`` then is
+        ``up`` ``[E, I, H]``). The sum is at least as precise as the weights' and ``x``'s
+        promoted dtype and is rounded once to ``x``'s."""
 
 
 # --------------------------------------------------------------------------- the registry

@@ -404,17 +404,20 @@ def moe_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     act: str,
+    gated: bool = True,
 ) -> torch.Tensor | None:
     """The backend op ``moe_experts`` for a decode batch of bf16 rows in one C call
-    (``csrc/linear.c``: ``moe_gated_bf16``): each expert's rows through its gated block as
-    ``gated_mlp``'s, so only the routed experts' weights are read (the padded batched GEMM
-    reads all of them: at batch 1 ~10x the bytes for Granite-4.0-H-tiny's 6 of 64 experts).
-    Returns None for inputs it does not cover (the caller runs the reference)."""
-    if x.dtype is not torch.bfloat16 or not x.is_cpu or act not in ("silu", "swish"):
+    (``csrc/linear.c``: ``moe_experts_bf16``): each expert's rows through its block (gated
+    silu as ``gated_mlp``'s, or plain relu², Nemotron-H's), so only the routed experts' weights
+    are read (the padded batched GEMM reads all of them: at batch 1 ~10x the bytes for
+    Granite-4.0-H-tiny's 6 of 64 experts). Returns None for inputs it does not cover (the
+    caller runs the reference)."""
+    covered = act in ("silu", "swish") if gated else act == "relu2"
+    if x.dtype is not torch.bfloat16 or not x.is_cpu or not covered:
         return None
     T, K = ids.shape
-    E, i2, h = gate_up.shape
-    i = i2 // 2
+    E, u, h = gate_up.shape
+    i = u // 2 if gated else u
     if T * K > MOE_NATIVE_PAIRS_PER_EXPERT * E or x.dim() != 2:
         return None
     lib = native.load("linear")
@@ -435,14 +438,14 @@ def moe_experts(
     P = T * K
     ids = ids.to(torch.int64).contiguous()
     w = weights.to(torch.float32).contiguous()
-    rows = torch.empty(P * (2 * h + 3 * i), dtype=torch.bfloat16)  # xs | gate|up | act | y
+    rows = torch.empty(P * (2 * h + u + i), dtype=torch.bfloat16)  # xs | gate|up | act | y
     idx = torch.empty(2 * P + 2 * E + 1, dtype=torch.int64)
     out = torch.empty(T, h, dtype=torch.bfloat16)
     gu = rows[P * h :]
-    act_rows = gu[P * 2 * i :]
+    act_rows = gu[P * u :]
     y = act_rows[P * i :]
-    lib.moe_gated_bf16(
-        T, K, E, i, h, x.data_ptr(), x.stride(0), ids.data_ptr(), w.data_ptr(),
+    lib.moe_experts_bf16(
+        T, K, E, i, h, int(gated), x.data_ptr(), x.stride(0), ids.data_ptr(), w.data_ptr(),
         gate_up.data_ptr(), down.data_ptr(), rows.data_ptr(), gu.data_ptr(),
         act_rows.data_ptr(), y.data_ptr(), idx.data_ptr(), out.data_ptr(),
     )  # fmt: skip

@@ -90,16 +90,16 @@ class CpuBackend(TorchBackend):
             if key[0] == "row_groups" and groups is not None:
                 self._index(recorded)._memo[key].copy_(groups)
 
-    def moe_experts(self, x, weights, ids, gate_up, down, act):
+    def moe_experts(self, x, weights, ids, gate_up, down, act, gated=True):
         """bf16 decode batches in one C call that reads only the routed experts' weights; other
         batches of fewer pairs than experts (fp32 decodes) by the reference's per-expert loop,
         which reads only theirs too (Granite-4.0-H-tiny's shape, fp32, batch 1: 29.1 -> 3.6 ms
         a layer); the rest by the reference."""
-        out = cpu.moe_experts(x, weights, ids, gate_up, down, act)
+        out = cpu.moe_experts(x, weights, ids, gate_up, down, act, gated)
         if out is not None:
             return out
         few = gate_up.shape[0]  # the padded GEMM from as many pairs as experts
-        return moe.moe_experts(self, x, weights, ids, gate_up, down, activation(act), few)
+        return moe.moe_experts(self, x, weights, ids, gate_up, down, activation(act), few, gated)
 
     def gated_mlp(self, x, gate_up, down, act):
         out = cpu.gated_mlp(x, gate_up, down, act)

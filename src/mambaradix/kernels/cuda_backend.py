@@ -289,11 +289,11 @@ class CudaBackend(TorchBackend):
 
     # ------------------------------------------------------------------ mixture of experts
 
-    def moe_experts(self, x, weights, ids, gate_up, down, act) -> Tensor:
+    def moe_experts(self, x, weights, ids, gate_up, down, act, gated=True) -> Tensor:
         """Each pair's row through its own expert only, with no host sync
         (``kernels/triton/moe.py``; the reference reads every expert and the padding's size)."""
         from mambaradix.kernels.triton import moe as triton_moe
 
-        return triton_moe.moe_experts(x, weights, ids, gate_up, down, activation(act))
+        return triton_moe.moe_experts(x, weights, ids, gate_up, down, activation(act), gated)
 
     # mamba2_mixer_decode: the reference's composition of this backend's conv and scan steps

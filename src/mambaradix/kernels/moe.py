@@ -4,7 +4,10 @@
 padded batched GEMM (``moe_pad`` lays the (token, expert) pairs out as ``[E, cap, H]`` blocks,
 ``cap`` the busiest expert's count, and ``moe_unpad`` gathers the expert outputs back and sums
 each token's ``k`` of them by weight); larger batches loop over the experts with tokens, one
-exact-size GEMM pair each.
+exact-size GEMM pair each. An expert is a gated block (``act(gate) * up``, Qwen / Granite) or a
+plain one (``act(up)``, Nemotron-H). The weighted sum runs in the routing weights' and the rows'
+promoted dtype and is rounded once to the rows' (transformers' arithmetic for both: Qwen's
+models pass weights in the rows' dtype, Nemotron-H's router keeps them in fp32).
 """
 
 from __future__ import annotations
@@ -32,20 +35,21 @@ def moe_experts(
     down: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
     padded_min_pairs: int = 0,
+    gated: bool = True,
 ) -> torch.Tensor:
-    """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` (``gate_up`` ``[E, 2I, H]``,
-    ``down`` ``[E, H, I]``, ``act`` the gate's activation): few pairs an expert, one padded
-    batched GEMM over every expert (``ops``' ``moe_pad`` / ``moe_unpad``); else one GEMM pair
-    per expert with tokens. ``padded_min_pairs``: batches of fewer (token, expert) pairs take the
-    loop too (it reads only the routed experts' weights, the padded GEMM every expert's)."""
+    """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` (``gate_up`` ``[E, 2I, H]``, or
+    ``up`` ``[E, I, H]`` when not ``gated``; ``down`` ``[E, H, I]``; ``act`` the activation):
+    few pairs an expert, one padded batched GEMM over every expert (``ops``' ``moe_pad`` /
+    ``moe_unpad``); else one GEMM pair per expert with tokens. ``padded_min_pairs``: batches of
+    fewer (token, expert) pairs take the loop too (it reads only the routed experts' weights,
+    the padded GEMM every expert's)."""
     T, K = ids.shape
     E = gate_up.shape[0]
-    weights = weights.to(x.dtype)  # (a router's weights: the activations' dtype on both paths)
     if padded_min_pairs <= T * K <= PADDED_MAX_PER_EXPERT * E:
         buf, pos = ops.moe_pad(x, ids, E)
-        g, u = torch.bmm(buf, gate_up.transpose(1, 2)).chunk(2, dim=-1)
-        y = torch.bmm(act(g) * u, down.transpose(1, 2))
-        return ops.moe_unpad(y, ids, pos, weights)
+        h = expert_activation(torch.bmm(buf, gate_up.transpose(1, 2)), act, gated)
+        y = torch.bmm(h, down.transpose(1, 2))
+        return ops.moe_unpad(y, ids, pos, weights).to(x.dtype)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=E)
@@ -56,14 +60,24 @@ def moe_experts(
     for e, n in enumerate(counts.tolist()):
         if n == 0:
             continue
-        h = F.linear(xs[start : start + n], gate_up[e])
-        g, u = h.chunk(2, dim=-1)
-        out[start : start + n] = F.linear(act(g) * u, down[e])
+        h = expert_activation(F.linear(xs[start : start + n], gate_up[e]), act, gated)
+        out[start : start + n] = F.linear(h, down[e])
         start += n
-    out = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-    result = torch.zeros_like(x)
-    result.index_add_(0, token_of, out)  # sum the k experts of each token
-    return result
+    weighted = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    result = torch.zeros(x.shape, dtype=weighted.dtype, device=x.device)
+    result.index_add_(0, token_of, weighted)  # sum the k experts of each token
+    return result.to(x.dtype)
+
+
+def expert_activation(
+    h: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], gated: bool
+) -> torch.Tensor:
+    """A block's hidden rows from its first GEMM: ``act(gate) * up`` (gate columns first) or
+    ``act(up)``."""
+    if not gated:
+        return act(h)
+    g, u = h.chunk(2, dim=-1)
+    return act(g) * u
 
 
 def moe_pad(

@@ -190,12 +190,13 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR,                  # out [M, H]
             _PTR,                  # NULL (few rows) or scratch: M x max(H, I) (rounded up) fp32
         ],
-        "moe_gated_bf16": [
+        "moe_experts_bf16": [
             _I64, _I64, _I64,      # T tokens, K experts a token, E experts
             _I64, _I64,            # I (an expert's intermediate), H (hidden)
+            _INT,                  # gated (silu(gate) * up), else relu(up)^2
             _PTR, _I64,            # x [T, H], its row stride
             _PTR, _PTR,            # ids [T, K] int64, weights [T, K] fp32
-            _PTR, _PTR,            # gate_up [E, 2I, H], down [E, H, I]
+            _PTR, _PTR,            # gate_up [E, 2I, H] (or up [E, I, H]), down [E, H, I]
             _PTR, _PTR, _PTR, _PTR,  # scratch: rows [P, H], gate|up [P, 2I], [P, I], [P, H]
             _PTR,                  # scratch: 2P + 2E + 1 int64 (P = T * K)
             _PTR,                  # out [T, H]

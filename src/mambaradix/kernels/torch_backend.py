@@ -81,10 +81,10 @@ class TorchBackend(KernelBackend):
     def prepare(self, layout: ForwardLayout) -> None:
         layout.meta = TorchIndex(layout, self)
 
-    def moe_experts(self, x, weights, ids, gate_up, down, act) -> Tensor:
+    def moe_experts(self, x, weights, ids, gate_up, down, act, gated=True) -> Tensor:
         """``kernels.moe.moe_experts``: a padded batched GEMM over every expert for few pairs
         an expert, else one GEMM pair per expert with tokens."""
-        return moe.moe_experts(self, x, weights, ids, gate_up, down, activation(act))
+        return moe.moe_experts(self, x, weights, ids, gate_up, down, activation(act), 0, gated)
 
     def gated_mlp(self, x, gate_up, down, act) -> Tensor:
         """The composition: this backend's ``linear``, the activation, the product, ``linear``."""

@@ -46,25 +46,39 @@ def experts_forward(
     down: torch.Tensor,
     act: str,
     ops: KernelBackend | None = None,
+    gated: bool = True,
 ) -> torch.Tensor:
     """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``: the backend's ``moe_experts``
-    (default the torch reference). ``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]``, ``act``
-    a Hugging Face ``hidden_act`` name."""
-    return (ops or reference_backend()).moe_experts(x, weights, ids, gate_up, down, act)
+    (default the torch reference). ``gate_up`` ``[E, 2I, H]`` (``up`` ``[E, I, H]`` for plain
+    experts, not ``gated``), ``down`` ``[E, H, I]``, ``act`` a Hugging Face ``hidden_act``
+    name."""
+    ops = ops or reference_backend()
+    return ops.moe_experts(x, weights, ids, gate_up, down, act, gated)
 
 
 class Experts(KernelUser, nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu"):
+    """The routed experts of a block, fused: gated (``gate_up_proj`` ``[E, 2I, H]``, Qwen /
+    Granite) or plain (``up_proj`` ``[E, I, H]``, ``down(act(up(x)))``, Nemotron-H), and
+    ``down_proj`` ``[E, H, I]``."""
+
+    def __init__(
+        self, num_experts: int, hidden: int, intermediate: int, act: str = "silu",
+        gated: bool = True,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.gate_up_proj = expert_weights(num_experts, 2 * intermediate, hidden)
+        self.gated = gated
+        up = expert_weights(num_experts, (2 if gated else 1) * intermediate, hidden)
+        if gated:
+            self.gate_up_proj = up
+        else:
+            self.up_proj = up
         self.down_proj = expert_weights(num_experts, hidden, intermediate)
         activation(act)  # an unsupported name fails here, at build
         self.act = act
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return experts_forward(
-            x, weights, ids, self.gate_up_proj, self.down_proj, self.act, self.ops
-        )
+        up = self.gate_up_proj if self.gated else self.up_proj
+        return experts_forward(x, weights, ids, up, self.down_proj, self.act, self.ops, self.gated)
 
 
 class TopKRouter(nn.Module):

@@ -2,8 +2,11 @@
 (with n_groups > 1), attention without positional encoding, a non-gated MLP, or a MoE with a
 sigmoid group-limited router, a shared expert and optional latent projections.
 
-Parameter names are the checkpoint's (``backbone.*``, per-expert
-``mixer.experts.{e}.up_proj.weight``), so weights load by name.
+Parameter names are the checkpoint's (``backbone.*``), so weights load by name; the routed
+experts' per-expert tensors (``mixer.experts.{e}.up_proj.weight``) are stacked while loading
+into the fused ``experts.up_proj`` ``[E, I, H]`` / ``experts.down_proj`` ``[E, H, I]`` (the
+names transformers gives them in memory), which the backend's ``moe_experts`` runs as plain
+(non-gated) experts.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import nn
 
 from mambaradix.layers.mamba2 import Mamba2Mixer
 from mambaradix.layers.mlp import activation
+from mambaradix.layers.moe import Experts
 from mambaradix.layers.norm import RMSNorm
 from mambaradix.layers.ops import Linear
 from mambaradix.layout import ForwardContext
@@ -25,6 +29,7 @@ from mambaradix.models.base import HybridCausalLM, pool_layer_indices
 from mambaradix.models.granite_hybrid import ATTENTION, MAMBA, ProjAttention, layer_kinds
 from mambaradix.models.loader import assign_weights
 from mambaradix.models.registry import register_model
+from mambaradix.models.weights import PLAIN_EXPERTS, stack_expert_weights
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +101,8 @@ class NemotronMoE(nn.Module):
         inner = latent or h
         act, bias = config.mlp_hidden_act, config.mlp_bias
         self.gate = NemotronRouter(config)
-        self.experts = nn.ModuleList(
-            NemotronMLP(inner, config.moe_intermediate_size, act)
-            for _ in range(config.n_routed_experts)
+        self.experts = Experts(
+            config.n_routed_experts, inner, config.moe_intermediate_size, act, gated=False
         )
         self.shared_experts = NemotronMLP(h, config.moe_shared_expert_intermediate_size, act, bias)
         self.fc1_latent_proj = Linear(h, latent, bias=bias) if latent else None
@@ -107,20 +111,7 @@ class NemotronMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x)
         z = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
-        out = torch.zeros(z.shape, dtype=w.dtype, device=z.device)
-        top_k = idx.shape[1]
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        tok, wf = order // top_k, w.reshape(-1)[order]
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                t_e = tok[start : start + n]
-                y = self.experts[e](z[t_e]) * wf[start : start + n, None]
-                out.index_add_(0, t_e, y.to(out.dtype))
-                start += n
-        out = out.to(x.dtype)
+        out = self.experts(z, w, idx)  # (fp32 weights: summed in fp32, as transformers sums)
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
         return out + self.shared_experts(x)
@@ -224,7 +215,11 @@ class NemotronHForCausalLM(HybridCausalLM):
                     continue
                 yield name, t
 
-        assign_weights(self, self.without_tied_head(renamed()))
+        def num_experts(prefix: str) -> int:
+            return self.get_submodule(prefix).up_proj.shape[0]
+
+        named = self.without_tied_head(renamed())
+        assign_weights(self, stack_expert_weights(named, num_experts, PLAIN_EXPERTS))
 
     def body(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         for block in self.backbone.layers:

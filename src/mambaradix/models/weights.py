@@ -236,25 +236,30 @@ def read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
+GATED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+PLAIN_EXPERTS = {"up_proj": ("up_proj",), "down_proj": ("down_proj",)}
+
+
 def stack_expert_weights(
     weights: Iterable[tuple[str, torch.Tensor | Lazy]],
     num_experts: Callable[[str], int] | None = None,
+    fused: dict[str, tuple[str, ...]] = GATED_EXPERTS,
 ) -> Iterator[tuple[str, torch.Tensor | Lazy]]:
-    """Pass weights through, replacing per-expert tensors by the fused ``gate_up_proj``
-    ``[E, 2I, H]`` / ``down_proj`` ``[E, H, I]`` stacks (lazily: a ``Stack``, each expert read
-    into its place in the parameter, whatever layout ``expert_weights`` gave it).
+    """Pass weights through, replacing per-expert tensors by fused stacks, ``fused`` naming
+    each stack's parts: gated experts' ``gate_up_proj`` ``[E, 2I, H]`` (gate rows first) and
+    ``down_proj`` ``[E, H, I]``, or plain experts' ``up_proj`` / ``down_proj``
+    (``PLAIN_EXPERTS``). Lazily: a ``Stack``, each expert read into its place in the
+    parameter, whatever layout ``expert_weights`` gave it.
 
     ``num_experts(prefix)`` (the block's ``...experts`` module name -> E) lets a stack be
     emitted as soon as its last expert arrived, holding at most one block's experts; without it
     every block is held until the end of the checkpoint."""
     groups: dict[str, dict[str, dict[int, torch.Tensor | Lazy]]] = {}
-
-    def ready(prefix: str, n: int, *kinds: str) -> bool:
-        return all(len(groups[prefix].get(k, {})) == n for k in kinds)
+    stack_of = {part: stack for stack, parts in fused.items() for part in parts}
 
     for name, t in weights:
         m = _PER_EXPERT.match(name)
-        if m is None:
+        if m is None or m.group(3) not in stack_of:
             yield name, t
             continue
         prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
@@ -263,21 +268,16 @@ def stack_expert_weights(
         if num_experts is None:
             continue
         n = num_experts(prefix)
-        if kind in ("gate_proj", "up_proj") and ready(prefix, n, "gate_proj", "up_proj"):
-            yield (
-                f"{prefix}.gate_up_proj",
-                _stack(prefix, groups[prefix], n, "gate_proj", "up_proj"),
-            )
-        elif kind == "down_proj" and ready(prefix, n, "down_proj"):
-            yield f"{prefix}.down_proj", _stack(prefix, groups[prefix], n, "down_proj")
+        stack = stack_of[kind]
+        if all(len(groups[prefix].get(k, {})) == n for k in fused[stack]):
+            yield f"{prefix}.{stack}", _stack(prefix, groups[prefix], n, *fused[stack])
         if not groups[prefix]:
             del groups[prefix]
     for prefix, kinds in list(groups.items()):
         n = 1 + max(max(d) for d in kinds.values())
-        if "gate_proj" in kinds or "up_proj" in kinds:
-            yield f"{prefix}.gate_up_proj", _stack(prefix, kinds, n, "gate_proj", "up_proj")
-        if "down_proj" in kinds:
-            yield f"{prefix}.down_proj", _stack(prefix, kinds, n, "down_proj")
+        for stack, parts in fused.items():
+            if any(k in kinds for k in parts):
+                yield f"{prefix}.{stack}", _stack(prefix, kinds, n, *parts)
 
 
 def _stack(prefix: str, kinds: dict[str, dict[int, torch.Tensor | Lazy]], n: int, *parts: str):

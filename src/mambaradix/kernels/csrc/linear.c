@@ -1128,24 +1128,41 @@ void gated_mlp_bf16(int64_t M, int64_t I, int64_t H, const uint16_t *x, int64_t 
     }
 }
 
-#define MOE_SUM_COLS 256 /* moe_gated_bf16's weighted sums, columns at a time */
+#define MOE_SUM_COLS 256 /* moe_experts_bf16's weighted sums, columns at a time */
+
+/* h = relu(u)^2 over M rows of I (Nemotron-H's plain experts): relu is exact in bf16 and the
+ * square is rounded once, as torch's bf16 ops give it; NaN stays NaN. */
+ALWAYS_INLINE void relu2_team(int64_t M, int64_t I, const uint16_t *u, uint16_t *h)
+{
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = 0; i < I; i++) {
+            const float a = bf16_to_f32(u[m * I + i]);
+            const float r = a < 0.0f ? 0.0f : a;
+            h[m * I + i] = f32_to_bf16(r * r);
+        }
+}
 
 /* The routed experts of a mixture-of-experts layer for a decode batch, one call:
- * out[t] = sum_k weights[t*K + k] * expert_e(x[t]), e = ids[t*K + k], each expert a gated
- * block as gated_mlp_bf16's (w_gu [E][2I][H], gate rows first; w_down [E][H][I]) over the rows
+ * out[t] = sum_k weights[t*K + k] * expert_e(x[t]), e = ids[t*K + k], each expert over the rows
  * routed to it, so only the routed experts' weights are read: at batch 1 the k of E, where
- * the padded batched GEMM (kernels/moe.py) reads every expert's. The sum runs in fp32 in k
- * order and is rounded once, as moe_unpad_bf16's. Pairs are grouped by expert with a counting
- * sort (stable: an expert's rows in pair order); an id outside 0..E-1 contributes nothing
- * (nothing is read or written out of bounds). Nothing is returned for Python to read, so a
- * decode step holding the call can be recorded (engine/step_graph.py).
- * Scratch, P = T * K: xs [P][H], gu [P][2I], h [P][I], y [P][H] bf16; idx [2P + 2E + 1]. */
-void moe_gated_bf16(int64_t T, int64_t K, int64_t E, int64_t I, int64_t H, const uint16_t *x,
-                    int64_t x_stride, const int64_t *ids, const float *weights,
-                    const uint16_t *w_gu, const uint16_t *w_down, uint16_t *xs, uint16_t *gu,
-                    uint16_t *h, uint16_t *y, int64_t *idx, uint16_t *out)
+ * the padded batched GEMM (kernels/moe.py) reads every expert's. gated: a gated block as
+ * gated_mlp_bf16's (w_up [E][2I][H], gate rows first, silu); else a plain one, relu(up)^2
+ * (w_up [E][I][H], Nemotron-H's). w_down [E][H][I]. The sum runs in fp32 in k order and is
+ * rounded once, as moe_unpad_bf16's. Pairs are grouped by expert with a counting sort (stable:
+ * an expert's rows in pair order); an id outside 0..E-1 contributes nothing (nothing is read or
+ * written out of bounds). Nothing is returned for Python to read, so a decode step holding the
+ * call can be recorded (engine/step_graph.py).
+ * Scratch, P = T * K: xs [P][H], gu [P][2I] (or [P][I]), h [P][I], y [P][H] bf16;
+ * idx [2P + 2E + 1]. */
+void moe_experts_bf16(int64_t T, int64_t K, int64_t E, int64_t I, int64_t H, int gated,
+                      const uint16_t *x, int64_t x_stride, const int64_t *ids,
+                      const float *weights, const uint16_t *w_up, const uint16_t *w_down,
+                      uint16_t *xs, uint16_t *gu, uint16_t *h, uint16_t *y, int64_t *idx,
+                      uint16_t *out)
 {
     const int64_t P = T * K;
+    const int64_t U = gated ? 2 * I : I; /* the first GEMM's columns */
     int64_t *slot = idx;               /* slot[p]: pair p's row in the sorted order, or -1 */
     int64_t *pair = idx + P;           /* pair[s]: the pair at sorted row s */
     int64_t *start = idx + 2 * P;      /* expert e's rows: start[e] .. start[e + 1] */
@@ -1173,9 +1190,12 @@ void moe_gated_bf16(int64_t T, int64_t K, int64_t E, int64_t I, int64_t H, const
             memcpy(xs + s * H, x + pair[s] / K * x_stride, (size_t)H * sizeof(uint16_t));
         for (int64_t e = 0; e < E; e++) /* every thread walks every expert: the teams' barriers */
             if (start[e + 1] > start[e])
-                rows_team(start[e + 1] - start[e], 2 * I, H, xs + start[e] * H, H,
-                          w_gu + e * 2 * I * H, NULL, gu + start[e] * 2 * I, 2 * I);
-        act_team(rows, I, gu, h);
+                rows_team(start[e + 1] - start[e], U, H, xs + start[e] * H, H, w_up + e * U * H,
+                          NULL, gu + start[e] * U, U);
+        if (gated)
+            act_team(rows, I, gu, h);
+        else
+            relu2_team(rows, I, gu, h);
         for (int64_t e = 0; e < E; e++)
             if (start[e + 1] > start[e])
                 rows_team(start[e + 1] - start[e], H, I, h + start[e] * I, I,

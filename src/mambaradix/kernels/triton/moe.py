@@ -5,7 +5,8 @@ be captured in a CUDA graph).
 The semantics are the backend op's (``KernelBackend.moe_experts``; the reference is
 ``kernels/moe.py``): ``out[t] = sum_k weights[t, k] * down_e(act(gate_e(x[t])) * up_e(x[t]))``,
 ``e = ids[t, k]``, expert stacks ``gate_up`` ``[E, 2I, H]`` and ``down`` ``[E, H, I]`` as the
-checkpoint stores them. Where the reference runs all experts as one padded batched GEMM (every
+checkpoint stores them (plain experts, Nemotron-H's: ``down_e(act(up_e(x[t])))``, ``up``
+``[E, I, H]``). Where the reference runs all experts as one padded batched GEMM (every
 expert's weights read, and the padding's size read back to the host) or loops over experts on
 the host, this is a grouped GEMM over blocks of one expert's pairs::
 
@@ -14,7 +15,7 @@ the host, this is a grouped GEMM over blocks of one expert's pairs::
                     and ``block_expert`` [B] (past the last block: E)
     _moe_gemm       grid (B, N blocks): block b's rows times expert block_expert[b]'s weight
                     rows, fp32 accumulation, rounded once into the pair's output row
-    (torch)         act(gate) * up on the pairs' rows, as the reference computes it
+    (torch)         act(gate) * up (or act(up)) on the pairs' rows, as the reference does
     _moe_gemm       the same with ``down``
     (torch)         each token's k rows summed by weight in fp32, rounded once
 
@@ -26,7 +27,7 @@ experts' weights (the padded GEMM read all 512).
 Rounding: each GEMM's output is rounded to the activations' dtype as the reference's
 ``F.linear`` rounds it, and the activation product is the reference's own torch code, so the
 two differ only in summation order inside a GEMM and in the final weighted sum (fp32 here,
-rounded once; the reference rounds each weighted row first).
+rounded once; the reference sums in the weights' and rows' promoted dtype).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
+
+from mambaradix.kernels.moe import expert_activation
 
 DECODE_BLOCK_M = 16  # pairs per block for decode-sized batches (tl.dot's smallest M)
 PREFILL_BLOCK_M = 64
@@ -116,6 +119,7 @@ def moe_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
+    gated: bool = True,
 ) -> torch.Tensor:
     """The backend op (module docstring): ``x`` ``[T, H]``, ``ids`` / ``weights`` ``[T, K]``."""
     T, K = ids.shape
@@ -128,8 +132,8 @@ def moe_experts(
     down = down if down.stride(-1) == 1 else down.contiguous()
     block_m = DECODE_BLOCK_M if P <= 4 * E else PREFILL_BLOCK_M
     pairs, block_expert = align(ids, E, block_m)
-    gate, up = _gemm(x, gate_up, pairs, block_expert, P, K, block_m).chunk(2, dim=-1)
-    h = (act(gate) * up).contiguous()
+    first = _gemm(x, gate_up, pairs, block_expert, P, K, block_m)
+    h = expert_activation(first, act, gated).contiguous()
     y = _gemm(h, down, pairs, block_expert, P, 1, block_m).view(T, K, -1)
-    w = weights.to(x.dtype).float()  # rounded as the reference rounds them
+    w = weights.to(torch.promote_types(weights.dtype, x.dtype)).float()  # as the reference's
     return (y.float() * w.unsqueeze(-1)).sum(1).to(x.dtype)
