@@ -15,7 +15,9 @@ of a decode step (``torch.cuda.set_sync_debug_mode``). The presets run in the or
 
 After the presets, in the last ``--kernels-s`` of ``--budget-s`` (the presets start no new part
 in them): the kernels' own comparisons (the two Mamba2 prefill forms, the prefill attention's
-tile sets against SDPA); ``--presets`` with no names runs only those.
+tile sets against SDPA, the routed experts' grouped GEMM against the reference at the MoE
+models' shapes, none of which the presets measure); ``--presets`` with no names runs only
+those.
 
     python bench/bench_gpu.py --out /tmp/gpu.jsonl --presets qwen3_5_0_8b granite_4_0_h_350m
 
@@ -220,6 +222,61 @@ def _mamba2_forms_ms(shape: tuple[int, int, int, int], lens: list[int]) -> tuple
         fn()  # compiles
         ms[form] = min(timed(fn) for _ in range(5)) * 1e3
     return ms, chunks.indices.shape[0]
+
+
+# experts, top k, intermediate, hidden, gated (models/published_configs.py): Qwen3-Next's many
+# small experts and Nemotron-3-Nano's few wide plain ones
+MOE_SHAPES = {
+    "qwen3_next_80b_a3b": (512, 10, 512, 2048, True),
+    "nemotron_3_nano_30b_a3b": (128, 6, 1856, 2688, False),
+}
+
+
+def moe_experts_kernel(
+    out: Path, shapes: dict = MOE_SHAPES, batches: tuple = (1, 16, 64, 256, 2048),
+    hbm_bytes_s: float | None = None,
+) -> None:  # fmt: skip
+    """One MoE layer's routed part at published shapes, bf16, random routing (each token's k
+    experts drawn without repeats): the cuda backend's Triton grouped GEMM (``triton/moe.py``)
+    against the torch reference (a padded bmm over every expert up to 64 pairs an expert, a
+    per-expert loop beyond), ms (best of 5), and the grouped GEMM's read of the routed experts'
+    weights over the HBM read rate measured in this run (the decode batches' limit)."""
+    from mambaradix.kernels import moe as reference
+    from mambaradix.kernels.activation import activation
+    from mambaradix.kernels.torch_backend import TorchBackend
+    from mambaradix.kernels.triton import moe as triton_moe
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    bf16 = dict(device=DEV, dtype=torch.bfloat16)
+    for name, (E, K, inter, hidden, gated) in shapes.items():
+        act = activation("silu" if gated else "relu2")
+        rows = (2 if gated else 1) * inter
+        up = torch.randn(E, rows, hidden, generator=g, **bf16) * 0.02
+        down = torch.randn(E, hidden, inter, generator=g, **bf16) * 0.02
+        for T in batches:
+            x = torch.randn(T, hidden, generator=g, **bf16)
+            ids = torch.rand(T, E, generator=g, device=DEV).argsort(-1)[:, :K]
+            w = torch.softmax(torch.randn(T, K, generator=g, device=DEV), -1)
+            args = (x, w, ids, up, down, act)
+            sides = {
+                "triton": functools.partial(triton_moe.moe_experts, *args, gated),
+                "reference": functools.partial(
+                    reference.moe_experts, TorchBackend(), *args, 0, gated
+                ),
+            }
+            ms = {}
+            for side, fn in sides.items():
+                fn()  # compiles
+                ms[side] = min(timed(fn) for _ in range(5)) * 1e3
+            del args, sides
+            routed = ids.unique().numel() * (rows + inter) * hidden * 2
+            extra = {}
+            if hbm_bytes_s:
+                extra["of_hbm_limit"] = routed / hbm_bytes_s / (ms["triton"] / 1e3)
+            record(out, name, f"moe_b{T}", triton_ms=ms["triton"], reference_ms=ms["reference"],
+                   reference_over_triton=ms["reference"] / ms["triton"], **extra)  # fmt: skip
+        del up, down
+        empty_cache()
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -479,7 +536,9 @@ def hf_figures(preset: str, folder: Path, args, out: Path, ours: dict, prompts, 
 DRY_RUN = dict(presets=["qwen3_5_0_8b", "granite_4_0_h_350m"], layers=4, vocab=2048,
                prefill_lens=[64, 160], batches=[1, 3], steps=3, w1_groups=2, w1_system=128,
                hf_w1_groups=1, mem_budget_gb=0.5)  # fmt: skip
-DRY_KERNELS = dict(mamba2=({"toy": (2, 16, 1, 16)}, 128), attention=(((2, 1, 32),), 2, 64))
+DRY_KERNELS = dict(mamba2=({"toy": (2, 16, 1, 16)}, 128), attention=(((2, 1, 32),), 2, 64),
+                   moe=({"toy_gated": (8, 2, 16, 32, True), "toy_plain": (8, 2, 16, 32, False)},
+                        (1, 40)))  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -502,7 +561,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab", type=int, default=None, help="cut the presets' vocabulary")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--budget-s", type=float, default=360.0, help="stop starting new parts after")
-    ap.add_argument("--kernels-s", type=float, default=45.0,
+    ap.add_argument("--kernels-s", type=float, default=60.0,
                     help="of the budget, kept for the kernels' comparisons")  # fmt: skip
     ap.add_argument(
         "--dry-run",
@@ -563,10 +622,13 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
             record(out, preset, "error", error=repr(e)[:500])
     # the kernels' own comparisons, after the presets' figures, in the time left
-    parts = [(mamba2_prefill_forms, ()), (attention_prefill_tiles, ())]
+    hbm = (limits["hbm_read_bytes_s"],)
+    parts = [(mamba2_prefill_forms, ()), (attention_prefill_tiles, ()),
+             (moe_experts_kernel, (MOE_SHAPES, (1, 16, 64, 256, 2048), *hbm))]  # fmt: skip
     if args.dry_run:
         parts = [(mamba2_prefill_forms, DRY_KERNELS["mamba2"]),
-                 (attention_prefill_tiles, DRY_KERNELS["attention"])]  # fmt: skip
+                 (attention_prefill_tiles, DRY_KERNELS["attention"]),
+                 (moe_experts_kernel, (*DRY_KERNELS["moe"], *hbm))]  # fmt: skip
     for part, sizes in parts:
         if time.perf_counter() > end:
             record(out, "kernels", "skipped", part=part.__name__, reason="time budget")

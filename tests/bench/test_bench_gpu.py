@@ -62,6 +62,11 @@ def test_the_gpu_benchmark_runs_every_part_in_a_dry_run(tmp_path, capsys) -> Non
         assert g["met"] == (
             value >= float(threshold) if sense == ">=" else value <= float(threshold)
         )
+    shapes, batches = bench.DRY_KERNELS["moe"]
+    for name in shapes:
+        for b in batches:
+            r = by[name, f"moe_b{b}"]
+            assert r["triton_ms"] > 0 and r["reference_ms"] > 0 and r["of_hbm_limit"] > 0
     for hq, hkv, d in bench.DRY_KERNELS["attention"][0]:
         r = by[f"attn_{hq}x{hkv}x{d}", "prefill_tiles"]
         tiles = ["default", *("x".join(map(str, t)) for t in bench.ATTENTION_TILES)]
