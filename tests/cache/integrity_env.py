@@ -37,11 +37,13 @@ CHECKS = {
     "stored_without_state": r"node marked stored without a state in RAM",
     "tombstone_leaf": r"tombstone leaf",
     "children_locks": r"kv_lock \d+ < sum of children's kv_lock \d+",
+    "path_pins": r"path_pins -?\d+ != the pins of the states on its path \d+",
     "kv_lru_links": r"^KV LRU list has a broken link",
     "kv_lru_links_length": r"^KV LRU list holds more entries than its length",
     "kv_lru_foreign": r"KV-LRU holds a node that is not in the tree",
     "kv_lru_twice": r"KV-LRU holds a node twice",
     "kv_lru_locked": r"KV-LRU holds a locked node",
+    "kv_list_pins": r"KV-LRU list does not match the node's path pins",
     "kv_lru_order": r"KV-LRU out of access order",
     "kv_lru_members": r"KV-LRU holds \d+ nodes \(length \d+\), expected every unlocked",
     "kv_lru_parent_older": r"unlocked parent older than its child in the KV-LRU",
@@ -196,6 +198,20 @@ def _parent_lock_lost(env: Env) -> None:
 def _touch_without_ancestors(env: Env) -> None:
     """A match that touches the node it returns but not the path above it."""
     env.tree.kv_lru.touch(env.at(*seq(1, 7)).kv_link, env.tick())
+
+
+def _pin_left_in_kv_lru(env: Env) -> None:
+    """A broken ``pin_state``: the pin counted on the path, the node left in ``kv_lru``."""
+    leaf = env.at(10, 11, 12)
+    leaf.wait_pins += 1
+    leaf.path_pins += 1
+
+
+def _pin_lost_on_ancestor(env: Env) -> None:
+    """A pin of C [6 7] (real API call) whose count was dropped on the tombstone above it."""
+    env.tree.pin_state(env.at(*seq(1, 7)))
+    env.tree.check_integrity()
+    env.at(1, 2, 3, 4, 5).path_pins -= 1
 
 
 def _double_free_kv(env: Env) -> None:

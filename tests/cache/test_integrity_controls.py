@@ -49,6 +49,8 @@ from integrity_env import (
     _lock_state_keeping_in_policy,
     _lose_locked_state,
     _parent_lock_lost,
+    _pin_left_in_kv_lru,
+    _pin_lost_on_ancestor,
     _rekey,
     _root,
     _second_link,
@@ -228,6 +230,20 @@ CASES: list[Case] = [
         r"twice" + _E,
     ),
     Case("kv_lru_locked_node", _lock_keeping_in_kv_lru, "kv_lru_locked", r"locked node" + _E),
+    # ---- pinned paths: the pins' sums and the two KV lists
+    Case(
+        "path_pins_on_the_node",
+        lambda e: _add(_leaf(e), "path_pins", 1),
+        "path_pins",
+        r"path_pins 1 != the pins of the states on its path 0",
+    ),
+    Case(
+        "path_pins_lost_on_an_ancestor",
+        _pin_lost_on_ancestor,
+        "path_pins",
+        r"path_pins 0 != the pins of the states on its path 1: .*key=\[4, 5\]",
+    ),
+    Case("pinned_node_in_kv_lru", _pin_left_in_kv_lru, "kv_list_pins", r"path pins" + _E),
     Case(
         "kv_lru_out_of_order",
         _set(lambda e: e.tree.kv_lru.oldest(), "tick", lambda e: 10**9),

@@ -382,6 +382,57 @@ def test_a_pinned_state_still_goes_when_nothing_else_can():
     tree.check_integrity()
 
 
+def test_a_pinned_states_prefix_kv_goes_after_all_other_kv():
+    """KV pressure takes the path of a pinned state (a waiting request's shared prefix) only
+    after every other unlocked leaf, never when the caller spares pins, and frees it once the
+    pin is released or the state itself is evicted."""
+    tree, kv_pool, _ = make_tree()
+    a = put(tree, [1, 2, 3, 4]).node  # oldest
+    put(tree, [1, 2, 7, 8])  # splits: [1 2] becomes a tombstone above a and this one
+    c = put(tree, [9, 9]).node
+    tree.pin_state(a)
+    tree.check_integrity()
+    assert {link.owner.depth for link in tree.kv_pinned.iter_oldest_first(9)} == {2, 4}
+    assert tree.evict_kv(4, spare=SPARE_PINNED) == 4  # [7 8] then [9 9]; a's path spared
+    assert c.parent is None and shape(tree) == {((1, 2), False): {((3, 4), True): {}}}
+    assert tree.evict_kv(1, spare=SPARE_PINNED) == 0
+    tree.check_integrity()
+    tree.unpin_state(a)  # back in the plain list
+    assert len(tree.kv_pinned) == 0
+    tree.check_integrity()
+    tree.pin_state(a)
+    assert tree.evict_kv(1) == 4  # nothing else left: a soft pin goes (with its tombstone)
+    assert tree.num_nodes() == 0 and kv_pool.available() == kv_pool.size
+    tree.unpin_state(a)
+    tree.check_integrity()
+
+
+def test_a_pin_protects_kv_only_while_its_state_is_there():
+    """The state of a pinned node evicted (a tombstone kept by its children): its path's KV is
+    unpinned at once, so the tombstone's prefix goes by age again; a state attached there later
+    restores the protection while the pin lasts."""
+    tree, *_ = make_tree()
+    a = put(tree, [1, 2]).node
+    b = put(tree, [1, 2, 3, 4]).node
+    tree.lock(b)  # a request resuming from b: a is kept as b's parent
+    tree.lock_state(b)
+    tree.pin_state(a)
+    assert (a.path_pins, b.path_pins) == (1, 0)
+    assert tree.evict_state(1) == 1 and a.state_slot is None  # the only evictable state
+    assert a.path_pins == 0
+    tree.check_integrity()
+    put(tree, [1, 2])  # a snapshot there again: the waiting request's pin counts once more
+    assert a.state_slot is not None and a.path_pins == 1
+    tree.unlock_state(b)
+    tree.unlock(b)
+    assert a.kv_link.home is tree.kv_pinned and b.kv_link.home is tree.kv_lru
+    tree.check_integrity()
+    assert tree.evict_kv(1, spare=SPARE_PINNED) == 2 and b.parent is None
+    assert a.parent is not None
+    tree.unpin_state(a)
+    tree.check_integrity()
+
+
 def test_a_pin_out_of_step_with_the_policy_is_caught():
     """Negative control: a count changed behind the tree's back leaves the node in the wrong
     tier, and the integrity check names it."""
@@ -390,9 +441,11 @@ def test_a_pin_out_of_step_with_the_policy_is_caught():
     tree, *_ = make_tree()
     a = put(tree, [1, 2]).node
     a.wait_pins = 1
+    tree._pin_path(a, 1)  # (the KV side kept in step: only the state policy's tier is wrong)
     with pytest.raises(IntegrityError, match="tier does not match the node's pins"):
         tree.check_integrity()
     a.wait_pins = 0
+    tree._pin_path(a, -1)
     tree.check_integrity()
 
 

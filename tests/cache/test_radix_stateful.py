@@ -152,11 +152,26 @@ class RadixMachine(RuleBasedStateMachine):
         got = self.state_pool.alloc(1)
         return None if got is None else got[0]
 
-    def do_evict_kv(self, n: int) -> None:
-        freed = self.tree.evict_kv(n)
+    def pinned_kv(self) -> set:
+        """The KV prefixes on the paths of pinned states (the KV-LRU's second list)."""
+        out = set()
+        for p in self.pins:
+            if p.state_slot is not None and p.parent is not None:
+                path = self.tree.path_tokens(p)
+                out.update(tuple(path[:n]) for n in range(self.PAGE, len(path) + 1, self.PAGE))
+        return out
+
+    def do_evict_kv(self, n: int, spare: int = SPARE_NOTHING) -> None:
+        pinned = self.pinned_kv()
+        in_pinned = sum(len(link.owner.key) for link in self.tree.kv_pinned.iter_oldest_first(999))
+        unpinned = self.tree.evictable_kv() - in_pinned
+        freed = self.tree.evict_kv(n, spare)
         removed_kv, _ = self.adopt_after_removal()
         assert freed == removed_kv
-        assert freed >= n or self.tree.evictable_kv() == 0
+        if spare >= SPARE_PINNED or n <= unpinned:
+            assert pinned <= self.kv_ref, "a pinned state's prefix went before unpinned KV"
+        left = self.tree.evictable_kv()
+        assert freed >= n or left == (in_pinned if spare >= SPARE_PINNED else 0)
         assert self.st_ref <= self.kv_ref
 
     def pinned_with_state(self) -> set:
@@ -311,9 +326,9 @@ class RadixMachine(RuleBasedStateMachine):
     def evict_state_sparing(self, n: int, spare: int) -> None:
         self.do_evict_state(n, spare)
 
-    @rule(n=st.integers(1, 24))
-    def evict_kv(self, n: int) -> None:
-        self.do_evict_kv(n * self.PAGE if n > 12 else n)
+    @rule(n=st.integers(1, 24), spare=st.sampled_from([SPARE_NOTHING, SPARE_PINNED]))
+    def evict_kv(self, n: int, spare: int) -> None:
+        self.do_evict_kv(n * self.PAGE if n > 12 else n, spare)
 
     @rule(n=st.integers(1, 4))
     def evict_state(self, n: int) -> None:

@@ -79,6 +79,33 @@ def test_no_buffer_snapshot_is_a_held_slot_until_inserted():
     cache.check_integrity()
 
 
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer"])
+def test_a_snapshot_where_the_tree_has_one_returns_that_node(strategy):
+    """Two requests' snapshots at the same position: the second's slot is freed (not
+    attached) and the node the tree already had there is returned, so the strategy still
+    marks it a branch point or pins it for waiting requests (a None here once left it
+    unprotected)."""
+    cache = make(strategy)
+    tokens = list(range(1, 100))
+    rcs = [cache.admit(cache.match(tokens), 99)[0] for _ in range(2)]
+    nodes = []
+    for rc in rcs:
+        if strategy == "no_buffer":
+            nodes.append(cache.insert_snapshot(rc, tokens, 64, cache.alloc_snapshot_slot(rc)))
+        else:
+            donated = rc.track_slots[0]
+            nodes.append(cache.donate_track(rc, 0, tokens, 64))
+        cache.check_integrity()
+    assert nodes[0] is nodes[1] and nodes[0].depth == 64
+    assert cache.stats.snapshots_inserted == 1
+    if strategy == "extra_buffer":
+        assert rcs[1].track_slots[0] == donated  # kept: the tree took none of its slots
+    for rc in rcs:
+        cache.release(rc)
+    cache.check_integrity()
+    assert cache.tree.total_state() == 1
+
+
 def test_snapshot_without_a_slot_is_skipped_and_counted():
     cache = make("no_buffer", states=1)
     tokens = list(range(1, 50))

@@ -74,13 +74,14 @@ def test_two_groups_together_each_computed_once(backend, strategy, rng):
     assert all(h >= (len(groups[i % 2]) // ALIGN) * ALIGN for i, h in enumerate(hits) if i > 1)
 
 
-def _groups_in_a_small_pool(backend, strategy, slots, rng):
+def _groups_in_a_small_pool(backend, strategy, slots, rng, **pools):
     """Four groups of six requests (a 256-token system prompt each) arriving together into a
     state pool of ``slots``: the cached tokens per request, and the prompt tokens computed
     beyond them (0: nothing computed twice)."""
     systems = [rand_tokens(rng, 256) for _ in range(4)]
     prompts = [s + rand_tokens(rng, rng.randrange(10, 40)) for s in systems for _ in range(6)]
-    with engine(backend, mamba_scheduler_strategy=strategy, max_mamba_cache_size=slots) as eng:
+    flags = dict(mamba_scheduler_strategy=strategy, max_mamba_cache_size=slots, **pools)
+    with engine(backend, **flags) as eng:
         res = generate(eng, prompts, max_new_tokens=8, ignore_eos=True)
         eng.check_integrity()
         hits = [cached(r) for r in res]
@@ -120,6 +121,26 @@ def test_admission_evicting_pinned_states_loses_hits(backend, rng, monkeypatch):
     admit = RequestCache.admit
     monkeypatch.setattr(RequestCache, "admit", lambda self, m, n, spare=0: admit(self, m, n))
     hits, _ = _groups_in_a_small_pool(backend, "no_buffer", 8, rng)
+    assert sum(h == 0 for h in hits) > 4, hits
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_groups_together_in_a_small_kv_pool(backend, strategy, rng):
+    """KV pressure too (1,000 KV slots for 24 prompts of ~280 tokens: decodes retract requests):
+    the prefix of a state that waiting requests pinned is the KV evicted last, so each group
+    still misses once."""
+    hits, _ = _groups_in_a_small_pool(backend, strategy, 48, rng, max_total_tokens=1000)
+    assert sum(h == 0 for h in hits) == 4 and all(h in (0, 256) for h in hits), hits
+
+
+def test_kv_eviction_ignoring_pins_loses_hits(backend, rng, monkeypatch):
+    """Negative control: KV eviction that takes pinned prefixes by age alone (the admission's
+    spare ignored) loses a group's shared prompt in the same burst (no_buffer)."""
+    from mambaradix.cache.radix import RadixTree
+
+    evict_kv = RadixTree.evict_kv
+    monkeypatch.setattr(RadixTree, "evict_kv", lambda self, n, spare=0: evict_kv(self, n))
+    hits, _ = _groups_in_a_small_pool(backend, "no_buffer", 48, rng, max_total_tokens=1000)
     assert sum(h == 0 for h in hits) > 4, hits
 
 

@@ -84,34 +84,53 @@ def _check_nodes(tree: RadixTree) -> tuple[list[TreeNode], dict[str, int]]:
     return nodes, counts
 
 
+def _check_path_pins(nodes: list[TreeNode]) -> None:
+    """``path_pins``: the wait_pins of the states at or below each node (``nodes`` in
+    preorder, so reversed every child comes before its parent)."""
+    below: dict[int, int] = {}
+    for node in reversed(nodes):
+        own = node.wait_pins if node.state_slot is not None else 0
+        want = own + below.pop(id(node), 0)
+        if node.path_pins != want:
+            _fail(f"path_pins {node.path_pins} != the pins of the states on its path {want}: "
+                  f"{node!r}")  # fmt: skip
+        if node.parent.parent is not None:
+            below[id(node.parent)] = below.get(id(node.parent), 0) + want
+
+
 def _check_lists(tree: RadixTree, nodes: list[TreeNode], counts: dict[str, int]) -> None:
     ids = {id(n) for n in nodes}
-    err = tree.kv_lru.check_links()
-    if err:
-        _fail("KV " + err)
+    _check_path_pins(nodes)
     unlocked = [n for n in nodes if n.kv_lock == 0]
     order: dict[int, int] = {}
-    last_tick = None
-    for i, link in enumerate(tree.kv_lru.iter_oldest_first(len(nodes) + 1)):
-        node = link.owner
-        if id(node) not in ids:
-            _fail(f"KV-LRU holds a node that is not in the tree: {node!r}")
-        if id(node) in order:
-            _fail(f"KV-LRU holds a node twice: {node!r}")
-        if node.kv_lock:
-            _fail(f"KV-LRU holds a locked node: {node!r}")
-        if last_tick is not None and link.tick < last_tick:
-            _fail(f"KV-LRU out of access order: tick {link.tick} after {last_tick} at {node!r}")
-        last_tick = link.tick
-        order[id(node)] = i
-    if len(order) != len(unlocked) or len(tree.kv_lru) != len(unlocked):
+    for kv_list, pinned in ((tree.kv_lru, False), (tree.kv_pinned, True)):
+        err = kv_list.check_links()
+        if err:
+            _fail("KV " + err)
+        last_tick = None
+        for i, link in enumerate(kv_list.iter_oldest_first(len(nodes) + 1)):
+            node = link.owner
+            if id(node) not in ids:
+                _fail(f"KV-LRU holds a node that is not in the tree: {node!r}")
+            if id(node) in order:
+                _fail(f"KV-LRU holds a node twice: {node!r}")
+            if node.kv_lock:
+                _fail(f"KV-LRU holds a locked node: {node!r}")
+            if link.home is not kv_list or bool(node.path_pins) != pinned:
+                _fail(f"KV-LRU list does not match the node's path pins: {node!r}")
+            if last_tick is not None and link.tick < last_tick:
+                _fail(f"KV-LRU out of access order: tick {link.tick} after {last_tick} at {node!r}")
+            last_tick = link.tick
+            order[id(node)] = i
+    listed = len(tree.kv_lru) + len(tree.kv_pinned)
+    if len(order) != len(unlocked) or listed != len(unlocked):
         _fail(
-            f"KV-LRU holds {len(order)} nodes (length {len(tree.kv_lru)}), "
+            f"KV-LRU holds {len(order)} nodes (length {listed}), "
             f"expected every unlocked non-root node: {len(unlocked)}"
         )
     for node in unlocked:
         parent = node.parent
-        if parent.parent is None or parent.kv_lock:
+        if parent.parent is None or parent.kv_lock or parent.kv_link.home is not node.kv_link.home:
             continue
         if order[id(parent)] < order[id(node)]:
             _fail(f"unlocked parent older than its child in the KV-LRU: {parent!r}")

@@ -13,10 +13,14 @@ Locks: ``lock(node)`` adds one to ``kv_lock`` of the node and every ancestor (it
 be evicted); ``lock_state(node)`` protects only that node's state. Eviction touches only
 unlocked entries and is O(1) per freed entry:
 
-- the KV-LRU list holds exactly the unlocked non-root nodes; locked nodes leave it and come
+- the KV-LRU lists hold exactly the unlocked non-root nodes; locked nodes leave them and come
   back as newest when their last lock is released (a release is a use). Every touch walks from
   a node up to the root, so an unlocked parent is always newer than its children and the
-  oldest entry is always a leaf;
+  oldest entry is always a leaf. Two lists: nodes on the path of a pinned state
+  (``path_pins`` > 0: a waiting request expects to resume there, ``pin_state``) sit in
+  ``kv_pinned`` and go only when ``kv_lru`` is empty and the caller does not spare them, so
+  KV pressure takes a waiting group's shared prefix last, as state pressure does; a parent's
+  ``path_pins`` is at least its children's, so each list's oldest entry is a leaf;
 - the state policy (``evict_policy``) holds exactly the nodes whose state is not state-locked.
 
 A kv-locked node may transiently be a tombstone leaf (its state or its children were evicted
@@ -30,9 +34,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from mambaradix.cache.evict_policy import SPARE_NOTHING, make_state_policy
+from mambaradix.cache.evict_policy import SPARE_NOTHING, SPARE_PINNED, make_state_policy
 from mambaradix.cache.integrity import IntegrityError, check_tree
-from mambaradix.cache.lru import LRUList
+from mambaradix.cache.lru import LRULink, LRUList
 from mambaradix.cache.tree_node import InsertResult, MatchResult, TreeNode, common_prefix_len
 
 logger = logging.getLogger(__name__)
@@ -61,7 +65,8 @@ class RadixTree:
         self.state_pool = state_pool
         self.page_size = page_size
         self.policy = make_state_policy(state_policy, getattr(state_pool, "size", 0))
-        self.kv_lru = LRUList()
+        self.kv_lru = LRUList()  # unlocked nodes on no pinned state's path
+        self.kv_pinned = LRUList()  # unlocked nodes on a pinned state's path
         self.root = TreeNode(
             key=[], kv=torch.empty(0, dtype=torch.long), state_slot=None, parent=None, kv_lock=1
         )
@@ -117,9 +122,8 @@ class RadixTree:
         node = used[-1]
         self._tick += 1
         tick = self._tick
-        touch = self.kv_lru.touch
         for p in reversed(used):
-            touch(p.kv_link, tick)
+            _touch(p.kv_link, tick)
         self.policy.touch(node, tick)
         kv = used[0].kv.clone() if best == 1 else torch.cat([p.kv for p in used])
         return MatchResult(pos, node.depth, node, kv)
@@ -181,8 +185,9 @@ class RadixTree:
         child.parent = upper
         upper.children[self._child_key(child.key, 0)] = child
         parent.children[ck] = upper
+        upper.path_pins = child.path_pins
         if child.kv_lock == 0:
-            self.kv_lru.insert_newer_than(child.kv_link, upper.kv_link)
+            child.kv_link.home.insert_newer_than(child.kv_link, upper.kv_link)
         else:
             upper.kv_link.tick = child.kv_link.tick
         self._num_nodes += 1
@@ -257,10 +262,9 @@ class RadixTree:
             self._num_nodes += 1
             node = leaf
             pos = n
-        touch = self.kv_lru.touch
         p = node
         while p.parent is not None:
-            touch(p.kv_link, tick)
+            _touch(p.kv_link, tick)
             p = p.parent
         attached = False
         if state_slot is not None and node.parent is not None and node.state_slot is None:
@@ -268,16 +272,17 @@ class RadixTree:
             self.policy.add(node, tick)  # a tombstone is never state-locked
             self._evictable_state += 1
             attached = True
+            if node.wait_pins:  # a tombstone some waiting request still pins
+                self._pin_path(node, node.wait_pins)
         return InsertResult(existing_len, node, attached, pos)
 
     # ------------------------------------------------------------------ locks
 
     def lock(self, node: TreeNode) -> None:
         """Protect the KV of ``node`` and all its ancestors (one count per call)."""
-        remove = self.kv_lru.remove
         while node.parent is not None:
             if node.kv_lock == 0:
-                remove(node.kv_link)
+                node.kv_link.home.remove(node.kv_link)
                 klen = len(node.key)
                 self._evictable_kv -= klen
                 self._protected_kv += klen
@@ -293,12 +298,11 @@ class RadixTree:
             raise ValueError(f"unlock of a node that is not locked: {node!r}")
         self._tick += 1
         tick = self._tick
-        push = self.kv_lru.push_newest
         start = node
         while node.parent is not None:
             node.kv_lock -= 1
             if node.kv_lock == 0:
-                push(node.kv_link, tick)
+                self._kv_list(node).push_newest(node.kv_link, tick)
                 klen = len(node.key)
                 self._evictable_kv += klen
                 self._protected_kv -= klen
@@ -360,6 +364,25 @@ class RadixTree:
         node.wait_pins += delta
         self._tick += 1
         self.policy.refresh(node, self._tick)
+        if node.state_slot is not None:  # (a freed or deleted state's pins protect no KV)
+            self._pin_path(node, delta)
+
+    def _kv_list(self, node: TreeNode) -> LRUList:
+        return self.kv_pinned if node.path_pins else self.kv_lru
+
+    def _pin_path(self, node: TreeNode, delta: int) -> None:
+        """Add ``delta`` to ``path_pins`` from ``node`` up to the root, moving each unlocked
+        node to the KV list it now belongs in, as newest (each after its child: parents stay
+        newer). Pins change once per waiting request, not per step."""
+        self._tick += 1
+        tick = self._tick
+        while node.parent is not None:
+            node.path_pins += delta
+            link = node.kv_link
+            if link.home is not None:
+                link.home.remove(link)
+                self._kv_list(node).push_newest(link, tick)
+            node = node.parent
 
     # ------------------------------------------------------------------ eviction
 
@@ -369,7 +392,7 @@ class RadixTree:
         freed = 0
         while True:
             parent = node.parent
-            self.kv_lru.remove(node.kv_link)
+            node.kv_link.home.remove(node.kv_link)
             klen = len(node.key)
             self.kv_pool.free(node.kv)
             freed += klen
@@ -380,6 +403,8 @@ class RadixTree:
                 self.policy.remove(node)
                 self.state_pool.free([node.state_slot])
                 self._evictable_state -= 1
+                if node.wait_pins:
+                    self._pin_path(node, -node.wait_pins)
                 node.state_slot = None
             del parent.children[self._child_key(node.key, 0)]
             node.parent = None
@@ -393,13 +418,16 @@ class RadixTree:
                 return freed
             node = parent
 
-    def evict_kv(self, num_tokens: int) -> int:
+    def evict_kv(self, num_tokens: int, spare: int = SPARE_NOTHING) -> int:
         """Delete least recently used unlocked leaves (KV and state), cascading through childless
-        unlocked tombstones, until ``num_tokens`` KV slots are freed or nothing is evictable."""
+        unlocked tombstones, until ``num_tokens`` KV slots are freed or nothing is evictable.
+        Leaves on a pinned state's path go after all others, and not at all when ``spare`` is
+        ``SPARE_PINNED`` or more (an admission while requests run that free KV by finishing)."""
         freed = 0
-        lru = self.kv_lru
         while freed < num_tokens:
-            link = lru.oldest()
+            link = self.kv_lru.oldest()
+            if link is None and spare < SPARE_PINNED:
+                link = self.kv_pinned.oldest()
             if link is None:
                 break
             node = link.owner
@@ -423,6 +451,8 @@ class RadixTree:
                     self.on_evict(node)
                 policy.remove(node)
                 self.state_pool.free([node.state_slot])
+                if node.wait_pins:
+                    self._pin_path(node, -node.wait_pins)
                 node.state_slot = None
                 node.stored = False  # describes the state it held
                 self._evictable_state -= 1
@@ -471,3 +501,11 @@ class RadixTree:
         """Raise ``IntegrityError`` naming the first broken invariant (design.md sec. 4.2).
         ``held_kv`` / ``held_state``: slots that live requests hold outside the tree."""
         check_tree(self, held_kv, held_state)
+
+
+def _touch(link: LRULink, tick: int) -> None:
+    """A use of a node's KV: newest in the list it is in, or only the tick if in none."""
+    if link.home is None:
+        link.tick = tick
+    else:
+        link.home.touch(link, tick)

@@ -138,8 +138,8 @@ class RequestCache:
 
         Returns the request's resources and the deferred resume op (copy of the matched state
         into the working slot, or a clear), or None with nothing taken. ``spare``: the states
-        eviction leaves alone (``evict_policy``; pinned ones while running requests can free
-        slots instead).
+        and KV eviction leaves alone (``evict_policy``; pinned states and their prefixes' KV
+        while running requests can free slots instead).
         """
         node = match.node if self.tree is not None else None
         if node is not None:
@@ -165,7 +165,7 @@ class RequestCache:
         if match.prefix_len:
             self.req_slots.table[row, : match.prefix_len] = match.kv_slots
         self.live.add(rc)
-        if not self.ensure_kv(rc, first_len):
+        if not self.ensure_kv(rc, first_len, spare):
             self.release(rc)
             return None
         ops = StateOps()
@@ -183,12 +183,13 @@ class RequestCache:
             self.tree.unlock_state(rc.state_node)
             rc.state_node = None
 
-    def ensure_kv(self, rc: ReqCache, length: int) -> bool:
-        """Make sure the request's row has KV slots for tokens [0, length) (whole pages)."""
+    def ensure_kv(self, rc: ReqCache, length: int, spare: int = SPARE_NOTHING) -> bool:
+        """Make sure the request's row has KV slots for tokens [0, length) (whole pages),
+        evicting no KV that ``spare`` protects."""
         need = -(-length // self.page_size) * self.page_size - rc.kv_alloc
         if need <= 0:
             return True
-        slots = self._alloc_kv(need)
+        slots = self._alloc_kv(need, spare)
         if slots is None:
             return False
         self.req_slots.table[rc.row, rc.kv_alloc : rc.kv_alloc + need] = slots
@@ -243,11 +244,12 @@ class RequestCache:
         self, rc: ReqCache, tokens: list[int], length: int, slot: int
     ) -> TreeNode | None:
         """no_buffer: the copy into ``slot`` has run; move it into the tree at ``length``.
-        Returns the node now holding that state (None: the tree had one there already)."""
+        Returns the node holding the state at ``length`` (the slot's, or the one the tree had
+        there already, when the slot is freed)."""
         rc.pending.remove(slot)
         self.stats.snapshot_attempts += 1
-        node = self._insert(rc, tokens, length, slot)
-        if node is None:
+        node, attached = self._insert(rc, tokens, length, slot)
+        if not attached:
             self.state_pool.free([slot])
         return node
 
@@ -256,15 +258,15 @@ class RequestCache:
     ) -> TreeNode | None:
         """extra_buffer: the forward wrote the state at ``length`` into track slot ``index``;
         give that slot to the tree (no copy) and take a fresh one in its place. Returns the
-        node now holding that state (None: skipped, or the tree had one there already).
-        ``spare`` as ``alloc_snapshot_slot``'s."""
+        node holding the state at ``length`` (the slot's, or the one the tree had there
+        already; None: skipped). ``spare`` as ``alloc_snapshot_slot``'s."""
         fresh = self._alloc_state(1, spare)
         if fresh is None:
             self.stats.skipped_snapshots += 1
             return None
         self.stats.snapshot_attempts += 1
-        node = self._insert(rc, tokens, length, rc.track_slots[index])
-        if node is not None:
+        node, attached = self._insert(rc, tokens, length, rc.track_slots[index])
+        if attached:
             rc.track_slots[index] = fresh[0]
         else:
             self.state_pool.free(fresh)
@@ -312,11 +314,11 @@ class RequestCache:
         boundary, which is donated instead."""
         if self.tree is not None and fed_len > rc.tree_len:
             if fed_len % self.page_size == 0:
-                if self._insert(rc, tokens, fed_len, rc.state_slot) is not None:
+                if self._insert(rc, tokens, fed_len, rc.state_slot)[1]:
                     rc.state_slot = -1
             elif tracked is not None and rc.tree_len < tracked[0] <= fed_len:
                 slot = rc.track_slots[tracked[1]]
-                if self._insert(rc, tokens, tracked[0], slot) is not None:
+                if self._insert(rc, tokens, tracked[0], slot)[1]:
                     rc.track_slots.remove(slot)
         self.release(rc)
 
@@ -498,7 +500,7 @@ class RequestCache:
             return None
         node = tree.deepest_node(tokens, found.position)  # at found.ram_depth
         tree.lock(node)  # the RAM part of the path stays while the rest is read
-        kv = self._alloc_kv(found.position - node.depth)
+        kv = self._alloc_kv(found.position - node.depth, SPARE_PINNED)
         state = self._alloc_state(1, SPARE_PINNED) if kv is not None else None
         if state is None:
             if kv is not None:
@@ -587,10 +589,11 @@ class RequestCache:
 
     def _insert(
         self, rc: ReqCache, tokens: list[int], length: int, state_slot: int
-    ) -> TreeNode | None:
+    ) -> tuple[TreeNode | None, bool]:
         """Insert tokens[:length] with the request's KV and a state; keep the row pointing at
-        the tree's slots and move the request's lock down to the new node. Returns that node
-        if the tree took the state (None: it had one there already)."""
+        the tree's slots and move the request's lock down to the new node. Returns the node
+        holding the state at ``length`` (None: none does) and whether the tree took this one
+        (False: it had one there already, which the node holds)."""
         tree = self.tree
         owned_from = min(rc.tree_len, length)
         kv = self.req_slots.table[rc.row, :length].clone()
@@ -604,7 +607,8 @@ class RequestCache:
             self.stats.snapshots_inserted += 1
             if self._write_policy == WRITE_THROUGH:
                 self._stage(res.node)
-        return res.node if res.state_attached else None
+        held = res.node.state_slot is not None and res.node.depth == length
+        return (res.node if held else None), res.state_attached
 
     def _alloc_state(self, n: int, spare: int = SPARE_NOTHING) -> list[int] | None:
         """``n`` state slots, evicting tree states if short, none that ``spare`` protects."""
@@ -613,10 +617,10 @@ class RequestCache:
             self.stats.evicted_states += self.tree.evict_state(short, spare)
         return self.state_pool.alloc(n)
 
-    def _alloc_kv(self, n: int) -> torch.Tensor | None:
+    def _alloc_kv(self, n: int, spare: int = SPARE_NOTHING) -> torch.Tensor | None:
         short = n - self.kv_pool.available()
         if short > 0 and self.tree is not None:
-            self.stats.evicted_kv_tokens += self.tree.evict_kv(short)
+            self.stats.evicted_kv_tokens += self.tree.evict_kv(short, spare)
         return self.kv_pool.alloc(n)
 
     def _unlock(self, node: TreeNode | None, state: bool) -> None:

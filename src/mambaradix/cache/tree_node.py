@@ -23,6 +23,7 @@ class TreeNode:
     depth: int = 0
     stored: bool = False  # its prefix and state were also written to the storage tier
     wait_pins: int = 0  # waiting requests that expect to resume from its state (soft pins)
+    path_pins: int = 0  # wait_pins of the states at or below it: its KV goes last if > 0
     branched: bool = False  # has had two children: requests went on from it in two ways
     kv_link: LRULink = field(default=None)  # type: ignore[assignment]
     st_link: LRULink = field(default=None)  # type: ignore[assignment]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from mambaradix.cache.evict_policy import SPARE_PINNED
 from mambaradix.cache.request_cache import RequestCache
 from mambaradix.engine.forwards import ForwardBuilder, ScheduledBatch
 from mambaradix.engine.request import Req, ReqStatus
@@ -90,7 +91,8 @@ class RunningSet:
         out = []
         for req, draft in offers:
             rc = req.rc
-            if self.cache.ensure_kv(rc, req.fed_len + 1 + len(draft)) and (
+            # (a draft's KV is optional: it never takes a waiting request's pinned prefix)
+            if self.cache.ensure_kv(rc, req.fed_len + 1 + len(draft), SPARE_PINNED) and (
                 self.cache.alloc_spec_slots(rc, len(draft))
             ):
                 out.append((req, draft))
