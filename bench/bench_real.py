@@ -246,7 +246,7 @@ def routed_share(model: torch.nn.Module) -> float:
 
 def _is_expert(name: str, p: torch.Tensor) -> bool:
     """A routed expert's weights: a 3-D stack (the shared expert is 2-D), or one of a list
-    (``experts.<e>.``, Nemotron-H)."""
+    (``experts.<e>.``: a model keeping one module per expert)."""
     if ".experts." in name and name.split(".experts.")[1].split(".")[0].isdigit():
         return True
     return p.dim() == 3 and ("experts" in name or "block_sparse_moe" in name)

@@ -84,7 +84,10 @@ def assert_same(ref, got) -> None:
 )
 def test_beyond_ram_equals_reference(model, prompts, reference, tmp_path, strategy, page, policy):
     """State pools far too small for the workload: evicted prefixes come back from storage,
-    outputs equal the cache-off reference; the second pass hits deeper than RAM alone would."""
+    outputs equal the cache-off reference; the second pass hits deeper than RAM alone would,
+    and no load is wasted: the requests waiting for a loaded state pin it until they run, so
+    at least as many requests resume from storage as loads were made (without the pin the
+    others' snapshots freed some first, and some runs hit none: the control below)."""
     flags = dict(
         mamba_scheduler_strategy=strategy,
         page_size=page,
@@ -107,10 +110,30 @@ def test_beyond_ram_equals_reference(model, prompts, reference, tmp_path, strate
         for o in second:
             d = o["meta_info"]["cached_tokens_details"]
             assert d["device"] + d["storage"] == o["meta_info"]["cached_tokens"]
+        resumed = sum(o["meta_info"]["cached_tokens_details"]["storage"] > 0 for o in second)
+        assert resumed >= stats.storage_loads, (resumed, stats.storage_loads)
         assert eng.call(eng.cache.flush) is not None  # nothing left locked by loads
         eng.check_integrity()
         assert eng.kv_pool.available() == eng.kv_pool.size
         assert eng.state_pool.available() == eng.state_pool.size
+
+
+def test_loads_not_pinned_are_wasted(model, prompts, tmp_path, monkeypatch):
+    """Negative control: with the waiting requests' pins on loaded states off, other requests'
+    snapshots and admissions free some loaded states before their requests run."""
+    import mambaradix.engine.admission as admission
+    import mambaradix.engine.scheduler as scheduler
+
+    for module in (admission, scheduler):
+        monkeypatch.setattr(module, "pin_loaded", lambda *args: None)
+    flags = dict(mamba_scheduler_strategy="extra_buffer", max_mamba_cache_size=12,
+                 hicache_write_policy="write_back", chunked_prefill_size=64)  # fmt: skip
+    with engine(model, tmp_path, **flags) as eng:
+        generate(eng, prompts)
+        second = generate(eng, prompts)
+        loads = eng.stats().storage_loads
+    resumed = sum(o["meta_info"]["cached_tokens_details"]["storage"] > 0 for o in second)
+    assert loads > 0 and resumed < loads, (resumed, loads)
 
 
 def test_restart_loads_every_prefix(model, prompts, reference, tmp_path):

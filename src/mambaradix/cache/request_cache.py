@@ -62,7 +62,8 @@ class LoadTicket:
         0                               ram_depth                         position
 
     ``done`` once the scheduler has collected it (``poll_loads``); ``ok``: the prefix is in the
-    tree now (else the request recomputes). Requests waiting for the same stored state share
+    tree now (else the request recomputes), ``landed`` the node holding its state (the waiting
+    requests pin it: ``sharing.pin_loaded``). Requests waiting for the same stored state share
     one ticket."""
 
     tokens: list[int]  # tokens [0, position)
@@ -70,6 +71,7 @@ class LoadTicket:
     job: LoadJob
     done: bool = False
     ok: bool = False
+    landed: TreeNode | None = None
 
     @property
     def position(self) -> int:
@@ -543,6 +545,8 @@ class RequestCache:
                 self.stats.storage_loaded_tokens += t.position - t.node.depth
             else:  # a state appeared there meanwhile (computed by a request)
                 self.state_pool.free([job.state_slot])
+            if res.node.state_slot is not None and res.node.depth == len(t.tokens):
+                t.landed = res.node
         else:
             self.kv_pool.free(job.kv_slots)
             self.state_pool.free([job.state_slot])

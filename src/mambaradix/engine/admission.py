@@ -19,7 +19,13 @@ from mambaradix.cache.request_cache import RequestCache
 from mambaradix.engine.forwards import ForwardBuilder, ScheduledBatch
 from mambaradix.engine.planner import admission_targets, branch_points
 from mambaradix.engine.request import Req, ReqStatus
-from mambaradix.engine.sharing import held_for_sharing, match_limit, shared_with_queue, unpin
+from mambaradix.engine.sharing import (
+    held_for_sharing,
+    match_limit,
+    pin_loaded,
+    shared_with_queue,
+    unpin,
+)
 from mambaradix.engine.strategies import SnapshotStrategy
 from mambaradix.stats import EngineStats
 
@@ -52,8 +58,8 @@ class Admission:
         returns the prefill budget left."""
         if not waiting:
             return budget
-        if self.cache.storage is not None:
-            self.cache.poll_loads()
+        if self.cache.storage is not None and self.cache.poll_loads():
+            pin_loaded(self.cache.tree, waiting)
         order = waiting
         if self.lpm and self.cache.enabled:
             hits = {id(r): self.cache.match(r.tokens()).prefix_len for r in waiting}

@@ -32,7 +32,7 @@ from mambaradix.engine.forwards import ForwardBuilder, ScheduledBatch
 from mambaradix.engine.request import Req, ReqStatus
 from mambaradix.engine.results import ResultProcessor
 from mambaradix.engine.running import RunningSet
-from mambaradix.engine.sharing import check_pins, pin_waiters, unpin
+from mambaradix.engine.sharing import check_pins, pin_loaded, pin_waiters, unpin
 from mambaradix.engine.speculative import DRAFT_HEAD_ALGORITHMS, Speculation
 from mambaradix.engine.strategies import make_strategy
 from mambaradix.kernels.capabilities import BackendCapabilities
@@ -179,7 +179,8 @@ class Scheduler:
         elif batch:
             self._process(batch, self.runner.submit(batch.run).result())
         if batch is None and self.inflight is None and self.cache.loading:
-            self.cache.poll_loads(wait=0.005)  # only loads pending: wait for one, don't spin
+            if self.cache.poll_loads(wait=0.005):  # only loads pending: wait for one, don't spin
+                pin_loaded(self.cache.tree, self.waiting)
         self._release_finished()
 
     def check_integrity(self) -> None:

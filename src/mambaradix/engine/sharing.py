@@ -96,6 +96,22 @@ def pin_waiters(
         w.wait_pin = node
 
 
+def pin_loaded(tree: RadixTree, waiting: list[Req]) -> None:
+    """Waiting requests whose stored prefix has been loaded into the tree pin its state until
+    admitted (and have no deeper pin): the snapshots and admissions of others would otherwise
+    free it before they run, and a request asks the storage tier only once."""
+    for w in waiting:
+        t = w.loading
+        node = t.landed if t is not None and t.done else None
+        if node is None or node.parent is None or node.state_slot is None:
+            continue  # no load, or its state was evicted already
+        if w.wait_pin is not None and w.wait_pin.depth >= node.depth:
+            continue
+        unpin(tree, w)
+        tree.pin_state(node)
+        w.wait_pin = node
+
+
 def unpin(tree: RadixTree | None, req: Req) -> None:
     """``req`` is admitted, or ends while waiting: release its pin."""
     if req.wait_pin is not None:
