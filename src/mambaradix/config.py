@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from mambaradix.cache.evict_policy import STATE_POLICIES
 from mambaradix.core import STRATEGIES
 from mambaradix.kernels.backend import backend_names
 
@@ -87,6 +88,14 @@ class EngineConfig:
         "auto", "How snapshots move into the tree.", ["auto", *STRATEGIES]
     )
     mamba_track_interval: int = opt(256, "Snapshot every N decode tokens.")
+    state_eviction_policy: str = opt(
+        "lru",
+        "Which cached state snapshot goes first when the state pool is full: 'lru' (least "
+        "recently used, within tiers that keep branch points and states waiting requests "
+        "expect), 'value' (same tiers; the fewest prefix tokens saved, aged by the others' "
+        "evictions: keeps long conversations and documents over short ones).",
+        sorted(STATE_POLICIES),
+    )
     disable_radix_cache: bool = opt(
         False, "Run without prefix caching (same engine, everything freed at finish)."
     )

@@ -54,6 +54,11 @@ CHECKS = {
     "policy_twice": r"state policy holds a node twice",
     "policy_stateless_or_locked": r"state policy holds a node without an unlocked state",
     "policy_members": r"state policy holds \d+ nodes \(length \d+\), expected every node",
+    "value_order": r"^state value heap out of order",
+    "value_entry": r"^state value heap entry is not the node's own",
+    "value_tier": r"^state value tier does not match the node's pins or children",
+    "value_priority": r"^state priority above the clock plus its depth",
+    "value_live": r"^state value heap holds \d+ live entries, its count says \d+",
     "counter": r"counter \w+ is -?\d+, recomputed \d+",
     "num_nodes": r"num_nodes\(\) is -?\d+, the tree has \d+",
     "slot_range": r"slot out of range \[0, \d+\) in \w+",
@@ -84,7 +89,7 @@ class Env:
         return self.tree._tick
 
 
-def _env(page_size: int = 1) -> Env:
+def _env(page_size: int = 1, policy: str = "lru") -> Env:
     """page 1::
 
         root ── A [1 2 3]* ── B [4 5] ──┬── C [6 7]*
@@ -97,7 +102,7 @@ def _env(page_size: int = 1) -> Env:
            │                      └── [50 60]*
            └── [10 11 12 13]*
     """
-    tree, kv_pool, state_pool = make_tree(page_size=page_size)
+    tree, kv_pool, state_pool = make_tree(page_size=page_size, state_policy=policy)
     if page_size == 1:
         seqs = ([1, 2, 3], seq(1, 7), [10, 11, 12], [1, 2, 3, 4, 5, 60, 70])
     else:
@@ -223,13 +228,15 @@ def _double_free_kv(env: Env) -> None:
 class Case(NamedTuple):
     """``corrupt(env)`` breaks one thing (it may return ``check_integrity`` kwargs); ``check``
     must be the one check that fires, with a message matching ``pattern`` (default: the
-    check's own regex); ``page``: page size of the tree and its KV pool."""
+    check's own regex); ``page``: page size of the tree and its KV pool; ``policy``: its state
+    eviction policy."""
 
     name: str
     corrupt: Callable[[Env], object]
     check: str
     pattern: str | None = None
     page: int = 1
+    policy: str = "lru"
 
 
 def _set(path: Callable[[Env], object], attr: str, value: Callable[[Env], object]):
@@ -259,3 +266,16 @@ def _empty_edge(e: Env) -> None:
 def _rekey(old: object, new: object) -> Callable[[Env], None]:
     """A node kept under a stale key (e.g. a split that re-keys the wrong half)."""
     return lambda e: e.tree.root.children.__setitem__(new, e.tree.root.children.pop(old))
+
+
+def _swap_heap_ends(env: Env) -> None:
+    """A broken heap operation: the lowest entry and the last one trade places."""
+    entries = env.tree.policy.tiers[0].entries
+    assert entries[0][0] < entries[-1][0]
+    entries[0], entries[-1] = entries[-1], entries[0]
+
+
+def _stale_entry(env: Env) -> None:
+    """A node re-added without its old entry dropped: the heap holds an entry it disowns."""
+    leaf = _leaf(env)
+    leaf.st_entry = list(leaf.st_entry)

@@ -55,6 +55,8 @@ from integrity_env import (
     _root,
     _second_link,
     _set,
+    _stale_entry,
+    _swap_heap_ends,
     _tombstone_leaf,
     _touch_without_ancestors,
     _unlock_before_unlock_state,
@@ -322,6 +324,51 @@ CASES: list[Case] = [
         "policy_members",
         r"holds 4 nodes \(length 9\)",
     ),
+    # ---- the value state policy (4 unlocked states, all in its first tier: priorities 3, 7,
+    # 7, 3 at clock 0); the checks the tree makes of any policy, through this one too
+    Case("value_heap_swapped", _swap_heap_ends, "value_order", policy="value"),
+    Case("value_stale_entry", _stale_entry, "value_entry", _E, policy="value"),
+    Case(
+        "value_branch_behind_its_back",
+        _set(_leaf, "branched", lambda e: True),
+        "value_tier",
+        _E,
+        policy="value",
+    ),
+    Case(
+        "value_priority_ahead_of_the_clock",
+        lambda e: e.tree.policy.tiers[0].top().__setitem__(0, 10**9),
+        "value_priority",
+        policy="value",
+    ),
+    Case(
+        "value_live_count_high",
+        lambda e: setattr(e.tree.policy.tiers[0], "live", 5),
+        "value_live",
+        r"holds 4 live entries, its count says 5$",
+        policy="value",
+    ),
+    Case(
+        "value_deleted_node",
+        lambda e: e.tree.policy.add(_detached(), e.tick()),
+        "policy_foreign",
+        r"not in the tree: .*key=\[77\]",
+        policy="value",
+    ),
+    Case(
+        "value_holds_tombstone",
+        lambda e: e.tree.policy.add(e.at(*seq(1, 5)), e.tick()),
+        "policy_stateless_or_locked",
+        r"without an unlocked state: .*key=\[4, 5\]",
+        policy="value",
+    ),
+    Case(
+        "value_missing_state",
+        lambda e: e.tree.policy.remove(_leaf(e)),
+        "policy_members",
+        r"holds 3 nodes \(length 3\), expected every node with an unlocked state: 4",
+        policy="value",
+    ),
     # ---- counters (12 evictable KV tokens, 4 evictable states, 5 nodes)
     *[
         Case(
@@ -436,7 +483,7 @@ CASES: list[Case] = [
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES])
 def test_corruption_fires_its_check(case: Case):
-    env = _env(case.page)
+    env = _env(case.page, case.policy)
     result = case.corrupt(env)
     kwargs = result if isinstance(result, dict) else {}
     with pytest.raises(IntegrityError, match=case.pattern or CHECKS[case.check]) as err:
@@ -451,7 +498,7 @@ def test_every_check_has_a_control():
     source = Path(integrity.__file__).read_text()
     fail_sites = source.count("_fail(") - 1  # minus the definition
     # Two sites forward messages: the KV-LRU's check_links (2 messages) and the state policy's
-    # check (3: its LRU's 2 and its order check); every other site has one entry.
-    assert len(CHECKS) == fail_sites - 2 + 2 + 3, "a check was added or removed: update CHECKS"
+    # check (lru: its lists' 2 and its order check; value: 5); every other site has one entry.
+    assert len(CHECKS) == fail_sites - 2 + 2 + 3 + 5, "a check was added or removed: update CHECKS"
     assert {c.check for c in CASES} == set(CHECKS)
     assert len({c.name for c in CASES}) == len(CASES)

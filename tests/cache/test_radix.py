@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_radix_helpers import as_list, make_tree, put, seq, shape
 
-from mambaradix.cache.evict_policy import SPARE_PINNED, SPARE_SHARED
+from mambaradix.cache.evict_policy import SPARE_PINNED, SPARE_SHARED, STATE_POLICIES
 
 
 def test_issue_scenario_split_lru_eviction_and_state_eviction():
@@ -167,8 +167,9 @@ def test_stateless_tail_is_not_inserted():
     tree.check_integrity()
 
 
-def test_cascade_deletion_through_tombstones():
-    tree, kv_pool, state_pool = make_tree()
+@pytest.mark.parametrize("policy", STATE_POLICIES)
+def test_cascade_deletion_through_tombstones(policy):
+    tree, kv_pool, state_pool = make_tree(state_policy=policy)
     put(tree, [1, 2, 3])
     put(tree, [1, 2, 4])
     assert shape(tree) == {((1, 2), False): {((3,), True): {}, ((4,), True): {}}}
@@ -180,8 +181,9 @@ def test_cascade_deletion_through_tombstones():
     tree.check_integrity()
 
 
-def test_locked_entries_survive_eviction():
-    tree, kv_pool, state_pool = make_tree()
+@pytest.mark.parametrize("policy", STATE_POLICIES)
+def test_locked_entries_survive_eviction(policy):
+    tree, kv_pool, state_pool = make_tree(state_policy=policy)
     put(tree, [1, 2])
     put(tree, [1, 2, 3, 4])
     put(tree, [5, 6])
@@ -203,8 +205,9 @@ def test_locked_entries_survive_eviction():
     tree.check_integrity()
 
 
-def test_kv_locked_leaf_losing_its_state_is_deleted_on_unlock():
-    tree, kv_pool, _ = make_tree()
+@pytest.mark.parametrize("policy", STATE_POLICIES)
+def test_kv_locked_leaf_losing_its_state_is_deleted_on_unlock(policy):
+    tree, kv_pool, _ = make_tree(state_policy=policy)
     put(tree, [1, 2, 3])
     m = tree.match([1, 2, 3, 4])
     tree.lock(m.node)  # held, but its state is not state-locked (copy done)
@@ -346,14 +349,15 @@ def test_tuple_tokens_match_like_lists():
     tree.check_integrity()
 
 
-def test_pinned_states_go_last_and_never_for_optional_slots():
-    tree, *_ = make_tree()
-    a, b, c = (put(tree, k).node for k in ([1, 2], [5, 6], [9]))
+@pytest.mark.parametrize("policy", STATE_POLICIES)
+def test_pinned_states_go_last_and_never_for_optional_slots(policy):
+    tree, *_ = make_tree(state_policy=policy)
+    a, b, c = (put(tree, k).node for k in ([1, 2], [5, 6], [9, 8]))  # one depth: one value
     tree.pin_state(a)  # oldest, but a waiting request expects to resume from it
     tree.pin_state(a)
     tree.check_integrity()
     assert tree.evict_state(1) == 1 and b.state_slot is None  # the oldest unpinned went
-    assert tree.evict_state(2, spare=SPARE_PINNED) == 1  # [9]; the pinned state is spared
+    assert tree.evict_state(2, spare=SPARE_PINNED) == 1  # [9, 8]; the pinned one is spared
     assert a.state_slot is not None and c.state_slot is None
     assert tree.evict_state(1, spare=SPARE_PINNED) == 0
     tree.unpin_state(a)
@@ -365,10 +369,11 @@ def test_pinned_states_go_last_and_never_for_optional_slots():
         tree.unpin_state(a)
 
 
-def test_a_pinned_state_still_goes_when_nothing_else_can():
+@pytest.mark.parametrize("policy", STATE_POLICIES)
+def test_a_pinned_state_still_goes_when_nothing_else_can(policy):
     """A soft pin: eviction that may take pinned states takes them (least recently pinned
     first), and a pin on a node evicted meanwhile is released without touching the policy."""
-    tree, *_ = make_tree()
+    tree, *_ = make_tree(state_policy=policy)
     a, b = (put(tree, k).node for k in ([1, 2], [5, 6]))
     tree.pin_state(b)
     tree.pin_state(a)
@@ -407,11 +412,12 @@ def test_a_pinned_states_prefix_kv_goes_after_all_other_kv():
     tree.check_integrity()
 
 
-def test_a_pin_protects_kv_only_while_its_state_is_there():
+@pytest.mark.parametrize("policy", STATE_POLICIES)
+def test_a_pin_protects_kv_only_while_its_state_is_there(policy):
     """The state of a pinned node evicted (a tombstone kept by its children): its path's KV is
     unpinned at once, so the tombstone's prefix goes by age again; a state attached there later
     restores the protection while the pin lasts."""
-    tree, *_ = make_tree()
+    tree, *_ = make_tree(state_policy=policy)
     a = put(tree, [1, 2]).node
     b = put(tree, [1, 2, 3, 4]).node
     tree.lock(b)  # a request resuming from b: a is kept as b's parent
@@ -433,12 +439,13 @@ def test_a_pin_protects_kv_only_while_its_state_is_there():
     tree.check_integrity()
 
 
-def test_a_pin_out_of_step_with_the_policy_is_caught():
+@pytest.mark.parametrize("policy", STATE_POLICIES)
+def test_a_pin_out_of_step_with_the_policy_is_caught(policy):
     """Negative control: a count changed behind the tree's back leaves the node in the wrong
     tier, and the integrity check names it."""
     from mambaradix.cache.integrity import IntegrityError
 
-    tree, *_ = make_tree()
+    tree, *_ = make_tree(state_policy=policy)
     a = put(tree, [1, 2]).node
     a.wait_pins = 1
     tree._pin_path(a, 1)  # (the KV side kept in step: only the state policy's tier is wrong)
@@ -449,11 +456,12 @@ def test_a_pin_out_of_step_with_the_policy_is_caught():
     tree.check_integrity()
 
 
-def test_branch_points_go_after_the_other_states():
+@pytest.mark.parametrize("policy", STATE_POLICIES)
+def test_branch_points_go_after_the_other_states(policy):
     """A node that has had two children (or that the planner marks) is a branch point: its
     state goes after every other unpinned state, and never for an optional slot; it stays one
     when its children are evicted."""
-    tree, *_ = make_tree(state_size=16)
+    tree, *_ = make_tree(state_size=16, state_policy=policy)
     put(tree, [1, 2, 3])
     shared = put(tree, [1, 2]).node  # splits: [1, 2] with one child
     assert not shared.branched
@@ -469,10 +477,11 @@ def test_branch_points_go_after_the_other_states():
     tree.check_integrity()
 
 
-def test_the_planners_branch_points_and_the_tiers_cap():
+@pytest.mark.parametrize("policy", STATE_POLICIES)
+def test_the_planners_branch_points_and_the_tiers_cap(policy):
     """``mark_branch`` makes a state a branch point without a second child; once branch points
     hold more than half the pool the oldest of them goes first, even for an optional slot."""
-    tree, *_ = make_tree(state_size=6)
+    tree, *_ = make_tree(state_size=6, state_policy=policy)
     nodes = [put(tree, [k]).node for k in (1, 2, 3, 4)]
     other = put(tree, [5]).node
     for node in nodes:
@@ -485,12 +494,13 @@ def test_the_planners_branch_points_and_the_tiers_cap():
     assert all(n.state_slot is not None for n in nodes[1:])
 
 
-def test_a_branch_mark_out_of_step_with_the_policy_is_caught():
+@pytest.mark.parametrize("policy", STATE_POLICIES)
+def test_a_branch_mark_out_of_step_with_the_policy_is_caught(policy):
     """Negative control: a node marked a branch point behind the tree's back stays in the wrong
     tier, and the integrity check names it."""
     from mambaradix.cache.integrity import IntegrityError
 
-    tree, *_ = make_tree()
+    tree, *_ = make_tree(state_policy=policy)
     a = put(tree, [1, 2]).node
     a.branched = True
     with pytest.raises(IntegrityError, match="tier does not match"):

@@ -14,11 +14,12 @@ TINY_STATE = StateSpec(layers=(StateLayerSpec(conv_shape=(2, 1), temporal_shape=
 
 
 def make_tree(
-    kv_size: int = 256, state_size: int = 16, page_size: int = 1
+    kv_size: int = 256, state_size: int = 16, page_size: int = 1, state_policy: str = "lru"
 ) -> tuple[RadixTree, KVPool, StatePool]:
     kv_pool = KVPool(TINY_KV, kv_size, page_size=page_size)
     state_pool = StatePool(TINY_STATE, state_size)
-    return RadixTree(kv_pool, state_pool, page_size=page_size), kv_pool, state_pool
+    tree = RadixTree(kv_pool, state_pool, page_size=page_size, state_policy=state_policy)
+    return tree, kv_pool, state_pool
 
 
 def put(tree: RadixTree, tokens: list[int], state: bool = True) -> InsertResult:

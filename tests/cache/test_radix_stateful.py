@@ -66,12 +66,16 @@ def content(tree) -> tuple[set, set]:
 
 class RadixMachine(RuleBasedStateMachine):
     PAGE = 1
+    POLICY = "lru"
 
     def __init__(self) -> None:
         super().__init__()
         ps = self.PAGE
         self.tree, self.kv_pool, self.state_pool = make_tree(
-            kv_size=40 * ps if ps == 1 else 12 * ps, state_size=6, page_size=ps
+            kv_size=40 * ps if ps == 1 else 12 * ps,
+            state_size=6,
+            page_size=ps,
+            state_policy=self.POLICY,
         )
         self.kv_ref: set = set()
         self.st_ref: set = set()
@@ -360,6 +364,13 @@ class PagedRadixMachine(RadixMachine):
     PAGE = 16
 
 
+class ValueRadixMachine(RadixMachine):
+    """The same rules and checks over the ``value`` state policy (its tiers and spares are the
+    LRU policy's; its order within a tier is checked by its own ``check``)."""
+
+    POLICY = "value"
+
+
 def _settings(examples: int) -> settings:
     return settings(
         max_examples=examples,
@@ -373,3 +384,5 @@ TestRadixStateful = RadixMachine.TestCase
 TestRadixStateful.settings = _settings(250)
 TestRadixStatefulPaged = PagedRadixMachine.TestCase
 TestRadixStatefulPaged.settings = _settings(150)  # slower steps: 16x the slots per token run
+TestRadixStatefulValue = ValueRadixMachine.TestCase
+TestRadixStatefulValue.settings = _settings(150)

@@ -41,22 +41,20 @@ def workload(vocab: int, n: int = 200, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def run(model, tokenizer, prompts, flags, max_new_tokens=4):
+def run(model, tokenizer, prompts, flags, max_new_tokens=4, return_stats=False):
     params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
     params["return_logprob"] = True
+    pools = dict(max_total_tokens=1 << 15, max_mamba_cache_size=96)
     with Engine(
-        model=model,
-        tokenizer=tokenizer,
-        debug_integrity=True,
-        max_total_tokens=1 << 15,
-        max_mamba_cache_size=96,
-        **flags,
+        model=model, tokenizer=tokenizer, debug_integrity=True, **{**pools, **flags}
     ) as eng:
         res = eng.generate(input_ids=prompts, sampling_params=params)
         assert eng.is_idle()
         eng.check_integrity()
-        hits = eng.stats().cached_tokens
-    return res, hits
+        stats = eng.stats()
+    if return_stats:
+        return res, stats
+    return res, stats.cached_tokens
 
 
 def compare(ref, got) -> tuple[int, float]:

@@ -157,6 +157,24 @@ def test_strided_backend_real_models(real_model, real_reference):
     assert counts.inside > 0 and counts.at_end > 0, vars(counts)
 
 
+@pytest.mark.parametrize("strategy,slots", [("no_buffer", 12), ("extra_buffer", 24)])
+def test_value_eviction_policy_real_models(real_model, real_reference, strategy, slots):
+    """``--state-eviction-policy value`` in a state pool small enough that it evicts hundreds
+    of states over the workload: the reference's ids and logprobs, with hits."""
+    _, model, tok = real_model
+    prompts, ref = real_reference
+    flags = dict(
+        mamba_scheduler_strategy=strategy,
+        max_mamba_cache_size=slots,
+        state_eviction_policy="value",
+        chunked_prefill_size=64,
+    )
+    got, stats = run(model, tok, prompts, flags, return_stats=True)
+    ties, _ = compare(ref, got)
+    assert ties <= MAX_TIES, f"{ties} near-tie divergences"
+    assert stats.cached_tokens > 0 and stats.evicted_states > 100, stats
+
+
 def test_matrix_fake_model_exact():
     """Every configuration gives the closed-form outputs and logprobs exactly (the fake model
     has a margin of 5 between its two candidate logits: no near-ties)."""

@@ -11,6 +11,8 @@ from engine_helpers import GREEDY, fake_engine, rand_tokens
 from fake_model import expected_greedy
 from strided_backend import strided_backend
 
+from mambaradix.cache.evict_policy import STATE_POLICIES
+
 STRATEGIES = ["no_buffer", "extra_buffer"]
 ALIGN = 64
 STRIDE = 64  # the strided backend's snapshot_stride (the chunk of a chunked GPU kernel)
@@ -89,13 +91,17 @@ def _groups_in_a_small_pool(backend, strategy, slots, rng, **pools):
         return hits, extra
 
 
+@pytest.mark.parametrize("policy", STATE_POLICIES)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("slots", [8, 12, 16])
-def test_groups_together_in_a_small_state_pool(backend, strategy, slots, rng):
+def test_groups_together_in_a_small_state_pool(backend, strategy, slots, policy, rng):
     """With few state slots, each group's shared snapshot is pinned by the requests waiting for
     it: the snapshots of the requests running meanwhile (repeat points, finishes) are evicted
-    first, and no admission evicts it while running requests can free slots instead."""
-    hits, extra = _groups_in_a_small_pool(backend, strategy, slots, rng)
+    first, and no admission evicts it while running requests can free slots instead (both
+    state eviction policies: the tiers are the same)."""
+    hits, extra = _groups_in_a_small_pool(
+        backend, strategy, slots, rng, state_eviction_policy=policy
+    )
     for g in range(4):
         group = hits[6 * g : 6 * g + 6]
         assert sum(h == 0 for h in group) == 1 and all(h in (0, 256) for h in group), hits
@@ -124,12 +130,15 @@ def test_admission_evicting_pinned_states_loses_hits(backend, rng, monkeypatch):
     assert sum(h == 0 for h in hits) > 4, hits
 
 
+@pytest.mark.parametrize("policy", STATE_POLICIES)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_groups_together_in_a_small_kv_pool(backend, strategy, rng):
+def test_groups_together_in_a_small_kv_pool(backend, strategy, policy, rng):
     """KV pressure too (1,000 KV slots for 24 prompts of ~280 tokens: decodes retract requests):
     the prefix of a state that waiting requests pinned is the KV evicted last, so each group
     still misses once."""
-    hits, _ = _groups_in_a_small_pool(backend, strategy, 48, rng, max_total_tokens=1000)
+    hits, _ = _groups_in_a_small_pool(
+        backend, strategy, 48, rng, max_total_tokens=1000, state_eviction_policy=policy
+    )
     assert sum(h == 0 for h in hits) == 4 and all(h in (0, 256) for h in hits), hits
 
 
@@ -144,11 +153,12 @@ def test_kv_eviction_ignoring_pins_loses_hits(backend, rng, monkeypatch):
     assert sum(h == 0 for h in hits) > 4, hits
 
 
-def _groups_in_turn(backend, strategy, slots, rng) -> list[int]:
+def _groups_in_turn(backend, strategy, slots, rng, policy: str = "lru") -> list[int]:
     """Four groups (a 256-token system prompt each) taking turns, one request at a time, six
     rounds, into a state pool of ``slots``: the cached tokens from the third round on."""
     systems = [rand_tokens(rng, 256) for _ in range(4)]
-    with engine(backend, mamba_scheduler_strategy=strategy, max_mamba_cache_size=slots) as eng:
+    flags = dict(max_mamba_cache_size=slots, state_eviction_policy=policy)
+    with engine(backend, mamba_scheduler_strategy=strategy, **flags) as eng:
         hits = [
             cached(generate(eng, s + rand_tokens(rng, rng.randrange(10, 40)), ignore_eos=True))
             for _ in range(6)
@@ -158,12 +168,14 @@ def _groups_in_turn(backend, strategy, slots, rng) -> list[int]:
     return hits[8:]
 
 
+@pytest.mark.parametrize("policy", STATE_POLICIES)
 @pytest.mark.parametrize("strategy,slots", [("no_buffer", 8), ("extra_buffer", 12)])
-def test_groups_in_turn_in_a_small_state_pool(backend, strategy, slots, rng):
+def test_groups_in_turn_in_a_small_state_pool(backend, strategy, slots, policy, rng):
     """Each request's own snapshots (its exact-repeat point, its finish) are newer than its
-    group's branch point; least-recently-used alone freed the branch points first. Branch
-    points go after them, so from the third round on every request hits its prompt."""
-    assert all(h >= 256 for h in _groups_in_turn(backend, strategy, slots, rng))
+    group's branch point (and deeper: ``value`` alone would keep them too); least-recently-used
+    alone freed the branch points first. Branch points go after them, so from the third round
+    on every request hits its prompt."""
+    assert all(h >= 256 for h in _groups_in_turn(backend, strategy, slots, rng, policy))
 
 
 def test_groups_in_turn_without_branch_points(backend, rng, monkeypatch):

@@ -111,10 +111,11 @@ def test_published_config_wide_cut_builds_and_serves(name, tmp_path):
     run_fixture(name, tmp_path / name, **CUT)
 
 
-# one worker runs them all, one at a time (pyproject's --dist loadgroup): two at once came near
-# 24 GB of RAM (Qwen3.5-4B's alone reached 14 GB) and an xdist worker was killed
+# one worker runs them all, one at a time, with the other tests of this group (pyproject's
+# --dist loadgroup): two at once came near 24 GB of RAM (Qwen3.5-4B's alone reached 14 GB) and
+# an xdist worker was killed
 @pytest.mark.slow
-@pytest.mark.xdist_group("full_size")
+@pytest.mark.xdist_group("big_memory")
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_published_config_full_vocab_and_experts(name, tmp_path):
     run_fixture(name, tmp_path / name, vocab=None, experts=None)

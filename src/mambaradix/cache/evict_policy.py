@@ -27,13 +27,30 @@ instead; a branch point's own snapshot spares the pinned states only.
 Without the second tier a small pool lost every shared prompt when requests of several groups
 arrived one after another: each request's own snapshots (repeat point, finish) were newer than
 its group's branch point, so LRU freed the branch point before the group's next request came.
-A value-aware policy (compute saved per byte combined with recency, as the Marconi paper
-weighs it) plugs in by subclassing ``StatePolicy`` and registering a name in
+``value`` keeps the same tiers and the same spares, and orders each tier by what a state is
+worth instead of by its last use alone: GreedyDual (Young; Cao and Irani's GreedyDual-Size),
+the recency-and-cost rule the Marconi paper's eviction also weighs. A state's priority is
+``clock + depth``: the tokens a request resuming there does not compute (a prefill's cost grows
+with the tokens; attention's quadratic share stays under a tenth below 8k tokens for the
+published hybrids, whose few attention layers are a small part of a token's FLOPs). Every slot
+is the same size, so the tokens are the compute saved per byte. An add or a use sets the
+priority from the current clock; the victim is the lowest priority, and evicting it advances the
+clock to that priority. An add also advances the clock by its depth over the pool's slots (its
+share of a turnover: the rate evictions set once the pool is full), so states added while the
+pool fills, before any eviction moved the clock, are not ordered by depth alone: between states
+of nearly one depth the older goes first, as under LRU. A state then ages as others come and
+go, slower the deeper it is: one of 8,192 tokens unused outlives many turnovers of 128-token
+states, which LRU frees first whenever it is the oldest, and LRU's cyclic worst case (sessions
+coming back in turn, one more than fit) keeps the deepest sessions instead of losing every one.
+Each tier is a binary heap with lazy deletion: O(log n) per operation.
+
+Another policy plugs in by subclassing ``StatePolicy`` and registering a name in
 ``STATE_POLICIES``.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -157,7 +174,125 @@ class LRUStatePolicy(StatePolicy):
         return None
 
 
-STATE_POLICIES: dict[str, type[StatePolicy]] = {"lru": LRUStatePolicy}
+class _ValueHeap:
+    """One tier of ``ValueStatePolicy``: entries ``[priority, seq, node, heap]``, lowest
+    first; a removed entry stays in the list with ``node`` None until it reaches the top or
+    the list is rebuilt (``node.st_entry`` names the live entry)."""
+
+    __slots__ = ("entries", "live")
+
+    def __init__(self) -> None:
+        self.entries: list[list] = []
+        self.live = 0
+
+    def push(self, entry: list) -> None:
+        heapq.heappush(self.entries, entry)
+        self.live += 1
+
+    def drop(self, entry: list) -> None:
+        entry[2] = None
+        self.live -= 1
+        if len(self.entries) > 2 * self.live + 64:  # bound the dead entries
+            self.entries = [e for e in self.entries if e[2] is not None]
+            heapq.heapify(self.entries)
+
+    def top(self) -> list | None:
+        entries = self.entries
+        while entries and entries[0][2] is None:
+            heapq.heappop(entries)
+        return entries[0] if entries else None
+
+
+class ValueStatePolicy(StatePolicy):
+    """GreedyDual by the tokens a state saves, within the LRU policy's three tiers (the module
+    docstring); uses each node's ``st_entry``."""
+
+    name = "value"
+
+    def __init__(self, capacity: int = 0) -> None:
+        self.tiers = (_ValueHeap(), _ValueHeap(), _ValueHeap())  # others, branch, pinned
+        self.clock = 0
+        self._seq = 0  # ties go to the older entry
+        self.capacity = max(1, capacity)
+        self.branch_cap = capacity // 2
+
+    def _tier(self, node: TreeNode) -> _ValueHeap:
+        if node.wait_pins:
+            return self.tiers[2]
+        return self.tiers[1] if node.branched else self.tiers[0]
+
+    def _push(self, node: TreeNode) -> None:
+        self._seq += 1
+        entry = [self.clock + node.depth, self._seq, node, self._tier(node)]
+        node.st_entry = entry
+        entry[3].push(entry)
+
+    def add(self, node: TreeNode, tick: int) -> None:
+        self._push(node)
+        self.clock += node.depth // self.capacity  # its share of a turnover: the others age
+
+    def remove(self, node: TreeNode) -> None:
+        entry = node.st_entry
+        node.st_entry = None
+        entry[3].drop(entry)
+
+    def touch(self, node: TreeNode, tick: int) -> None:
+        if node.st_entry is not None:  # a locked state is re-added at the clock of its unlock
+            self.remove(node)
+            self._push(node)
+
+    def refresh(self, node: TreeNode, tick: int) -> None:
+        entry = node.st_entry
+        if entry is not None and entry[3] is not self._tier(node):
+            self.remove(node)
+            self._push(node)
+
+    def victim(self, spare: int = SPARE_NOTHING) -> TreeNode | None:
+        others, branch, pinned = self.tiers
+        if branch.live > self.branch_cap:
+            entry = branch.top()
+        else:
+            entry = others.top()
+            if entry is None and spare < SPARE_SHARED:
+                entry = branch.top()
+        if entry is None and spare < SPARE_PINNED:
+            entry = pinned.top()
+        if entry is None:
+            return None
+        self.clock = max(self.clock, entry[0])  # the tree frees the victim it is given
+        return entry[2]
+
+    def __len__(self) -> int:
+        return sum(tier.live for tier in self.tiers)
+
+    def members(self, limit: int) -> Iterator[TreeNode]:
+        for tier in self.tiers:
+            live = sorted((e for e in tier.entries if e[2] is not None), key=lambda e: e[:2])
+            for entry in live[:limit]:
+                yield entry[2]
+
+    def check(self) -> str | None:
+        for tier in self.tiers:
+            entries, live = tier.entries, 0
+            for i, entry in enumerate(entries):
+                if i and entries[(i - 1) // 2][:2] > entry[:2]:
+                    return f"state value heap out of order at entry {i}"
+                node = entry[2]
+                if node is None:
+                    continue
+                live += 1
+                if node.st_entry is not entry or entry[3] is not tier:
+                    return f"state value heap entry is not the node's own: {node!r}"
+                if self._tier(node) is not tier:
+                    return f"state value tier does not match the node's pins or children: {node!r}"
+                if entry[0] > self.clock + node.depth:
+                    return f"state priority above the clock plus its depth: {node!r}"
+            if live != tier.live:
+                return f"state value heap holds {live} live entries, its count says {tier.live}"
+        return None
+
+
+STATE_POLICIES: dict[str, type[StatePolicy]] = {"lru": LRUStatePolicy, "value": ValueStatePolicy}
 
 
 def make_state_policy(name: str, capacity: int = 0) -> StatePolicy:

@@ -30,8 +30,8 @@ def _check_nodes(tree: RadixTree) -> tuple[list[TreeNode], dict[str, int]]:
         _fail(f"root must be the permanent empty prefix without state: {root!r}")
     if root.kv_lock != 1 or root.state_lock != 0:
         _fail(f"root must stay locked exactly once: {root!r}")
-    if root.kv_link.nxt is not None or root.st_link.nxt is not None:
-        _fail("root must not be in an LRU list")
+    if root.kv_link.nxt is not None or root.st_link.nxt is not None or root.st_entry is not None:
+        _fail("root must not be in an LRU list or the state policy")
     nodes: list[TreeNode] = []
     seen = {id(root)}
     counts = dict(evictable_kv=0, protected_kv=0, evictable_state=0, protected_state=0)

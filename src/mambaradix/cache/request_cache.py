@@ -96,6 +96,7 @@ class RequestCache:
         strategy: str = EXTRA_BUFFER,
         stats: EngineStats | None = None,
         storage: StorageTier | None = None,
+        state_policy: str = "lru",
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown mamba scheduler strategy {strategy!r}")
@@ -104,7 +105,11 @@ class RequestCache:
         self.req_slots = req_slots
         self.page_size = kv_pool.page_size
         self.strategy = strategy
-        self.tree = RadixTree(kv_pool, state_pool, page_size=self.page_size) if enabled else None
+        self.tree = (
+            RadixTree(kv_pool, state_pool, page_size=self.page_size, state_policy=state_policy)
+            if enabled
+            else None
+        )
         self.live: set[ReqCache] = set()
         self.stats = stats if stats is not None else EngineStats()  # counts into the engine's
         self.storage = storage if self.tree is not None else None

@@ -27,6 +27,7 @@ class TreeNode:
     branched: bool = False  # has had two children: requests went on from it in two ways
     kv_link: LRULink = field(default=None)  # type: ignore[assignment]
     st_link: LRULink = field(default=None)  # type: ignore[assignment]
+    st_entry: list | None = None  # its entry in the ``value`` state policy's heap
 
     def __post_init__(self) -> None:
         self.kv_link = LRULink(self)

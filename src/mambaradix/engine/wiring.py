@@ -114,6 +114,7 @@ def wire(cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any) -> EnginePar
         strategy=sizing.strategy,
         stats=stats,
         storage=make_storage_tier(cfg, model, kv_pool, state_pool),
+        state_policy=cfg.state_eviction_policy,
     )
     backend = create_kernel_backend(cfg)
     eos_ids = list(getattr(model, "eos_token_ids", []) or [])
