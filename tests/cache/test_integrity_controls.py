@@ -324,8 +324,8 @@ CASES: list[Case] = [
         "policy_members",
         r"holds 4 nodes \(length 9\)",
     ),
-    # ---- the value state policy (4 unlocked states, all in its first tier: priorities 3, 7,
-    # 7, 3 at clock 0); the checks the tree makes of any policy, through this one too
+    # ---- the value state policy (4 unlocked states, all in its first tier: priorities 0 (A: it
+    # has a child), 7, 7, 3 at clock 0); the checks the tree makes of any policy, through it too
     Case("value_heap_swapped", _swap_heap_ends, "value_order", policy="value"),
     Case("value_stale_entry", _stale_entry, "value_entry", _E, policy="value"),
     Case(
@@ -337,8 +337,14 @@ CASES: list[Case] = [
     ),
     Case(
         "value_priority_ahead_of_the_clock",
-        lambda e: e.tree.policy.tiers[0].top().__setitem__(0, 10**9),
+        lambda e: e.tree.policy.tiers[0].top().__setitem__(4, 10**9),
         "value_priority",
+        policy="value",
+    ),
+    Case(
+        "value_priority_not_refreshed",
+        lambda e: e.tree.policy.tiers[0].top().__setitem__(0, e.tree.policy.tiers[0].top()[0] + 1),
+        "value_step",
         policy="value",
     ),
     Case(
@@ -498,7 +504,7 @@ def test_every_check_has_a_control():
     source = Path(integrity.__file__).read_text()
     fail_sites = source.count("_fail(") - 1  # minus the definition
     # Two sites forward messages: the KV-LRU's check_links (2 messages) and the state policy's
-    # check (lru: its lists' 2 and its order check; value: 5); every other site has one entry.
-    assert len(CHECKS) == fail_sites - 2 + 2 + 3 + 5, "a check was added or removed: update CHECKS"
+    # check (lru: its lists' 2 and its order check; value: 6); every other site has one entry.
+    assert len(CHECKS) == fail_sites - 2 + 2 + 3 + 6, "a check was added or removed: update CHECKS"
     assert {c.check for c in CASES} == set(CHECKS)
     assert len({c.name for c in CASES}) == len(CASES)

@@ -2,8 +2,9 @@
 
 The radix tree tells the policy when a node's state becomes evictable (``add``), stops being
 evictable (``remove``: freed, or state-locked by a request), is used (``touch``: a request
-resumes from it), or may belong in another tier (``refresh``: a waiting request pinned or
-released it, or it became a branch point). ``victim`` names the next state to free
+resumes from it), or may belong in another tier or be worth something else (``refresh``: a
+waiting request pinned or released it, it became a branch point, it gained its first child or
+lost its last). ``victim`` names the next state to free
 without removing it. Every operation must be O(1) amortized; the tree never scans all states.
 
 ``lru`` (the default) keeps three tiers, each in least-recently-used order, and frees from the
@@ -30,19 +31,24 @@ its group's branch point, so LRU freed the branch point before the group's next 
 ``value`` keeps the same tiers and the same spares, and orders each tier by what a state is
 worth instead of by its last use alone: GreedyDual (Young; Cao and Irani's GreedyDual-Size),
 the recency-and-cost rule the Marconi paper's eviction also weighs. A state's priority is
-``clock + depth``: the tokens a request resuming there does not compute (a prefill's cost grows
-with the tokens; attention's quadratic share stays under a tenth below 8k tokens for the
-published hybrids, whose few attention layers are a small part of a token's FLOPs). Every slot
-is the same size, so the tokens are the compute saved per byte. An add or a use sets the
-priority from the current clock; the victim is the lowest priority, and evicting it advances the
-clock to that priority. An add also advances the clock by its depth over the pool's slots (its
-share of a turnover: the rate evictions set once the pool is full), so states added while the
-pool fills, before any eviction moved the clock, are not ordered by depth alone: between states
-of nearly one depth the older goes first, as under LRU. A state then ages as others come and
-go, slower the deeper it is: one of 8,192 tokens unused outlives many turnovers of 128-token
-states, which LRU frees first whenever it is the oldest, and LRU's cyclic worst case (sessions
-coming back in turn, one more than fit) keeps the deepest sessions instead of losing every one.
-Each tier is a binary heap with lazy deletion: O(log n) per operation.
+``clock + value``, its value the tokens a request resuming there does not compute: its depth (a
+prefill's cost grows with the tokens; attention's quadratic share stays under a tenth below 8k
+tokens for the published hybrids, whose few attention layers are a small part of a token's
+FLOPs). Every slot is the same size, so the tokens are the compute saved per byte. A state
+with a child (not a branch point, not pinned) is worth 0 while the child is there: a request
+going on along that path resumes from the deeper state (a chat's earlier turn, once the next
+turn's state is in; LRU frees those first only because they are older).
+
+An add or a use sets the priority from the current clock; the victim is the lowest priority,
+and evicting it advances the clock to that priority. An add also advances the clock by its
+depth over the pool's slots (its share of a turnover: the rate evictions set once the pool is
+full), so states added while the pool fills, before any eviction moved the clock, are not
+ordered by depth alone: between states of nearly one depth the older goes first, as under LRU.
+A state then ages as others come and go, slower the deeper it is: one of 8,192 tokens unused
+outlives many turnovers of 128-token states, which LRU frees first whenever it is the oldest,
+and LRU's cyclic worst case (sessions coming back in turn, one more than fit) keeps the deepest
+sessions instead of losing every one. Each tier is a binary heap with lazy deletion: O(log n)
+per operation.
 
 Another policy plugs in by subclassing ``StatePolicy`` and registering a name in
 ``STATE_POLICIES``.
@@ -205,7 +211,8 @@ class _ValueHeap:
 
 class ValueStatePolicy(StatePolicy):
     """GreedyDual by the tokens a state saves, within the LRU policy's three tiers (the module
-    docstring); uses each node's ``st_entry``."""
+    docstring); uses each node's ``st_entry``: ``[priority, seq, node, heap, base]``, where
+    ``base`` is the clock at the node's last add or use and priority = base + value."""
 
     name = "value"
 
@@ -221,14 +228,24 @@ class ValueStatePolicy(StatePolicy):
             return self.tiers[2]
         return self.tiers[1] if node.branched else self.tiers[0]
 
-    def _push(self, node: TreeNode) -> None:
+    @staticmethod
+    def value(node: TreeNode) -> int:
+        """The tokens a resume from ``node`` saves that no deeper state saves as well: its
+        depth, or 0 while it has a child and is neither a branch point nor pinned (a request
+        going on along the child resumes from the state below, and one diverging exactly here
+        would make it a branch point)."""
+        if node.children and not node.branched and not node.wait_pins:
+            return 0
+        return node.depth
+
+    def _push(self, node: TreeNode, base: int) -> None:
         self._seq += 1
-        entry = [self.clock + node.depth, self._seq, node, self._tier(node)]
+        entry = [base + self.value(node), self._seq, node, self._tier(node), base]
         node.st_entry = entry
         entry[3].push(entry)
 
     def add(self, node: TreeNode, tick: int) -> None:
-        self._push(node)
+        self._push(node, self.clock)
         self.clock += node.depth // self.capacity  # its share of a turnover: the others age
 
     def remove(self, node: TreeNode) -> None:
@@ -239,13 +256,18 @@ class ValueStatePolicy(StatePolicy):
     def touch(self, node: TreeNode, tick: int) -> None:
         if node.st_entry is not None:  # a locked state is re-added at the clock of its unlock
             self.remove(node)
-            self._push(node)
+            self._push(node, self.clock)
 
     def refresh(self, node: TreeNode, tick: int) -> None:
         entry = node.st_entry
-        if entry is not None and entry[3] is not self._tier(node):
+        if entry is None:
+            return
+        if entry[3] is not self._tier(node):  # pinned, released or branched: as if used
             self.remove(node)
-            self._push(node)
+            self._push(node, self.clock)
+        elif entry[0] != entry[4] + self.value(node):  # gained or lost its only child
+            self.remove(node)
+            self._push(node, entry[4])
 
     def victim(self, spare: int = SPARE_NOTHING) -> TreeNode | None:
         others, branch, pinned = self.tiers
@@ -285,8 +307,10 @@ class ValueStatePolicy(StatePolicy):
                     return f"state value heap entry is not the node's own: {node!r}"
                 if self._tier(node) is not tier:
                     return f"state value tier does not match the node's pins or children: {node!r}"
-                if entry[0] > self.clock + node.depth:
-                    return f"state priority above the clock plus its depth: {node!r}"
+                if entry[4] > self.clock:
+                    return f"state priority based on a clock ahead of the policy's: {node!r}"
+                if entry[0] != entry[4] + self.value(node):
+                    return f"state priority out of step with the node's children: {node!r}"
             if live != tier.live:
                 return f"state value heap holds {live} live entries, its count says {tier.live}"
         return None

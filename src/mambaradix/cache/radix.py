@@ -257,6 +257,8 @@ class RadixTree:
             node.children[self._child_key(tokens, pos)] = leaf
             if len(node.children) == 2:
                 self.mark_branch(node)
+            elif node.state_slot is not None:  # its first child: a deeper state below it
+                self.policy.refresh(node, tick)
             self.kv_lru.push_newest(leaf.kv_link, tick)
             self._evictable_kv += n - pos
             self._num_nodes += 1
@@ -409,6 +411,8 @@ class RadixTree:
             del parent.children[self._child_key(node.key, 0)]
             node.parent = None
             self._num_nodes -= 1
+            if not parent.children and parent.state_slot is not None:
+                self.policy.refresh(parent, self._tick)  # the deepest state of its path again
             if (
                 parent.parent is None
                 or parent.children
