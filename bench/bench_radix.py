@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from mambaradix.cache.evict_policy import STATE_POLICIES
 from mambaradix.cache.kv_pool import KVPool
 from mambaradix.cache.radix import RadixTree
 from mambaradix.cache.state_pool import StatePool
@@ -77,12 +78,12 @@ class Trace:
 
 
 class Bench:
-    def __init__(self, nodes: int, page: int, seed: int) -> None:
+    def __init__(self, nodes: int, page: int, seed: int, policy: str = "lru") -> None:
         self.target = nodes
         kv_size = max(200_000, nodes * 100) // page * page  # the node cap should bind first
         self.kv_pool = KVPool(TINY_KV, kv_size, page_size=page)
         self.state_pool = StatePool(TINY_STATE, nodes + 64)
-        self.tree = RadixTree(self.kv_pool, self.state_pool, page_size=page)
+        self.tree = RadixTree(self.kv_pool, self.state_pool, page_size=page, state_policy=policy)
         self.trace = Trace(seed, page)
         self.t = {k: Timings() for k in ("match", "insert", "evict_kv", "evict_state")}
         self.cached = 0
@@ -199,15 +200,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, help="timed requests per size (2 ops each + evictions)")
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--state-eviction-policy", choices=sorted(STATE_POLICIES), default="lru", dest="policy"
+    )
     args = p.parse_args(argv)
     sizes = args.sizes or ([1_000, 10_000] if args.quick else [1_000, 10_000, 100_000])
     requests = args.requests or (5_000 if args.quick else 50_000)
     print(
-        f"bench_radix: page_size {args.page_size}, seed {args.seed}, "
+        f"bench_radix: page_size {args.page_size}, seed {args.seed}, policy {args.policy}, "
         f"python {sys.version.split()[0]}"
     )
     for nodes in sizes:
-        bench = Bench(nodes, args.page_size, args.seed)
+        bench = Bench(nodes, args.page_size, args.seed, args.policy)
         with tqdm(total=nodes, desc=f"fill {nodes} nodes", leave=False) as bar:
             for _ in range(8 * nodes):
                 if bench.tree.num_nodes() >= nodes:
