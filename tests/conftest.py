@@ -13,6 +13,9 @@ worker, and every process it starts, then runs torch and the native kernels on o
 that the workers do not fight over the cores (two workers of two OpenMP threads each on 2
 cores took longer than one process). The tests whose subject is the native kernels' split of
 work over threads (``THREADED``, and any test marked ``threaded``) run on every core even so.
+
+Tests marked ``big_memory`` (10-17 GB each) run one at a time across the workers
+(``_big_memory``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import settings
+from memory_lock import _big_memory  # noqa: F401  (an autouse fixture)
 
 from mambaradix.models.transformers_torch_path import use_torch_path
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -43,6 +44,15 @@ def min_layers(name: str) -> int:
 
 
 def run_fixture(name: str, folder, vocab: int | None, experts: int | None) -> None:
+    """Build the cut checkpoint in ``folder``, serve it, and delete it (a full-size one is
+    gigabytes: pytest keeps three runs' temporary folders, and killed runs filled the disk)."""
+    try:
+        _run_fixture(name, folder, vocab, experts)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_fixture(name: str, folder, vocab: int | None, experts: int | None) -> None:
     layers = min_layers(name)
     build_published(name, folder, layers=layers, vocab=vocab, experts=experts)
     fields = cut_fields(get_published(name), layers=layers, vocab=vocab, experts=experts)
@@ -111,11 +121,10 @@ def test_published_config_wide_cut_builds_and_serves(name, tmp_path):
     run_fixture(name, tmp_path / name, **CUT)
 
 
-# one worker runs them all, one at a time, with the other tests of this group (pyproject's
-# --dist loadgroup): two at once came near 24 GB of RAM (Qwen3.5-4B's alone reached 14 GB) and
-# an xdist worker was killed
+# one at a time across the workers (tests/conftest.py's _big_memory): two at once came near
+# 24 GB of RAM (Qwen3.5-4B's alone reached 14 GB, Qwen3-Next-80B's 17) and a worker was killed
 @pytest.mark.slow
-@pytest.mark.xdist_group("big_memory")
+@pytest.mark.big_memory
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_published_config_full_vocab_and_experts(name, tmp_path):
     run_fixture(name, tmp_path / name, vocab=None, experts=None)

@@ -60,8 +60,8 @@ def _check(report: dict, variants_at_least: dict[str, int]) -> None:
             print(name, v["num_warps"], v["registers"], v["stack_bytes"], v["constants"])
 
 
-# ~9.6 GB each: one at a time, not beside a full-size checkpoint's test (pyproject's loadgroup)
-@pytest.mark.xdist_group("big_memory")
+# ~10 GB each: one at a time, not beside a full-size checkpoint's test (tests/conftest.py)
+@pytest.mark.big_memory
 def test_the_backends_kernels_compile_for_sm90_in_bf16(tmp_path) -> None:
     """bf16 (the served dtype): one-position and verify decodes (conv, Mamba2), both Mamba2
     prefill forms, prefill and decode attention, split and not; none of the kernels that fit
@@ -75,6 +75,6 @@ def test_the_backends_kernels_compile_for_sm90_in_bf16(tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("big_memory")
+@pytest.mark.big_memory
 def test_the_backends_kernels_compile_for_sm90_in_fp32(tmp_path) -> None:
     _check(_compile(tmp_path, "fp32"), {"_conv_decode_kernel": 2, "_mamba2_decode_kernel": 2})

@@ -287,7 +287,7 @@ def test_decode_replays_in_cuda_graph():
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("big_memory")  # ~9.5 GB: not beside a full-size checkpoint's test
+@pytest.mark.big_memory  # ~9.5 GB: not beside a full-size checkpoint's test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d,group", [(256, 8), (128, 4)], ids=["qwen3.5", "granite"])
 def test_real_shapes(dtype, d, group):
