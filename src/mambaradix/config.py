@@ -14,7 +14,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from mambaradix.cache.evict_policy import STATE_POLICIES
 from mambaradix.core import STRATEGIES
 from mambaradix.kernels.backend import backend_names
 
@@ -94,7 +93,7 @@ class EngineConfig:
         "recently used, within tiers that keep branch points and states waiting requests "
         "expect), 'value' (same tiers; the fewest prefix tokens saved, aged by the others' "
         "evictions: keeps long conversations and documents over short ones).",
-        sorted(STATE_POLICIES),
+        ["lru", "value"],  # cache/evict_policy.STATE_POLICIES (config sits below cache/)
     )
     disable_radix_cache: bool = opt(
         False, "Run without prefix caching (same engine, everything freed at finish)."

@@ -117,3 +117,14 @@ def test_the_victim_is_the_lowest_priority_a_reference_gives():
             clock = max(clock, ref.pop(want)[0])
         tree.check_integrity()
     assert tree.policy.clock == clock > 0
+
+
+def test_the_flag_offers_every_registered_policy():
+    import dataclasses
+
+    from mambaradix.cache.evict_policy import STATE_POLICIES
+    from mambaradix.config import EngineConfig
+
+    field = {f.name: f for f in dataclasses.fields(EngineConfig)}["state_eviction_policy"]
+    assert sorted(field.metadata["choices"]) == sorted(STATE_POLICIES)
+    assert field.default in STATE_POLICIES
