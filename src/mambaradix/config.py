@@ -88,11 +88,12 @@ class EngineConfig:
     )
     mamba_track_interval: int = opt(256, "Snapshot every N decode tokens.")
     state_eviction_policy: str = opt(
-        "lru",
-        "Which cached state snapshot goes first when the state pool is full: 'lru' (least "
-        "recently used, within tiers that keep branch points and states waiting requests "
-        "expect), 'value' (same tiers; the fewest prefix tokens saved, aged by the others' "
-        "evictions: keeps long conversations and documents over short ones).",
+        "value",
+        "Which cached state snapshot goes first when the state pool is full; both keep branch "
+        "points and the states waiting requests expect until the rest is gone. 'value': the "
+        "fewest prefix tokens saved first (a state with a deeper one below it saves nothing "
+        "more), aged as others come and go: keeps long conversations and documents over short "
+        "ones; 'lru': the least recently used first.",
         ["lru", "value"],  # cache/evict_policy.STATE_POLICIES (config sits below cache/)
     )
     disable_radix_cache: bool = opt(

@@ -7,7 +7,7 @@ waiting request pinned or released it, it became a branch point, it gained its f
 lost its last). ``victim`` names the next state to free
 without removing it. Every operation must be O(1) amortized; the tree never scans all states.
 
-``lru`` (the default) keeps three tiers, each in least-recently-used order, and frees from the
+``lru`` keeps three tiers, each in least-recently-used order, and frees from the
 first that has a state:
 
 1. states at other nodes: a finish, an exact-repeat point, a chat turn's end, a decode
@@ -28,16 +28,16 @@ instead; a branch point's own snapshot spares the pinned states only.
 Without the second tier a small pool lost every shared prompt when requests of several groups
 arrived one after another: each request's own snapshots (repeat point, finish) were newer than
 its group's branch point, so LRU freed the branch point before the group's next request came.
-``value`` keeps the same tiers and the same spares, and orders each tier by what a state is
-worth instead of by its last use alone: GreedyDual (Young; Cao and Irani's GreedyDual-Size),
-the recency-and-cost rule the Marconi paper's eviction also weighs. A state's priority is
-``clock + value``, its value the tokens a request resuming there does not compute: its depth (a
-prefill's cost grows with the tokens; attention's quadratic share stays under a tenth below 8k
-tokens for the published hybrids, whose few attention layers are a small part of a token's
-FLOPs). Every slot is the same size, so the tokens are the compute saved per byte. A state
-with a child (not a branch point, not pinned) is worth 0 while the child is there: a request
-going on along that path resumes from the deeper state (a chat's earlier turn, once the next
-turn's state is in; LRU frees those first only because they are older).
+``value`` (the engine's default) keeps the same tiers and the same spares, and orders each tier by
+what a state is worth instead of by its last use alone: GreedyDual (Young; Cao and Irani's
+GreedyDual-Size), the recency-and-cost rule the Marconi paper's eviction also weighs. A state's
+priority is ``clock + value``, its value the tokens a request resuming there does not compute: its
+depth (a prefill's cost grows with the tokens; attention's quadratic share stays under a tenth below
+8k tokens for the published hybrids, whose few attention layers are a small part of a token's
+FLOPs). Every slot is the same size, so the tokens are the compute saved per byte. A state with a
+child (not a branch point, not pinned) is worth 0 while the child is there: a request going on along
+that path resumes from the deeper state (a chat's earlier turn, once the next turn's state is in;
+LRU frees those first only because they are older).
 
 An add or a use sets the priority from the current clock; the victim is the lowest priority,
 and evicting it advances the clock to that priority. An add also advances the clock by its
