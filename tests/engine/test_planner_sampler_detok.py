@@ -11,6 +11,7 @@ from mambaradix.core import SamplingParams
 from mambaradix.engine.detokenizer import DetokState, IncrementalDetokenizer, find_stop, holdback
 from mambaradix.engine.planner import (
     admission_targets,
+    branch_points,
     common_prefix_len,
     plan_forward,
     snapshot_alignment,
@@ -36,6 +37,10 @@ def test_admission_targets():
     assert paged == [992]
     # nothing at or below the resumed prefix
     assert admission_targets(seq_len=100, prefix_len=64, kv_len=64, queue_branch=0, align=64) == []
+    # the caller's branch points, when given, are the ones used (not computed again)
+    args = dict(seq_len=1000, prefix_len=0, kv_len=300, queue_branch=700, align=64)
+    assert admission_targets(**args, branches=branch_points(1000, 0, 300, 700, 64)) == got
+    assert admission_targets(**args, branches={128}) == [128, 960]
 
 
 @pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer"])

@@ -91,6 +91,7 @@ class Admission:
             queue_branch = (
                 shared_with_queue(req, waiting, m.prefix_len, align) if self.cache.enabled else 0
             )
+            branches = branch_points(len(tokens), m.prefix_len, m.kv_len, queue_branch, align)
             wanted = admission_targets(
                 seq_len=len(tokens),
                 prefix_len=m.prefix_len,
@@ -98,8 +99,8 @@ class Admission:
                 queue_branch=queue_branch,
                 align=align,
                 repeat_align=self.strategy.repeat_align,
+                branches=branches,
             )
-            branches = branch_points(len(tokens), m.prefix_len, m.kv_len, queue_branch, align)
             first_end = min(len(tokens), m.prefix_len + min(self.builder.chunk, budget))
             if self.cache.enabled:
                 first_end = self.strategy.plan_forward(

@@ -45,15 +45,19 @@ def admission_targets(
     queue_branch: int,
     align: int,
     repeat_align: int | None = None,
+    branches: set[int] | None = None,
 ) -> list[int]:
     """Snapshot positions a newly admitted request aims for, sorted: the branch point revealed
     by the lookup, the branch point shared with waiting requests, and the exact-repeat point.
 
     The repeat point is ``seq_len - 1`` rounded down to ``repeat_align`` (default ``align``): a
     tracking slot can take any position inside the last forward at no extra cost, so under
-    ``extra_buffer`` it is the page size (1: exactly ``seq_len - 1``).
+    ``extra_buffer`` it is the page size (1: exactly ``seq_len - 1``). ``branches``: the
+    caller's ``branch_points`` of the same arguments, if it has them.
     """
-    wanted = branch_points(seq_len, prefix_len, kv_len, queue_branch, align)
+    if branches is None:
+        branches = branch_points(seq_len, prefix_len, kv_len, queue_branch, align)
+    wanted = set(branches)
     wanted.add(align_down(seq_len - 1, repeat_align or align))  # exact repeat
     return sorted(w for w in wanted if w > prefix_len)
 
