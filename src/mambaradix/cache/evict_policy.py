@@ -107,9 +107,43 @@ class StatePolicy:
         raise NotImplementedError
 
 
-class LRUStatePolicy(StatePolicy):
-    """Least recently used state first within three tiers (the module docstring); uses each
-    node's ``st_link``."""
+class _TieredPolicy(StatePolicy):
+    """The three tiers both policies share (the module docstring): ``tiers`` = (others, branch
+    points, pinned), each a container with ``len``; a subclass orders within a tier
+    (``_first``)."""
+
+    def __init__(self, tiers: tuple, capacity: int) -> None:
+        self.tiers = tiers
+        self.branch_cap = capacity // 2  # beyond it the branch tier's first goes first
+
+    def _tier(self, node: TreeNode):
+        others, branch, pinned = self.tiers
+        if node.wait_pins:
+            return pinned
+        return branch if node.branched else others
+
+    def _first(self, tier) -> TreeNode | None:
+        """The node ``tier`` frees first (None: it is empty)."""
+        raise NotImplementedError
+
+    def victim(self, spare: int = SPARE_NOTHING) -> TreeNode | None:
+        others, branch, pinned = self.tiers
+        if len(branch) > self.branch_cap:
+            node = self._first(branch)
+        else:
+            node = self._first(others)
+            if node is None and spare < SPARE_SHARED:
+                node = self._first(branch)
+        if node is None and spare < SPARE_PINNED:
+            node = self._first(pinned)
+        return node
+
+    def __len__(self) -> int:
+        return sum(len(tier) for tier in self.tiers)
+
+
+class LRUStatePolicy(_TieredPolicy):
+    """Least recently used state first within each tier; uses each node's ``st_link``."""
 
     name = "lru"
 
@@ -117,12 +151,11 @@ class LRUStatePolicy(StatePolicy):
         self.lru = LRUList()  # fewer than two children
         self.branch = LRUList()  # two or more children
         self.pinned = LRUList()
-        self.branch_cap = capacity // 2  # beyond it the branch tier's oldest goes first
+        super().__init__((self.lru, self.branch, self.pinned), capacity)
 
-    def _tier(self, node: TreeNode) -> LRUList:
-        if node.wait_pins:
-            return self.pinned
-        return self.branch if node.branched else self.lru
+    def _first(self, tier: LRUList) -> TreeNode | None:
+        link = tier.oldest()
+        return None if link is None else link.owner
 
     def add(self, node: TreeNode, tick: int) -> None:
         self._tier(node).push_newest(node.st_link, tick)
@@ -144,27 +177,13 @@ class LRUStatePolicy(StatePolicy):
             link.home.remove(link)
             tier.push_newest(link, tick)
 
-    def victim(self, spare: int = SPARE_NOTHING) -> TreeNode | None:
-        if len(self.branch) > self.branch_cap:
-            link = self.branch.oldest()
-        else:
-            link = self.lru.oldest()
-            if link is None and spare < SPARE_SHARED:
-                link = self.branch.oldest()
-        if link is None and spare < SPARE_PINNED:
-            link = self.pinned.oldest()
-        return None if link is None else link.owner
-
-    def __len__(self) -> int:
-        return len(self.lru) + len(self.branch) + len(self.pinned)
-
     def members(self, limit: int) -> Iterator[TreeNode]:
-        for tier in (self.lru, self.branch, self.pinned):
+        for tier in self.tiers:
             for link in tier.iter_oldest_first(limit):
                 yield link.owner
 
     def check(self) -> str | None:
-        for tier in (self.lru, self.branch, self.pinned):
+        for tier in self.tiers:
             err = tier.check_links()
             if err:
                 return "state " + err
@@ -191,6 +210,9 @@ class _ValueHeap:
         self.entries: list[list] = []
         self.live = 0
 
+    def __len__(self) -> int:
+        return self.live
+
     def push(self, entry: list) -> None:
         heapq.heappush(self.entries, entry)
         self.live += 1
@@ -209,7 +231,7 @@ class _ValueHeap:
         return entries[0] if entries else None
 
 
-class ValueStatePolicy(StatePolicy):
+class ValueStatePolicy(_TieredPolicy):
     """GreedyDual by the tokens a state saves, within the LRU policy's three tiers (the module
     docstring); uses each node's ``st_entry``: ``[priority, seq, node, heap, base]``, where
     ``base`` is the clock at the node's last add or use and priority = base + value."""
@@ -217,16 +239,14 @@ class ValueStatePolicy(StatePolicy):
     name = "value"
 
     def __init__(self, capacity: int = 0) -> None:
-        self.tiers = (_ValueHeap(), _ValueHeap(), _ValueHeap())  # others, branch, pinned
+        super().__init__((_ValueHeap(), _ValueHeap(), _ValueHeap()), capacity)
         self.clock = 0
         self._seq = 0  # ties go to the older entry
         self.capacity = max(1, capacity)
-        self.branch_cap = capacity // 2
 
-    def _tier(self, node: TreeNode) -> _ValueHeap:
-        if node.wait_pins:
-            return self.tiers[2]
-        return self.tiers[1] if node.branched else self.tiers[0]
+    def _first(self, tier: _ValueHeap) -> TreeNode | None:
+        entry = tier.top()
+        return None if entry is None else entry[2]
 
     @staticmethod
     def value(node: TreeNode) -> int:
@@ -270,22 +290,10 @@ class ValueStatePolicy(StatePolicy):
             self._push(node, entry[4])
 
     def victim(self, spare: int = SPARE_NOTHING) -> TreeNode | None:
-        others, branch, pinned = self.tiers
-        if branch.live > self.branch_cap:
-            entry = branch.top()
-        else:
-            entry = others.top()
-            if entry is None and spare < SPARE_SHARED:
-                entry = branch.top()
-        if entry is None and spare < SPARE_PINNED:
-            entry = pinned.top()
-        if entry is None:
-            return None
-        self.clock = max(self.clock, entry[0])  # the tree frees the victim it is given
-        return entry[2]
-
-    def __len__(self) -> int:
-        return sum(tier.live for tier in self.tiers)
+        node = super().victim(spare)
+        if node is not None:  # the tree frees the victim it is given
+            self.clock = max(self.clock, node.st_entry[0])
+        return node
 
     def members(self, limit: int) -> Iterator[TreeNode]:
         for tier in self.tiers:
