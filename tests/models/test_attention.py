@@ -43,16 +43,61 @@ def _one_query(q, k_pool, v_pool, slots, scale):
     return torch.einsum("hl,lhd->hd", p, v)
 
 
-def test_prefill_with_prefix_and_gqa():
+def test_prefill_with_prefix_and_gqa(softmax_path):
+    """No prefix (causal), a short one (one masked call) and one of LONG_PREFIX x the new
+    tokens or more (the cascade: the prefix unmasked, the new keys causal, merged)."""
     g = torch.Generator().manual_seed(0)
     pool_k, pool_v = torch.randn(64, 2, 8, generator=g), torch.randn(64, 2, 8, generator=g)
-    slots = torch.randperm(64, generator=g)[:20]
-    for prefix in (0, 7):
-        n = 20 - prefix
+    slots = torch.randperm(64, generator=g)[:40]
+    long = attn_kernels.LONG_PREFIX * 8
+    for prefix, total in ((0, 20), (7, 20), (long - 1, long + 9), (long, long + 8), (39, 40)):
+        n = total - prefix
         q = torch.randn(n, 4, 8, generator=g)
-        out = attention_prefill(q, pool_k, pool_v, slots, prefix, 0.3)
-        ref = _naive(q, pool_k[slots], pool_v[slots], torch.arange(prefix, 20), 0.3)
-        assert torch.allclose(out, ref, atol=1e-5)
+        out = attention_prefill(q, pool_k, pool_v, slots[:total], prefix, 0.3)
+        ref = _naive(
+            q, pool_k[slots[:total]], pool_v[slots[:total]], torch.arange(prefix, total), 0.3
+        )
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+        # negative control: each query one key short of its own (or, with no prefix to lose
+        # one from, one past it)
+        shift = -1 if prefix else 1
+        wrong = _naive(
+            q,
+            pool_k[slots[:total]],
+            pool_v[slots[:total]],
+            torch.arange(prefix + shift, total + shift),
+            0.3,
+        )
+        assert (wrong - out).abs().max() > 1e-3
+
+
+def test_prefill_long_prefix_with_a_value_size_of_its_own(softmax_path):
+    """The cascade with values wider than keys (ATen's CPU flash kernel refuses those: the
+    pieces fall back to matmul + softmax)."""
+    g = torch.Generator().manual_seed(5)
+    pool_k, pool_v = torch.randn(64, 2, 8, generator=g), torch.randn(64, 2, 12, generator=g)
+    slots = torch.randperm(64, generator=g)[:40]
+    q = torch.randn(4, 4, 8, generator=g)
+    out = attention_prefill(q, pool_k, pool_v, slots, 36, 0.3)
+    ref = _naive(q, pool_k[slots], pool_v[slots], torch.arange(36, 40), 0.3)
+    assert out.shape == (4, 4, 12)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_prefill_long_prefix_in_bf16_stays_within_rounding():
+    """The cascade path in bf16 (the engine's dtype on CPUs with bf16 matmuls) against the fp32
+    plain softmax: within bf16 rounding of the output."""
+    g = torch.Generator().manual_seed(4)
+    pool_k, pool_v = torch.randn(600, 2, 64, generator=g), torch.randn(600, 2, 64, generator=g)
+    slots = torch.randperm(600, generator=g)[:560]
+    q = torch.randn(48, 8, 64, generator=g)
+    prefix = 512
+    assert prefix >= attn_kernels.LONG_PREFIX * q.shape[0]
+    bf = torch.bfloat16
+    out = attention_prefill(q.to(bf), pool_k.to(bf), pool_v.to(bf), slots, prefix, 0.125)
+    ref = _naive(q, pool_k[slots], pool_v[slots], torch.arange(prefix, 560), 0.125)
+    assert out.dtype == bf
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_decode_batch_with_padding(softmax_path):
@@ -222,7 +267,7 @@ def test_prefill_cascade_over_a_shared_prefix_matches_per_request(softmax_path):
         qs.append(torch.randn(n, hq, d))
     outs = attention_prefill_shared(qs, k_pool, v_pool, slots, plens, 70, 0.3)
     for q, sl, plen, out in zip(qs, slots, plens, outs):
-        ref = attention_prefill(q, k_pool, v_pool, sl, plen, 0.3)
+        ref = _naive(q, k_pool[sl], v_pool[sl], torch.arange(plen, len(sl)), 0.3)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     # negative control: dropping the shared piece (attending own keys only) is far off
     from mambaradix.kernels.attention import _attend_own

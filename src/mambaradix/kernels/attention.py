@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from mambaradix.kernels.attention_plan import DecodePlan, decode_plan, pool_rows
 
+LONG_PREFIX = 2  # attention_prefill: a prefix this many times the new tokens goes as a cascade
+
 
 def attention_prefill(
     q: torch.Tensor,
@@ -22,8 +24,19 @@ def attention_prefill(
 ) -> torch.Tensor:
     """Causal attention of one request's ``n`` new queries (``q`` ``[n, Hq, D]``, absolute
     positions ``prefix_len .. prefix_len+n-1``) over its ``prefix_len + n`` keys at
-    ``kv_slots`` (already written). Returns ``[n, Hq, Dv]``."""
+    ``kv_slots`` (already written). Returns ``[n, Hq, Dv]``.
+
+    A cached prefix of at least ``LONG_PREFIX`` x n keys is attended as the cascade of
+    ``attention_prefill_shared`` with one member: the prefix in one unmasked call with the
+    queries grouped by KV head (no mask to read, K/V not repeated per query head), the new
+    keys causally, the two merged by their log-sum-exp. On 2 cores that took a 512-token chunk
+    over 16k keys from 632 to 417 ms (8 / 2 heads of 256) and 336 to 189 ms (12 / 4 of 64);
+    over 1k keys the one masked call is faster (30 against 39 ms at 8 / 2 x 256).
+    """
     n = q.shape[0]
+    if prefix_len >= LONG_PREFIX * n:
+        return attention_prefill_shared([q], k_pool, v_pool, [kv_slots], [prefix_len],
+                                        prefix_len, scale)[0]  # fmt: skip
     k = k_pool.index_select(0, kv_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
     v = v_pool.index_select(0, kv_slots).transpose(0, 1).unsqueeze(0)
     qh = q.transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, Hq, n, D]
@@ -227,9 +240,10 @@ def _attend(
     query keeps at least one key), or ``causal`` (query i sees keys 0..i).
 
     On CPU this is ATen's fused flash kernel (blocked, scores never materialised; it returns
-    the log-sum-exp); elsewhere, or if that op is missing, plain matmul + softmax.
+    the log-sum-exp); elsewhere, with a value size other than the key size (which that kernel
+    refuses), or if that op is missing, plain matmul + softmax.
     """
-    if qg.device.type == "cpu" and _CPU_FLASH is not None:
+    if qg.device.type == "cpu" and _CPU_FLASH is not None and k.shape[-1] == v.shape[-1]:
         mask = None
         if visible is not None:
             mask = torch.zeros(visible.shape, dtype=qg.dtype, device=qg.device)
