@@ -346,9 +346,10 @@ def test_fused_mamba2_decode_matches_the_composed_step(heads, groups, dt_limit, 
     ],
 )
 def test_attention_decode_bf16_pools(hq, hkv, d, sizes, monkeypatch):
-    """bf16 K/V pools read in place, widened to fp32 per row, merged with the shared pieces:
-    close to a float64 softmax over each request's keys (the output's one bf16 rounding),
-    at least as close as the torch cascade, and without falling back."""
+    """bf16 K/V pools read in place, widened to fp32 per row (the scores, on a CPU with
+    AVX-512 BF16, from its bf16 dot products: every shape here takes that path), merged with
+    the shared pieces: close to a float64 softmax over each request's keys (the output's one
+    bf16 rounding), at least as close as the torch cascade, and without falling back."""
     import sys
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))

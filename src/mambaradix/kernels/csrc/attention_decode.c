@@ -21,6 +21,10 @@
  *
  * attention_decode_bf16: the same with bf16 K/V pools (q, the shared piece and out stay fp32);
  * each key and value row is widened to fp32 as it is read, and everything accumulates in fp32.
+ * Where the CPU has AVX-512 BF16 (and the head size is a multiple of 32, the query heads per
+ * KV head divide 8), the scores come from its bf16 dot-product instruction on the bf16 query
+ * and keys instead, accumulated in fp32: one layer of Qwen3.5-0.8B's shape over 16k keys, 2
+ * threads, 3.0-3.1 -> 2.6-2.8 ms (the values' half is unchanged).
  */
 #include <math.h>
 #include <stdio.h>
@@ -168,7 +172,7 @@ static inline __attribute__((always_inline)) void attend_split(
     const int64_t r, const int64_t Hkv, const int64_t h0, const int64_t h1, const int64_t D,
     const int64_t Dv, const struct rows *g, const int64_t lo, const int64_t hi,
     const void *restrict k_pool, const void *restrict v_pool, float scale,
-    float *restrict scores, float *restrict kbuf, const int bf)
+    float *restrict scores, float *restrict kbuf, const uint16_t *restrict qbf, const int bf)
 {
     const int64_t *restrict slots = g->slots + lo;
     const int64_t n = hi - lo, nh = h1 - h0;
@@ -186,6 +190,47 @@ static inline __attribute__((always_inline)) void attend_split(
                 rows[t] = (slots[j0 + (t < nb ? t : nb - 1)] * Hkv + h) * D;
             if (8 % r == 0) { /* inline: keys widened in registers, KB keys x r heads a pass */
                 const int64_t KB = 8 / r;
+#if defined(__AVX512BF16__)
+                if (bf && D % 32 == 0) {
+                    /* bf16 pools where the CPU has AVX-512 BF16: the bf16 query (qbf, exactly
+                     * q: a bf16 model's q is bf16) against the bf16 keys by the dot-product
+                     * instruction, 32 products a vector summed in pairs into 16 fp32 lanes (no
+                     * widening, twice the products an FMA takes), folded to 8 lanes and summed
+                     * lane-wise as below. The products are exact either way; the sums go in
+                     * another order (and the instruction flushes denormals): fixed by the key's
+                     * data alone, as above. */
+                    for (int64_t row = 0; row < g->nrow; row++) {
+                        const int64_t nr = own[row] - j0 < 8 ? own[row] - j0 : 8;
+                        const uint16_t *qh = qbf + (row * Hkv + h) * r * D;
+                        for (int64_t t0 = 0; t0 < nr; t0 += KB) {
+                            __m512 a16[8];
+                            for (int x = 0; x < 8; x++)
+                                a16[x] = _mm512_setzero_ps();
+                            for (int64_t c = 0; c < D; c += 32)
+                                for (int64_t t = 0; t < KB; t++) {
+                                    const __m512bh kv = (__m512bh)_mm512_loadu_si512(
+                                        (const uint16_t *)k_pool + rows[t0 + t] + c);
+                                    for (int64_t i = 0; i < r; i++)
+                                        a16[i * KB + t] = _mm512_dpbf16_ps(
+                                            a16[i * KB + t],
+                                            (__m512bh)_mm512_loadu_si512(qh + i * D + c), kv);
+                                }
+                            v8 a[8];
+                            for (int x = 0; x < 8; x++)
+                                a[x] = (v8)_mm256_add_ps(
+                                    _mm512_castps512_ps256(a16[x]),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a16[x]), 1)));
+                            const v8 sv = sum_lanes8(a) * scale;
+                            for (int64_t i = 0; i < r; i++) {
+                                float *si = scores + ((row * nh + h - h0) * r + i) * SPLIT + j0 + t0;
+                                for (int64_t t = 0; t < KB && t0 + t < nr; t++)
+                                    si[t] = sv[i * KB + t];
+                            }
+                        }
+                    }
+                    continue;
+                }
+#endif
                 for (int64_t row = 0; row < g->nrow; row++) {
                     const int64_t nr = own[row] - j0 < 8 ? own[row] - j0 : 8;
                     const float *qh = g->q[row] + h * r * D;
@@ -417,6 +462,7 @@ static inline __attribute__((always_inline)) void decode_team(
         /* 8 rows widened, 32-byte aligned (rows of a multiple of 8 floats): whole-vector stores */
         float *kbuf = must_alloc(sizeof(float) * 8 * (D > Dv ? D : Dv), 32);
         int64_t cap_rows = 0;
+        uint16_t *qbf = NULL; /* the group's queries in bf16 (bf16 pools with AVX-512 BF16) */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < p->tasks; task++) {
             const int64_t ts = task / per, h0 = task % per * p->heads, h1 = h0 + p->heads;
@@ -444,9 +490,25 @@ static inline __attribute__((always_inline)) void decode_team(
                     cap_rows = g.nrow;
                     free(scores);
                     scores = must_alloc(sizeof(float) * cap_rows * p->heads * r * SPLIT, 0);
+#if defined(__AVX512BF16__)
+                    free(qbf);
+                    qbf = bf ? must_alloc(sizeof(uint16_t) * cap_rows * Hq * D, 0) : NULL;
+#endif
                 }
+#if defined(__AVX512BF16__)
+                /* q holds bf16 values widened (the caller's q is bf16): the top half of each
+                 * float is the bf16 itself */
+                if (bf)
+                    for (int64_t i = 0; i < g.nrow; i++)
+                        for (int64_t k = 0; k < Hq * D; k++) {
+                            uint32_t bits;
+                            memcpy(&bits, g.q[i] + k, sizeof bits);
+                            qbf[i * Hq * D + k] = (uint16_t)(bits >> 16);
+                        }
+#endif
 #define ATTEND(rr, d, dv)                                                                  \
-    attend_split(rr, Hkv, h0, h1, d, dv, &g, lo, hi, k_pool, v_pool, scale, scores, kbuf, bf)
+    attend_split(rr, Hkv, h0, h1, d, dv, &g, lo, hi, k_pool, v_pool, scale, scores, kbuf, qbf,   \
+                 bf)
 /* constant head sizes and query heads per KV head for the presets' shapes (r = 2, 4, 8:
  * LFM2, Qwen3.5, Qwen3-Next, Nemotron-H 8B; the loops unroll; each case is a copy of
  * attend_split, so the list is short: this file builds in ~36 s here, ~10 s with one copy per
@@ -478,6 +540,7 @@ static inline __attribute__((always_inline)) void decode_team(
         }
         free(scores);
         free(kbuf);
+        free(qbf);
         /* (the loop's barrier: every split done) each row and query head's splits merged in
          * order, then its shared piece: out = sum_s e^(m_s - M) acc_s + e^(lse - M) o, over
          * sum_s e^(m_s - M) l_s + e^(lse - M) */
