@@ -114,9 +114,20 @@ def _attend_own(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries ``q`` ``[M, n, Hq, D]`` of M requests over their keys at ``slots`` ``[M, L]``:
     the first ``seen`` precede every query, the last ``n`` are the queries' own tokens
-    (causal). Returns ``(out [M, n, Hq, Dv], lse [M, n, Hq])`` in fp32."""
-    m, n, hq, _ = q.shape
-    r = hq // k_pool.shape[1]
+    (causal). Returns ``(out [M, n, Hq, Dv], lse [M, n, Hq])`` in fp32.
+
+    ``seen`` of at least ``LONG_PREFIX`` x n keys go as ``attention_prefill``'s cascade: those
+    keys unmasked with the queries grouped by KV head, the last n causal, merged."""
+    m, n, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    r = hq // hkv
+    if seen and seen >= LONG_PREFIX * n:
+        k, v = _gather_kv(k_pool, v_pool, slots[:, :seen])  # [M, Hkv, seen, D]
+        qg = q.to(k.dtype).view(m, n, hkv, r, d).transpose(1, 2).reshape(m, hkv, n * r, d)
+        o, lse = _attend(qg, k, v, None, scale)  # [M, Hkv, n * r, Dv], [M, Hkv, n * r]
+        o = o.view(m, hkv, n, r, -1).transpose(1, 2).reshape(m, n, hq, -1)
+        lse = lse.view(m, hkv, n, r).transpose(1, 2).reshape(m, n, hq)
+        return _merge(o, lse, *_attend_own(q, k_pool, v_pool, slots[:, seen:], 0, scale))
     k, v = _gather_kv(k_pool, v_pool, slots)  # [M, Hkv, L, D]
     if r > 1:
         k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
