@@ -26,17 +26,17 @@ def attention_prefill(
     positions ``prefix_len .. prefix_len+n-1``) over its ``prefix_len + n`` keys at
     ``kv_slots`` (already written). Returns ``[n, Hq, Dv]``.
 
-    A cached prefix of at least ``LONG_PREFIX`` x n keys is attended as the cascade of
-    ``attention_prefill_shared`` with one member: the prefix in one unmasked call with the
-    queries grouped by KV head (no mask to read, K/V not repeated per query head), the new
-    keys causally, the two merged by their log-sum-exp. On 2 cores that took a 512-token chunk
+    A cached prefix of at least ``LONG_PREFIX`` x n keys is attended as a cascade
+    (``_attend_own``): the prefix in one unmasked call with the queries grouped by KV head (no
+    mask to read, K/V not repeated per query head), the new keys causally, the two merged by
+    their log-sum-exp. On 2 cores that took a 512-token chunk
     over 16k keys from 632 to 417 ms (8 / 2 heads of 256) and 336 to 189 ms (12 / 4 of 64);
     over 1k keys the one masked call is faster (30 against 39 ms at 8 / 2 x 256).
     """
     n = q.shape[0]
     if prefix_len >= LONG_PREFIX * n:
-        return attention_prefill_shared([q], k_pool, v_pool, [kv_slots], [prefix_len],
-                                        prefix_len, scale)[0]  # fmt: skip
+        out, _ = _attend_own(q[None], k_pool, v_pool, kv_slots[None], prefix_len, scale)
+        return out[0].to(q.dtype)
     k = k_pool.index_select(0, kv_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
     v = v_pool.index_select(0, kv_slots).transpose(0, 1).unsqueeze(0)
     qh = q.transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, Hq, n, D]
