@@ -367,6 +367,81 @@ def verify_row_groups(
     return cu.to(torch.int64).contiguous()
 
 
+@dataclass(slots=True, frozen=True)
+class PrefillKeys:
+    """A forward's prefill requests as ``attention_prefill`` takes them, built once per forward
+    and shared by every attention layer: int64 token offsets ``cu`` [P+1], cached prefix
+    lengths [P], and every request's KV slots (prefix and new tokens) concatenated, request p's
+    at ``kv_cu[p] .. kv_cu[p+1]``."""
+
+    cu: torch.Tensor
+    prefix: torch.Tensor
+    kv_cu: torch.Tensor
+    slots: torch.Tensor
+
+    @classmethod
+    def of(cls, seg: PrefillSegments) -> PrefillKeys:
+        long = torch.int64
+        lens = [0]
+        for s in seg.kv_slots:
+            lens.append(lens[-1] + s.numel())
+        return cls(
+            cu=torch.tensor(seg.cu_list, dtype=long),
+            prefix=torch.tensor(seg.prefix_lens, dtype=long),
+            kv_cu=torch.tensor(lens, dtype=long),
+            slots=torch.cat([s.to(long) for s in seg.kv_slots]).contiguous(),
+        )
+
+
+# tests and benchmarks: False keeps prefill attention on the reference (ATen's flash kernel)
+NATIVE_PREFILL_ATTENTION = True
+
+
+def attention_prefill(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    keys: PrefillKeys,
+    scale: float,
+) -> torch.Tensor | None:
+    """Every prefill request's causal attention over its cached prefix and new tokens
+    (``attention.attention_prefill`` for each, ``q`` ``[T, Hq, D]``) in one C call: AVX-512 BF16
+    dot products on bf16 pools read in place (``csrc/attention_prefill.c``), each query's result
+    a function of its keys and position alone (the same bits cache on or off, in any batch).
+    None where that kernel does not apply (no AVX-512 BF16 in the build, fp32 pools, a value
+    head size not a multiple of 16): the caller runs the reference."""
+    lib = native.load("attention_prefill")
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv, Dv = k_pool.shape[1], v_pool.shape[-1]
+    fits = (
+        NATIVE_PREFILL_ATTENTION
+        and lib is not None
+        and bool(lib.attention_prefill_supported())
+        and q.is_cpu
+        and _cpu_dense(k_pool, torch.bfloat16)
+        and _cpu_dense(v_pool, torch.bfloat16)
+        and keys.slots.is_cpu
+        and keys.slots.numel() > 0
+        and int(keys.cu[-1]) == q.shape[0]
+        and D % 2 == 0
+        and Dv % 16 == 0
+        and Hq % Hkv == 0
+    )
+    if not fits:
+        return None
+    qb = q.to(torch.bfloat16)
+    if qb.stride(2) != 1 or qb.stride(1) != D:
+        qb = qb.contiguous()
+    out = torch.empty(q.shape[0], Hq, Dv, dtype=torch.bfloat16)
+    lib.attention_prefill_bf16(
+        keys.prefix.shape[0], keys.cu.data_ptr(), keys.prefix.data_ptr(),
+        keys.kv_cu.data_ptr(), keys.slots.data_ptr(), Hq, Hkv, D, Dv,
+        qb.data_ptr(), qb.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), scale,
+        out.data_ptr(),
+    )  # fmt: skip
+    return out if q.dtype == torch.bfloat16 else out.to(q.dtype)
+
+
 def moe_pad(
     x: torch.Tensor, ids: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

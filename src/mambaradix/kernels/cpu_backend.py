@@ -54,6 +54,17 @@ class CpuBackend(TorchBackend):
             "moe_experts (bf16, decode)",
         ]  # fmt: skip
 
+    def paged_attention_prefill(self, q, k_pool, v_pool, layout, scale):
+        """Every request in one C call where the kernel applies (bf16 pools, AVX-512 BF16):
+        no cascade needed, each query's keys read in place; else the reference's cascades."""
+        keys = self._index(layout).get(
+            ("prefill_keys",), lambda: cpu.PrefillKeys.of(layout.prefill)
+        )
+        out = cpu.attention_prefill(q, k_pool, v_pool, keys, scale)
+        if out is None:
+            return super().paged_attention_prefill(q, k_pool, v_pool, layout, scale)
+        return out
+
     def paged_attention_decode(self, q, k_pool, v_pool, layout, scale):
         """A verify step's rows of a request read its keys once together (``row_groups``)."""
         dec = layout.decode

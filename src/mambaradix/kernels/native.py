@@ -145,6 +145,18 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR,                  # out
         ],
     },
+    "attention_prefill": {
+        "attention_prefill_bf16": [
+            _I64, _PTR, _PTR,      # P, cu [P+1] (token rows), prefix [P]
+            _PTR, _PTR,            # kv_cu [P+1], slots (every request's keys, concatenated)
+            _I64, _I64, _I64, _I64,  # Hq, Hkv, D, Dv
+            _PTR, _I64,            # q [T, Hq, D], its token row stride
+            _PTR, _PTR,            # k pool, v pool
+            ctypes.c_float,        # scale
+            _PTR,                  # out [T, Hq, Dv]
+        ],
+        "attention_prefill_supported": [],
+    },
     "moe": {
         "moe_pad": [
             _I64, _I64, _I64, _I64,  # T, K, E, H
@@ -271,6 +283,7 @@ RESULTS = {
     "moe_pad_bf16": _I64,
     "linear_uses_dpbf16": _INT,
     "linear_uses_f32x": _INT,
+    "attention_prefill_supported": _INT,
     "linear_rows_blocked": _INT,
     "linear_amx": _INT,
     "linear_uses_amx": _INT,
@@ -281,6 +294,7 @@ RESULTS.update({f"{scan}{v}": _INT for scan in ("mamba2_scan", "gated_delta_scan
 # replayed: Python read what the call returned); linear_uses_dpbf16 describes the build
 DATA_RESULTS = frozenset(RESULTS) - {
     "linear_uses_dpbf16",
+    "attention_prefill_supported",
     "linear_uses_f32x",
     "linear_rows_blocked",
     "linear_amx",
