@@ -12,13 +12,14 @@ one engine (cache on, ``--context-length`` 40k), for each context length L of ``
   for the ratio: what reading L keys costs a step (the prompt cached, then sent for one token
   and for ``--decode-steps`` + 1: the difference of the two is the steps alone).
 
-``--compare-one-call`` runs the prefill and turn figures also with a long prefix attended as
-one masked call (what ``kernels.attention.attention_prefill`` did before the cascade for long
-prefixes, fb4c748), alternated with the cascade, ``--rounds`` rounds each; every figure is the
-best of its rounds.
+``--compare reference`` runs the prefill and turn figures also with prefill attention on the
+torch reference (ATen's flash kernel with its cascades: what ran before the native kernel,
+``csrc/attention_prefill.c``), ``--compare one_call`` also with the reference and a long
+prefix attended as one masked call (before the cascades, fb4c748); the modes alternate,
+``--rounds`` rounds each, every figure the best of its rounds.
 
     HF_HUB_OFFLINE=1 python bench/bench_long_context.py [--preset qwen3_5_0_8b]
-        [--lengths 2048 8192 16384] [--turn 512] [--compare-one-call] [--rounds 2]
+        [--lengths 2048 8192 16384] [--turn 512] [--compare reference one_call] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -43,13 +44,13 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--compare-one-call", action="store_true")
+    ap.add_argument("--compare", nargs="*", default=[], choices=["reference", "one_call"])
     args = ap.parse_args()
 
     from tqdm import tqdm
 
     from mambaradix.engine.engine import Engine
-    from mambaradix.kernels import attention
+    from mambaradix.kernels import attention, cpu
 
     eng = Engine(
         model_path=str(checkpoint(args.preset)),
@@ -70,15 +71,17 @@ def main() -> None:
         return time.perf_counter() - t
 
     seconds(prompt(512))  # warm-up: kernel builds, first-call costs
-    modes = {"cascade": attention.LONG_PREFIX}
-    if args.compare_one_call:
-        modes["one_call"] = 1 << 40
+    cascade = attention.LONG_PREFIX
+    # mode -> (native prefill attention, LONG_PREFIX of the reference)
+    modes = {"native": (True, cascade)}
+    modes |= {"reference": (False, cascade), "one_call": (False, 1 << 40)}
+    modes = {m: v for m, v in modes.items() if m == "native" or m in args.compare}
     best: dict[tuple[str, str, int], float] = {}
     bar = tqdm(total=args.rounds * len(modes) * len(args.lengths), leave=False)
     for r in range(args.rounds):
         order = list(modes.items()) if r % 2 == 0 else list(reversed(modes.items()))
-        for name, long_prefix in order:
-            attention.LONG_PREFIX = long_prefix
+        for name, (native, long_prefix) in order:
+            cpu.NATIVE_PREFILL_ATTENTION, attention.LONG_PREFIX = native, long_prefix
             for n in args.lengths:
                 tok_s = n / seconds(prompt(n))
                 history = prompt(n)
@@ -87,7 +90,7 @@ def main() -> None:
                 best[name, "prefill_tok_s", n] = max(best.get((name, "prefill_tok_s", n), 0), tok_s)
                 best[name, "turn_s", n] = min(best.get((name, "turn_s", n), turn), turn)
                 bar.update()
-    attention.LONG_PREFIX = modes["cascade"]
+    cpu.NATIVE_PREFILL_ATTENTION, attention.LONG_PREFIX = True, cascade
     bar.close()
 
     def decode_tok_s(n: int) -> float:
@@ -102,9 +105,12 @@ def main() -> None:
         row = {
             f"{m}_{what}": best[m, what, n] for m in modes for what in ("prefill_tok_s", "turn_s")
         }
-        if args.compare_one_call:
-            row["turn_speedup"] = row["one_call_turn_s"] / row["cascade_turn_s"]
-            row["prefill_speedup"] = row["cascade_prefill_tok_s"] / row["one_call_prefill_tok_s"]
+        for m in modes:
+            if m != "native":
+                row[f"turn_speedup_over_{m}"] = row[f"{m}_turn_s"] / row["native_turn_s"]
+                row[f"prefill_speedup_over_{m}"] = (
+                    row["native_prefill_tok_s"] / row[f"{m}_prefill_tok_s"]
+                )
         short, long = decode_tok_s(128), decode_tok_s(n)
         row |= {"decode_b1_tok_s": long, "decode_b1_over_128_context": long / short}
         body = " ".join(
