@@ -324,9 +324,15 @@ static void *alloc64(size_t bytes)
     return ptr;
 }
 
+/* a request's tasks by KV head, then the largest first (the last ones taken are short): the
+ * threads then walk the same head's keys at once, which the cache shares (a 512-token chunk
+ * over 16k keys, 8 / 2 heads of 256: 230 -> 193 ms against the largest first alone, where
+ * the two threads took the two heads) */
 static int by_cost(const void *x, const void *y)
 {
     const struct task *a = x, *b = y;
+    if (a->g != b->g)
+        return a->g < b->g ? -1 : 1;
     return a->cost < b->cost ? 1 : a->cost > b->cost ? -1 : 0;
 }
 
@@ -337,7 +343,7 @@ void attention_prefill_bf16(int64_t P, const int64_t *cu, const int64_t *prefix,
                             uint16_t *out)
 {
     const int64_t r = Hq / Hkv;
-    /* tasks by request (task_cu), the largest of each first so the last ones taken are short */
+    /* tasks by request (task_cu), each request's ordered by by_cost */
     int64_t n = 0, Lp = 0;
     for (int64_t p = 0; p < P; p++) {
         n += Hkv * ((cu[p + 1] - cu[p]) * r + QB - 1) / QB;
