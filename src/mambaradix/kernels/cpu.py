@@ -406,8 +406,9 @@ def attention_prefill(
 ) -> torch.Tensor | None:
     """Every prefill request's causal attention over its cached prefix and new tokens
     (``attention.attention_prefill`` for each, ``q`` ``[T, Hq, D]``) in one C call: AVX-512 BF16
-    dot products on bf16 pools read in place (``csrc/attention_prefill.c``), each query's result
-    a function of its keys and position alone (the same bits cache on or off, in any batch).
+    dot products on bf16 pools, each request's keys gathered once per KV head
+    (``csrc/attention_prefill.c``), each query's result a function of its keys and position
+    alone (the same bits cache on or off, in any batch).
     None where that kernel does not apply (no AVX-512 BF16 in the build, fp32 pools, a value
     head size not a multiple of 16): the caller runs the reference."""
     lib = native.load("attention_prefill")

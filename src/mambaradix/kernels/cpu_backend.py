@@ -47,7 +47,8 @@ class CpuBackend(TorchBackend):
 
     def native_ops(self) -> list[str]:
         return [
-            "gdn_prefill", "gdn_decode", "paged_attention_decode", "conv1d_prefill",
+            "gdn_prefill", "gdn_decode", "paged_attention_decode",
+            "paged_attention_prefill (bf16, AVX-512 BF16)", "conv1d_prefill",
             "conv1d_decode", "mamba2_prefill", "mamba2_decode", "mamba2_mixer_decode",
             "linear (bf16, decode)", "gated_mlp (bf16, decode)", "rms_norm", "add_rms_norm",
             "rms_norm_gated", "rms_norm_gate_first", "rms_norm_rope", "moe_pad", "moe_unpad",
@@ -56,7 +57,8 @@ class CpuBackend(TorchBackend):
 
     def paged_attention_prefill(self, q, k_pool, v_pool, layout, scale):
         """Every request in one C call where the kernel applies (bf16 pools, AVX-512 BF16):
-        no cascade needed, each query's keys read in place; else the reference's cascades."""
+        no cascade needed (each request's keys gathered once per call, every query's result
+        its own whatever the chunk or batch); else the reference's cascades."""
         keys = self._index(layout).get(
             ("prefill_keys",), lambda: cpu.PrefillKeys.of(layout.prefill)
         )
