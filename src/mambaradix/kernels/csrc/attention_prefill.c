@@ -1,4 +1,4 @@
-/* Prefill attention over pooled bf16 KV with AVX-512 BF16 dot products, read in place.
+/* Prefill attention over pooled bf16 KV with AVX-512 BF16 dot products.
  *
  * Request p has queries at token rows cu[p] .. cu[p+1]-1 of q ([T, Hq, D], row stride
  * q_stride), at absolute positions prefix[p] .. : the query at position t attends the keys at
@@ -6,17 +6,20 @@
  * causally. Grouped heads: query head g*r + i reads KV head g (r = Hq / Hkv). The result goes
  * to out ([T, Hq, Dv], bf16, row stride Dv * Hq), rounded once.
  *
- * A task is one KV head of up to QB query rows of one request (a row: one query head of one
- * token; the r heads of a token are consecutive rows, so they share every key read). Query
- * rows are the vector lanes: the scores of a key block are a [keys, rows] tile, and the online
- * softmax (running maximum, sum, rescale) works lane by lane with no horizontal reduction. Per
- * block of KB keys:
+ * The requests are taken one after another. A request's keys are first gathered from the pools
+ * per KV head (every thread a share): the keys as rows, the values interleaved as pairs of rows
+ * (v[j][c], v[j+1][c]), so its tasks stream them in order (read in place, the pool rows at
+ * random slots left the loads waiting on memory). A task is then one KV head of up to QB query
+ * rows (a row: one query head of one token; the r heads of a token are consecutive rows, so
+ * they share every key read). Query rows are the vector lanes: the scores of a key block are
+ * a [keys, rows] tile, and the online softmax (running maximum, sum, rescale) works lane by
+ * lane with no horizontal reduction. Per block of KB keys:
  *   scores:  s[j][i] = sum_d q[i][d] k[j][d], vdpbf16ps on the query packed as (d, d+1) pairs
- *            per row (once per task) and each key's pair broadcast straight from its pool row;
+ *            per row (once per task) and each key's pair broadcast from its row;
  *   softmax: keys past a row's own position masked to -inf, the maximum and sum updated, the
  *            weights e^(s - m) rounded to bf16 and packed as (key j, key j+1) pairs per row;
  *   values:  o[c][i] = o[c][i] * alpha[i] + sum_j p[i][j] v[j][c], vdpbf16ps on those weight
- *            pairs and the value pairs (v[j][c], v[j+1][c]) interleaved from two pool rows.
+ *            pairs and the value pairs.
  * Scores, maximum and sums are fp32; the weights meet the values in bf16 (as ATen's flash
  * kernel does for bf16 inputs), and the sum that normalises them adds the same rounded weights.
  *
