@@ -3,7 +3,8 @@
 (``kernels.attention.attention_prefill``: ATen's flash kernel and its cascades), alternated in
 one process, each figure the best of ``--rounds``; and both against torch's bf16 matmul rate,
 read in the same run (a 2,048-square matmul). FLOPs count the scores and the weighted values
-of every visible key (4 x D per query head and key, D = the head size).
+of every visible key (4 x D per query head and key, D = the head size). The native kernel's
+gather buffers are allocated by its first call and reused, as a forward's layers share them.
 
 Head shapes (query / KV heads x head size): Qwen3.5 8 / 2 x 256, Granite-4.0-H 12 / 4 x 64,
 LFM2 16 / 8 x 64. bf16 pools, the keys at random slots of a pool 10% larger.
@@ -61,7 +62,7 @@ def measure(shape: str, pre: int, args, g: torch.Generator, mm: float) -> None:
     slots = torch.randperm(size, generator=g)[: pre + n]
     q = torch.randn(n, hq, d, generator=g).bfloat16()
     keys = cpu.PrefillKeys(
-        torch.tensor([0, n]), torch.tensor([pre]), torch.tensor([0, pre + n]), slots
+        torch.tensor([0, n]), torch.tensor([pre]), torch.tensor([0, pre + n]), slots, pre + n
     )
     scale = d**-0.5
     runs = {

@@ -46,6 +46,7 @@ def _case(seed, hq, hkv, d, dv, reqs, pool=1500):
         prefix=torch.tensor([pre for pre, _ in reqs]),
         kv_cu=torch.tensor(kv_cu),
         slots=torch.cat(slots),
+        longest=max(pre + n for pre, n in reqs),
     )
     q = (torch.randn(cu[-1], hq, d, generator=g) * 1.5).to(BF)
     return q, k_pool, v_pool, keys, slots
@@ -158,8 +159,9 @@ def _keys(reqs, slots):
         cu.append(cu[-1] + n)
         kv.append(kv[-1] + pre + n)
     return cpu.PrefillKeys(
-        torch.tensor(cu), torch.tensor([p for p, _ in reqs]), torch.tensor(kv), torch.cat(slots)
-    )
+        torch.tensor(cu), torch.tensor([p for p, _ in reqs]), torch.tensor(kv), torch.cat(slots),
+        longest=max(p + n for p, n in reqs),
+    )  # fmt: skip
 
 
 def test_prefill_leaves_other_inputs_to_the_reference(monkeypatch):
@@ -210,3 +212,21 @@ def _reference_prefill(q, k_pool, v_pool, seg):
             )
         )
     return torch.cat(outs)
+
+
+def test_gather_buffers_are_shared_and_their_old_contents_never_read():
+    """A forward's attention layers share the gather buffers (one allocation per shape); what
+    an earlier layer left there never reaches a result: filled with NaN between two calls, the
+    second gives the same bits (a padding row left unwritten would turn the outputs NaN)."""
+    # the shortest first: a later, longer request overwrites what an earlier one left unread
+    q, k_pool, v_pool, keys, _ = _case(5, 8, 2, 64, 64, [(0, 33), (70, 9), (129, 2)])
+    first = cpu.attention_prefill(q, k_pool, v_pool, keys, 0.125)
+    (buf,) = keys.buffers.values()
+    buf.fill_(float("nan"))
+    again = cpu.attention_prefill(q, k_pool, v_pool, keys, 0.125)
+    assert keys.buffers[2, 64, 64] is buf and torch.equal(again, first)
+    assert not again.isnan().any()
+    # another head shape: a buffer of its own
+    q2, k2, v2, _, _ = _case(5, 4, 4, 32, 32, [(70, 9), (0, 33), (129, 2)])
+    cpu.attention_prefill(q2, k2, v2, keys, 0.125)
+    assert len(keys.buffers) == 2 and keys.buffers[2, 64, 64] is buf

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -372,12 +372,16 @@ class PrefillKeys:
     """A forward's prefill requests as ``attention_prefill`` takes them, built once per forward
     and shared by every attention layer: int64 token offsets ``cu`` [P+1], cached prefix
     lengths [P], and every request's KV slots (prefix and new tokens) concatenated, request p's
-    at ``kv_cu[p] .. kv_cu[p+1]``."""
+    at ``kv_cu[p] .. kv_cu[p+1]``. ``buffers``: the kernel's gather buffers by (KV heads, key
+    and value head sizes), allocated by the first layer that needs them and reused by the
+    others."""
 
     cu: torch.Tensor
     prefix: torch.Tensor
     kv_cu: torch.Tensor
     slots: torch.Tensor
+    longest: int  # keys of the longest request
+    buffers: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, seg: PrefillSegments) -> PrefillKeys:
@@ -390,7 +394,18 @@ class PrefillKeys:
             prefix=torch.tensor(seg.prefix_lens, dtype=long),
             kv_cu=torch.tensor(lens, dtype=long),
             slots=torch.cat([s.to(long) for s in seg.kv_slots]).contiguous(),
+            longest=max(s.numel() for s in seg.kv_slots),
         )
+
+    def gather_buffers(self, block: int, hkv: int, d: int, dv: int) -> tuple[torch.Tensor, int]:
+        """One bf16 buffer for the kernel's gathered keys ``[Hkv][Lp][D]`` then value pairs
+        ``[Hkv][Lp/2][Dv][2]``, and Lp: the longest request's keys rounded up to ``block``.
+        Allocated here, by torch, so that running out of memory raises (a C abort would take
+        the server down)."""
+        lp = -(-self.longest // block) * block
+        if (hkv, d, dv) not in self.buffers:
+            self.buffers[hkv, d, dv] = torch.empty(hkv * lp * (d + dv), dtype=torch.bfloat16)
+        return self.buffers[hkv, d, dv], lp
 
 
 # tests and benchmarks: False keeps prefill attention on the reference (ATen's flash kernel)
@@ -433,12 +448,13 @@ def attention_prefill(
     qb = q.to(torch.bfloat16)
     if qb.stride(2) != 1 or qb.stride(1) != D:
         qb = qb.contiguous()
+    buf, lp = keys.gather_buffers(lib.attention_prefill_block(), Hkv, D, Dv)
     out = torch.empty(q.shape[0], Hq, Dv, dtype=torch.bfloat16)
     lib.attention_prefill_bf16(
         keys.prefix.shape[0], keys.cu.data_ptr(), keys.prefix.data_ptr(),
         keys.kv_cu.data_ptr(), keys.slots.data_ptr(), Hq, Hkv, D, Dv,
         qb.data_ptr(), qb.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), scale,
-        out.data_ptr(),
+        buf.data_ptr(), buf[Hkv * lp * D :].data_ptr(), lp, out.data_ptr(),
     )  # fmt: skip
     return out if q.dtype == torch.bfloat16 else out.to(q.dtype)
 

@@ -153,9 +153,11 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR, _I64,            # q [T, Hq, D], its token row stride
             _PTR, _PTR,            # k pool, v pool
             ctypes.c_float,        # scale
+            _PTR, _PTR, _I64,      # gather buffers: keys, value pairs, keys per KV head (Lp)
             _PTR,                  # out [T, Hq, Dv]
         ],
         "attention_prefill_supported": [],
+        "attention_prefill_block": [],
     },
     "moe": {
         "moe_pad": [
@@ -284,6 +286,7 @@ RESULTS = {
     "linear_uses_dpbf16": _INT,
     "linear_uses_f32x": _INT,
     "attention_prefill_supported": _INT,
+    "attention_prefill_block": _INT,
     "linear_rows_blocked": _INT,
     "linear_amx": _INT,
     "linear_uses_amx": _INT,
@@ -295,6 +298,7 @@ RESULTS.update({f"{scan}{v}": _INT for scan in ("mamba2_scan", "gated_delta_scan
 DATA_RESULTS = frozenset(RESULTS) - {
     "linear_uses_dpbf16",
     "attention_prefill_supported",
+    "attention_prefill_block",
     "linear_uses_f32x",
     "linear_rows_blocked",
     "linear_amx",

@@ -7,7 +7,8 @@
  * to out ([T, Hq, Dv], bf16, row stride Dv * Hq), rounded once.
  *
  * The requests are taken one after another. A request's keys are first gathered from the pools
- * per KV head (every thread a share): the keys as rows, the values interleaved as pairs of rows
+ * per KV head (every thread a share, into buffers the caller provides: a torch allocation that
+ * fails raises, where an abort here would take the server down): the keys as rows, the values interleaved as pairs of rows
  * (v[j][c], v[j+1][c]), so its tasks stream them in order (read in place, the pool rows at
  * random slots left the loads waiting on memory). A task is then one KV head of up to QB query
  * rows (a row: one query head of one token; the r heads of a token are consecutive rows, so
@@ -51,11 +52,16 @@
 
 int attention_prefill_supported(void) { return HAVE_PREFILL; }
 
+#define KB 64 /* keys of a softmax block */
+
+/* KB: the caller's gather buffers hold each request's keys per KV head rounded up to it (the
+ * longest request's: Lp), keys [Hkv][Lp][D] bf16 and values [Hkv][Lp/2][Dv] as bf16 pairs */
+int attention_prefill_block(void) { return KB; }
+
 #if HAVE_PREFILL
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define QB 64 /* query rows of a task: four vectors of 16 lanes */
-#define KB 64 /* keys of a softmax block */
 #define KT 4  /* keys of a score tile (KT x 4 accumulators) */
 #define CT 4  /* value columns of an output tile (CT x 4 accumulators) */
 
@@ -343,15 +349,19 @@ void attention_prefill_bf16(int64_t P, const int64_t *cu, const int64_t *prefix,
                             const int64_t *kv_cu, const int64_t *slots, int64_t Hq, int64_t Hkv,
                             int64_t D, int64_t Dv, const uint16_t *q, int64_t q_stride,
                             const uint16_t *k_pool, const uint16_t *v_pool, float scale,
-                            uint16_t *out)
+                            uint16_t *keys, uint32_t *vals, int64_t Lp, uint16_t *out)
 {
     const int64_t r = Hq / Hkv;
     /* tasks by request (task_cu), each request's ordered by by_cost */
-    int64_t n = 0, Lp = 0;
+    int64_t n = 0;
     for (int64_t p = 0; p < P; p++) {
         n += Hkv * ((cu[p + 1] - cu[p]) * r + QB - 1) / QB;
-        const int64_t L = (prefix[p] + cu[p + 1] - cu[p] + KB - 1) / KB * KB;
-        Lp = L > Lp ? L : Lp;
+        if (prefix[p] + cu[p + 1] - cu[p] > Lp || Lp % KB) { /* the caller's buffers: too small */
+            fprintf(stderr, "attention_prefill_bf16: gather buffers of %lld keys, request %lld "
+                    "has %lld\n", (long long)Lp, (long long)p,
+                    (long long)(prefix[p] + cu[p + 1] - cu[p]));
+            abort();
+        }
     }
     struct task *tasks = alloc64(sizeof(struct task) * (size_t)(n + 1));
     int64_t *task_cu = alloc64(sizeof(int64_t) * (size_t)(P + 1));
@@ -370,9 +380,7 @@ void attention_prefill_bf16(int64_t P, const int64_t *cu, const int64_t *prefix,
     task_cu[P] = n;
     uint16_t *zeros = calloc((size_t)(D > Dv ? D : Dv), sizeof(uint16_t));
     const struct args a = {cu, prefix, kv_cu, slots, Hq, Hkv, D, Dv, q_stride, q, k_pool, v_pool,
-                           scale * 1.4426950408889634f, out,
-                           alloc64(sizeof(uint16_t) * (size_t)(Hkv * Lp * D)),
-                           alloc64(sizeof(uint32_t) * (size_t)(Hkv * Lp / 2 * Dv)), Lp};
+                           scale * 1.4426950408889634f, out, keys, vals, Lp};
     if (zeros == NULL)
         abort();
 #pragma omp parallel
@@ -399,7 +407,7 @@ void attention_prefill_bf16(int64_t P, const int64_t *cu, const int64_t *prefix,
         }
         free(w.qp), free(w.s), free(w.pp), free(w.o), free(w.ob);
     }
-    free(a.keys), free(a.vals), free(zeros), free(task_cu), free(tasks);
+    free(zeros), free(task_cu), free(tasks);
 }
 
 #else /* no AVX-512 BF16: never called (attention_prefill_supported() is 0) */
@@ -408,10 +416,11 @@ void attention_prefill_bf16(int64_t P, const int64_t *cu, const int64_t *prefix,
                             const int64_t *kv_cu, const int64_t *slots, int64_t Hq, int64_t Hkv,
                             int64_t D, int64_t Dv, const uint16_t *q, int64_t q_stride,
                             const uint16_t *k_pool, const uint16_t *v_pool, float scale,
-                            uint16_t *out)
+                            uint16_t *keys, uint32_t *vals, int64_t Lp, uint16_t *out)
 {
     (void)P, (void)cu, (void)prefix, (void)kv_cu, (void)slots, (void)Hq, (void)Hkv, (void)D;
     (void)Dv, (void)q, (void)q_stride, (void)k_pool, (void)v_pool, (void)scale, (void)out;
+    (void)keys, (void)vals, (void)Lp;
     fprintf(stderr, "attention_prefill_bf16: built without AVX-512 BF16\n");
     abort();
 }
