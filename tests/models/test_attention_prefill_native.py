@@ -230,3 +230,29 @@ def test_gather_buffers_are_shared_and_their_old_contents_never_read():
     q2, k2, v2, _, _ = _case(5, 4, 4, 32, 32, [(70, 9), (0, 33), (129, 2)])
     cpu.attention_prefill(q2, k2, v2, keys, 0.125)
     assert len(keys.buffers) == 2 and keys.buffers[2, 64, 64] is buf
+
+
+def test_the_engine_prefills_through_the_kernel(monkeypatch):
+    """A bf16 model on the cpu backend runs its prefill attention here (a change that made the
+    kernel stop applying would pass every equivalence test and only lose speed): every
+    prefill forward's attention calls return the kernel's output, none the reference's."""
+    from mambaradix.engine.engine import Engine
+    from mambaradix.models.loader import load_model, resolve_model_path
+
+    calls = {"native": 0, "reference": 0}
+    native_call = cpu.attention_prefill
+
+    def counted(*args, **kwargs):
+        out = native_call(*args, **kwargs)
+        calls["native" if out is not None else "reference"] += 1
+        return out
+
+    monkeypatch.setattr(cpu, "attention_prefill", counted)
+    model = load_model(resolve_model_path("tiny:qwen3_5"), dtype="bfloat16")
+    with Engine(model=model, tokenizer=None, kernel_backend="cpu", skip_warmup=True) as eng:
+        assert eng.kernel_backend == "cpu"
+        prompt = [(i * 37) % 400 + 5 for i in range(150)]
+        eng.generate(input_ids=[prompt, prompt[:90] + [7, 8, 9]], sampling_params={
+            "max_new_tokens": 3, "temperature": 0, "ignore_eos": True,
+        })  # fmt: skip
+    assert calls["native"] > 0 and calls["reference"] == 0, calls
