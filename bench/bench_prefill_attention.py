@@ -16,20 +16,22 @@ LFM2 16 / 8 x 64. bf16 pools, the keys at random slots of a pool 10% larger.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_models import _best  # noqa: E402
 
 SHAPES = {"qwen3_5": (8, 2, 256), "granite_4_0_h": (12, 4, 64), "lfm2": (16, 8, 64)}
 
 
-def best_seconds(fn, rounds: int) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+def seconds(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def main() -> None:
@@ -42,8 +44,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     a = torch.randn(2048, 2048, dtype=torch.bfloat16)
-    torch.matmul(a, a)
-    mm = 2 * 2048**3 / best_seconds(lambda: torch.matmul(a, a), args.rounds)
+    mm = 2 * 2048**3 / _best(lambda: torch.matmul(a, a), args.rounds)
     print(f"# threads={args.threads} bf16_matmul_GFLOP_s={mm / 1e9:.0f}", flush=True)
     g = torch.Generator().manual_seed(0)
     for shape in args.shapes:
@@ -73,7 +74,7 @@ def measure(shape: str, pre: int, args, g: torch.Generator, mm: float) -> None:
     best = dict.fromkeys(runs, float("inf"))
     for r in range(args.rounds):  # alternated, the first side swapping each round
         for name in list(runs) if r % 2 == 0 else list(reversed(runs)):
-            best[name] = min(best[name], best_seconds(runs[name], 1))
+            best[name] = min(best[name], seconds(runs[name]))
     flops = 4 * d * hq * n * (pre + (n + 1) / 2)
     body = " ".join(
         f"{m}_ms={s * 1e3:.1f} {m}_GFLOP_s={flops / s / 1e9:.0f}" for m, s in best.items()

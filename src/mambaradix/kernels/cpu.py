@@ -412,6 +412,25 @@ class PrefillKeys:
 NATIVE_PREFILL_ATTENTION = True
 
 
+def attention_prefill_fits(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """Whether ``attention_prefill``'s kernel takes these queries and pools (the caller can
+    skip building ``PrefillKeys`` where it does not)."""
+    lib = native.load("attention_prefill")
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv, Dv = k_pool.shape[1], v_pool.shape[-1]
+    return (
+        NATIVE_PREFILL_ATTENTION
+        and lib is not None
+        and bool(lib.attention_prefill_supported())
+        and q.is_cpu
+        and _cpu_dense(k_pool, torch.bfloat16)
+        and _cpu_dense(v_pool, torch.bfloat16)
+        and D % 2 == 0
+        and Dv % 16 == 0
+        and Hq % Hkv == 0
+    )
+
+
 def attention_prefill(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -426,25 +445,13 @@ def attention_prefill(
     alone (the same bits cache on or off, in any batch).
     None where that kernel does not apply (no AVX-512 BF16 in the build, fp32 pools, a value
     head size not a multiple of 16): the caller runs the reference."""
+    if not attention_prefill_fits(q, k_pool, v_pool):
+        return None
+    if not keys.slots.is_cpu or keys.slots.numel() == 0 or int(keys.cu[-1]) != q.shape[0]:
+        return None
     lib = native.load("attention_prefill")
     Hq, D = q.shape[1], q.shape[2]
     Hkv, Dv = k_pool.shape[1], v_pool.shape[-1]
-    fits = (
-        NATIVE_PREFILL_ATTENTION
-        and lib is not None
-        and bool(lib.attention_prefill_supported())
-        and q.is_cpu
-        and _cpu_dense(k_pool, torch.bfloat16)
-        and _cpu_dense(v_pool, torch.bfloat16)
-        and keys.slots.is_cpu
-        and keys.slots.numel() > 0
-        and int(keys.cu[-1]) == q.shape[0]
-        and D % 2 == 0
-        and Dv % 16 == 0
-        and Hq % Hkv == 0
-    )
-    if not fits:
-        return None
     qb = q.to(torch.bfloat16)
     if qb.stride(2) != 1 or qb.stride(1) != D:
         qb = qb.contiguous()

@@ -59,10 +59,12 @@ class CpuBackend(TorchBackend):
         """Every request in one C call where the kernel applies (bf16 pools, AVX-512 BF16):
         no cascade needed (each request's keys gathered once per call, every query's result
         its own whatever the chunk or batch); else the reference's cascades."""
-        keys = self._index(layout).get(
-            ("prefill_keys",), lambda: cpu.PrefillKeys.of(layout.prefill)
-        )
-        out = cpu.attention_prefill(q, k_pool, v_pool, keys, scale)
+        out = None
+        if cpu.attention_prefill_fits(q, k_pool, v_pool):
+            keys = self._index(layout).get(
+                ("prefill_keys",), lambda: cpu.PrefillKeys.of(layout.prefill)
+            )
+            out = cpu.attention_prefill(q, k_pool, v_pool, keys, scale)
         if out is None:
             return super().paged_attention_prefill(q, k_pool, v_pool, layout, scale)
         return out
