@@ -249,10 +249,13 @@ def test_the_engine_prefills_through_the_kernel(monkeypatch):
 
     monkeypatch.setattr(cpu, "attention_prefill", counted)
     model = load_model(resolve_model_path("tiny:qwen3_5"), dtype="bfloat16")
-    with Engine(model=model, tokenizer=None, kernel_backend="cpu", skip_warmup=True) as eng:
+    with Engine(
+        model=model, tokenizer=None, kernel_backend="cpu", skip_warmup=True, debug_integrity=True
+    ) as eng:
         assert eng.kernel_backend == "cpu"
         prompt = [(i * 37) % 400 + 5 for i in range(150)]
         eng.generate(input_ids=[prompt, prompt[:90] + [7, 8, 9]], sampling_params={
             "max_new_tokens": 3, "temperature": 0, "ignore_eos": True,
         })  # fmt: skip
+        eng.check_integrity()
     assert calls["native"] > 0 and calls["reference"] == 0, calls
