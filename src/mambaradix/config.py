@@ -393,7 +393,9 @@ class ServerConfig:
         "",
         "Split <think>...</think> out of chat replies into reasoning_content: 'qwen3' (a reply "
         "may open a think block; one the prompt opened is continued), 'deepseek-r1' / "
-        "'qwen3-thinking' (replies start in reasoning unless enable_thinking is false).",
+        "'qwen3-thinking' (replies start in reasoning unless enable_thinking is false). A chat "
+        "request's structured output (response_format, a forced tool call) then binds the "
+        "answer after </think>, not the reasoning.",
         ["qwen3", "deepseek-r1", "qwen3-thinking"],
     )
     tool_call_parser: str = opt(

@@ -115,6 +115,24 @@ class GrammarSpec:
         return cls("json_schema", source, any_whitespace)
 
 
+@dataclass(frozen=True, slots=True)
+class ReasoningGate:
+    """Where a request's ``grammar`` begins when its reply reasons first (``--reasoning-parser``
+    on the chat route; SGLang's reasoner grammar): the text up to ``end`` is free, whitespace
+    right after it too, and the grammar applies from the next token on. ``thinking``: the reply
+    starts inside the block (its prompt left one open); otherwise it may open one with a
+    single token whose text is ``start`` (the grammar's own tokens are allowed beside it), and
+    any other first token begins the grammar."""
+
+    start: str = "<think>"
+    end: str = "</think>"
+    thinking: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.start or not self.end:
+            raise ValueError("a reasoning gate needs non-empty start and end tags")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How one request samples. Logprobs are of the model's own distribution (before
@@ -129,7 +147,8 @@ class SamplingParams:
     tokens (OpenAI's definition). ``min_tokens``: EOS and ``stop_token_ids`` are masked until
     that many tokens exist (where a ``grammar`` allows nothing else, it ends the output
     anyway). ``grammar``: the output must match it (constrained decoding; the request finishes
-    when the grammar is complete and the model ends it).
+    when the grammar is complete and the model ends it); ``reasoning_gate``: from the end of
+    the reply's reasoning block on only (``ReasoningGate``).
     """
 
     max_new_tokens: int = 128
@@ -152,6 +171,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     grammar: GrammarSpec | None = None
+    reasoning_gate: ReasoningGate | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``FieldError`` (a ValueError) naming the bad field; called before a request
@@ -206,6 +226,12 @@ class SamplingParams:
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise FieldError(
                 "grammar", f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}"
+            )
+        if self.reasoning_gate is not None and (
+            self.grammar is None or not isinstance(self.reasoning_gate, ReasoningGate)
+        ):
+            raise FieldError(
+                "reasoning_gate", "reasoning_gate must be a ReasoningGate beside a grammar"
             )
         if vocab_size is not None:
             for tok in self.stop_token_ids:

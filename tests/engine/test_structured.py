@@ -173,7 +173,7 @@ def test_negative_control_without_the_mask_output_is_invalid(eng, monkeypatch):
 def test_a_request_aborted_while_its_grammar_compiles_ends_aborted(eng, monkeypatch, abort):
     compiled = eng.structured.compiler.compile(GrammarSpec("regex", "abc"))
     pending: Future = Future()  # the compile, finished by hand below
-    monkeypatch.setattr(eng.structured, "compile_async", lambda spec: pending)
+    monkeypatch.setattr(eng.structured, "compile_async", lambda spec, gate=None: pending)
     handle = eng.submit(eng.tokenizer.encode("go"), _regex("abc"))
     if abort:
         eng.abort(handle.rid)

@@ -5,6 +5,7 @@ thinking template written here."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import openai
 import pytest
@@ -105,6 +106,40 @@ def test_reasoning_parser_splits_the_reply(tclient, think_server, engine) -> Non
     ]
     pieces = [p for p in pieces if p]
     assert pieces == [r.model_extra["reasoning_content"]]
+
+
+ANSWER = {
+    "type": "json_schema",
+    "json_schema": {"name": "answer", "schema": {"type": "object", "properties": {
+        "ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}},
+}  # fmt: skip
+
+
+def test_structured_output_binds_the_answer_not_the_reasoning(tclient) -> None:
+    """With --reasoning-parser a response_format applies after the think block: the reasoning
+    is the model's own (the tiny model never closes its block, so the whole reply is the free
+    reply's reasoning, also unsplit), and with thinking off the reply is the JSON at once."""
+    kw = dict(model="tiny-qwen", messages=MSGS, max_tokens=10, temperature=0)
+    free = tclient.chat.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0]
+    bound = tclient.chat.completions.create(
+        **kw, response_format=ANSWER, extra_body={"ignore_eos": True}
+    ).choices[0]  # fmt: skip
+    assert (
+        bound.message.model_extra["reasoning_content"]
+        == free.message.model_extra["reasoning_content"]
+    )
+    assert bound.message.content is None and bound.finish_reason == "length"
+    raw = tclient.chat.completions.create(
+        **kw, response_format=ANSWER, extra_body={"ignore_eos": True, "separate_reasoning": False}
+    ).choices[0]  # fmt: skip
+    assert raw.message.content == free.message.model_extra["reasoning_content"]
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    answer = tclient.chat.completions.create(
+        **{**kw, "max_tokens": 30}, response_format=ANSWER, extra_body=off
+    ).choices[0]  # fmt: skip
+    assert json.loads(answer.message.content) in ({"ok": True}, {"ok": False})
+    assert answer.message.model_extra.get("reasoning_content") is None
+    assert answer.finish_reason == "stop"
 
 
 @pytest.mark.parametrize(

@@ -131,7 +131,9 @@ class Engine:
         if params.grammar is not None:
             if self.tokenizer is None:
                 raise ValueError("structured output needs the model's tokenizer")
-            req.grammar_future = self.structured.compile_async(params.grammar)
+            req.grammar_future = self.structured.compile_async(
+                params.grammar, params.reasoning_gate
+            )
         handle = RequestHandle(rid, len(input_ids))
         req.stream = handle
         req.detok = DetokState()

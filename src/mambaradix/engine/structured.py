@@ -2,8 +2,9 @@
 
 Who does what::
 
-    submit (caller thread)      StructuredOutput.compile_async(spec): compiled on the
-                                compiler's thread; the request reaches the scheduler only
+    submit (caller thread)      StructuredOutput.compile_async(spec, gate): compiled on the
+                                compiler's thread (a reasoning gate's vocabulary tables
+                                too); the request reaches the scheduler only
                                 once its grammar is compiled (``when_compiled``), so the
                                 engine loop never waits for a compile
     engine thread, on arrival   ``attach``: a fresh ``GrammarMatcher`` on ``Req.grammar``
@@ -31,11 +32,16 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
-from mambaradix.core import GrammarSpec
+from mambaradix.core import GrammarSpec, ReasoningGate
 from mambaradix.engine.batch import RunBatch
-from mambaradix.engine.grammar import GrammarCompiler, GrammarMatcher, apply_bitmask_rows
+from mambaradix.engine.grammar import (
+    GrammarCompiler,
+    GrammarMatcher,
+    apply_bitmask_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,14 +80,30 @@ class StructuredOutput:
             return self._compiler
 
     # ------------------------------------------------------------------ before scheduling
-    def compile_async(self, spec: GrammarSpec) -> Future:
-        """The compiled grammar of ``spec``, as a future (a cache hit is already done)."""
+    def compile_async(self, spec: GrammarSpec, gate: ReasoningGate | None = None) -> Future:
+        """The compiled grammar of ``spec``, as a future (a cache hit is already done). With a
+        reasoning ``gate`` the future ends once the gate's vocabulary tables are built too (on
+        the compiler's thread: about a second at 250k tokens, once per engine)."""
         try:
-            return self.compiler.compile_async(spec)
+            fut = self.compiler.compile_async(spec)
+            if gate is None:
+                return fut
+            tables = self.compiler.gate_vocab_async(gate)
         except Exception as exc:  # no tokenizer, a bad vocabulary: this request fails
-            fut: Future = Future()
+            fut = Future()
             fut.set_exception(exc)
             return fut
+        both: Future = Future()
+
+        def finish(_: Future) -> None:
+            try:
+                tables.result()
+                both.set_result(fut.result())
+            except Exception as exc:
+                both.set_exception(exc)
+
+        tables.add_done_callback(lambda _: fut.add_done_callback(finish))
+        return both
 
     @staticmethod
     def when_compiled(reqs: list[Any], put: Callable[[list[Any]], None]) -> None:
@@ -111,8 +133,13 @@ class StructuredOutput:
         if fut is None:
             return None
         req.grammar_future = None
+        gate = req.params.reasoning_gate
         try:
-            req.grammar = GrammarMatcher(fut.result(), self.vocab_size)
+            compiled = fut.result()
+            tables = None if gate is None else self.compiler.gate_vocab(gate)  # built by now
+            req.grammar = GrammarMatcher(
+                compiled, self.vocab_size, tables, gate is not None and gate.thinking
+            )
         except Exception as exc:
             return f"grammar: {exc}"
         return None
@@ -140,7 +167,9 @@ class StructuredOutput:
 
 
 class BatchMasks:
-    """The grammar rows of one batch: masks being filled, applied once, tokens accepted."""
+    """The grammar rows of one batch: masks being filled, applied once, tokens accepted. A
+    row whose grammar waits for the end of its reasoning (``GrammarMatcher.constrains``) gets
+    no mask, but its token is accepted (the matcher looks for the end tag)."""
 
     def __init__(
         self,
@@ -152,15 +181,25 @@ class BatchMasks:
         self.rows = rows
         self.bitmask = bitmask
         self.vocab_size = compiler.vocab_size
-        matchers = [m for _, m in rows]
+        masked = [(row, m) for row, m in rows if m.constrains()]
         # the fill reads only the matchers' state, which the previous batch already advanced
         if pool is not None:
-            self._filled = pool.submit(compiler.fill_masks, matchers, bitmask, range(len(rows)))
+            self._filled = pool.submit(self._fill, compiler, masked)
         else:
             self._filled = Future()
-            compiler.fill_masks(matchers, bitmask, range(len(rows)))
+            self._fill(compiler, masked)
             self._filled.set_result(None)
-        self._slot = {row: k for k, (row, _) in enumerate(rows)}
+        self._slot = {row: k for k, (row, _) in enumerate(masked)}
+
+    def _fill(self, compiler: GrammarCompiler, masked: list[tuple[int, GrammarMatcher]]) -> None:
+        if not masked:
+            return
+        compiler.fill_masks([m for _, m in masked], self.bitmask, range(len(masked)))
+        for k, (_, m) in enumerate(masked):
+            extra = m.extra_allowed()
+            if extra is not None:
+                words = self.bitmask[k, : extra.shape[0]].numpy()
+                np.bitwise_or(words, extra, out=words)
 
     def apply(self, logits: torch.Tensor) -> None:
         """Mask the sample rows ``logits`` [B, V] in place (rows without a grammar untouched)."""

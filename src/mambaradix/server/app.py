@@ -31,6 +31,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mambaradix.config import ServerConfig
+from mambaradix.core import ReasoningGate
 from mambaradix.server.debug import debug_router
 from mambaradix.server.guard import ServerErrorGuard
 from mambaradix.server.health import add_health_routes
@@ -47,7 +48,7 @@ from mambaradix.server.protocol import (
     response_envelope,
     usage_dict,
 )
-from mambaradix.server.reasoning import starts_in_reasoning
+from mambaradix.server.reasoning import END, START, starts_in_reasoning
 from mambaradix.server.serving import (
     SSE_DONE,
     Events,
@@ -277,9 +278,13 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
         params.top_logprobs = req.top_logprobs or 0
         ch = Choices(True, req, tok, srv.table, logprobs=bool(req.logprobs), tools=calling)
         parser = srv.cfg.reasoning_parser
-        if parser and req.separate_reasoning is not False:
-            ch.in_reasoning = starts_in_reasoning(parser, text, kwargs)
-            ch.stream_reasoning = req.stream_reasoning is not False
+        if parser:
+            thinking = starts_in_reasoning(parser, text, kwargs)
+            if params.grammar is not None:  # the grammar binds the answer, not the reasoning
+                params.reasoning_gate = ReasoningGate(START, END, thinking)
+            if req.separate_reasoning is not False:
+                ch.in_reasoning = thinking
+                ch.stream_reasoning = req.stream_reasoning is not False
         jobs = [Job.make(j, ids, params, j, ch, prompt_key=0) for j in range(req.num_choices)]
         return await _serve(srv, jobs, req, request, chat=True)
 
