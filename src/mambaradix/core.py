@@ -148,7 +148,10 @@ class SamplingParams:
     that many tokens exist (where a ``grammar`` allows nothing else, it ends the output
     anyway). ``grammar``: the output must match it (constrained decoding; the request finishes
     when the grammar is complete and the model ends it); ``reasoning_gate``: from the end of
-    the reply's reasoning block on only (``ReasoningGate``).
+    the reply's reasoning block on only (``ReasoningGate``). ``thinking_budget``: the most
+    tokens the reply reasons inside the gate's block (-1: no cap); at the cap the gate's end
+    tag is forced (the rest of it, where the reply had begun writing it), and the reply goes on
+    as an answer.
     """
 
     max_new_tokens: int = 128
@@ -172,6 +175,7 @@ class SamplingParams:
     min_tokens: int = 0
     grammar: GrammarSpec | None = None
     reasoning_gate: ReasoningGate | None = None
+    thinking_budget: int = -1
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``FieldError`` (a ValueError) naming the bad field; called before a request
@@ -227,12 +231,20 @@ class SamplingParams:
             raise FieldError(
                 "grammar", f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}"
             )
-        if self.reasoning_gate is not None and (
-            self.grammar is None or not isinstance(self.reasoning_gate, ReasoningGate)
-        ):
+        if self.thinking_budget < -1:
             raise FieldError(
-                "reasoning_gate", "reasoning_gate must be a ReasoningGate beside a grammar"
+                "thinking_budget",
+                f"thinking_budget must be -1 (no cap) or >= 0, got {self.thinking_budget}",
             )
+        if self.reasoning_gate is not None and not isinstance(self.reasoning_gate, ReasoningGate):
+            raise FieldError("reasoning_gate", "reasoning_gate must be a ReasoningGate")
+        if self.reasoning_gate is None and self.thinking_budget >= 0:
+            raise FieldError("thinking_budget", "thinking_budget needs a reasoning_gate")
+        if self.reasoning_gate is not None and self.grammar is None and self.thinking_budget < 0:
+            raise FieldError(
+                "reasoning_gate", "reasoning_gate does something only beside a grammar or a "
+                "thinking_budget"
+            )  # fmt: skip
         if vocab_size is not None:
             for tok in self.stop_token_ids:
                 if not 0 <= tok < vocab_size:
@@ -247,13 +259,15 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether sampling must change the logits (bias, penalties, min_tokens)."""
+        """Whether sampling must change the logits (bias, penalties, min_tokens, a thinking
+        budget)."""
         return bool(
             self.logit_bias
             or self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.min_tokens
+            or self.thinking_budget >= 0
         )
 
 

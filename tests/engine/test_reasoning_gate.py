@@ -22,6 +22,7 @@ from mambaradix.engine.grammar import (
     GrammarCompiler,
     GrammarMatcher,
 )
+from mambaradix.engine.logits_process import ThinkingBudget
 from mambaradix.engine.structured import BatchMasks
 
 SCHEMA = {
@@ -220,8 +221,95 @@ def test_a_reply_that_never_closes_its_reasoning_is_never_masked(eng):
     assert out["meta_info"]["finish_reason"] == "length"
 
 
-def test_a_gate_needs_a_grammar():
+def test_a_gate_needs_a_grammar_or_a_budget():
     with pytest.raises(FieldError, match="reasoning_gate"):
         SamplingParams(reasoning_gate=ReasoningGate()).validate(100)
     with pytest.raises(ValueError, match="non-empty"):
         ReasoningGate(end="")
+
+
+# ---------------------------------------------------------------------- thinking budget
+
+
+def _budget_run(b: ThinkingBudget, tokens: list[int]) -> list[int | None]:
+    """What the budget forced before each token (None: free), accepting the token."""
+    out = []
+    for t in tokens:
+        out.append(b.forced())
+        b.accept(t)
+    return out
+
+
+def test_thinking_budget_forces_the_rest_of_the_end_tag():
+    end = [7, 8, 9]
+    b = ThinkingBudget(3, [5], end, thinking=True)
+    # three tokens of reasoning, then the tag forced token by token, then free again
+    assert _budget_run(b, [1, 2, 3, 7, 8, 9, 4]) == [None, None, None, 7, 8, 9, None]
+    assert b.phase == "done"
+    # the tag's own tokens are not reasoning: a reply writing it at its last budget token
+    # is not cut; a budget spent by a false start of the tag (7 8, then 7 again) completes the
+    # tag the reply is writing from where it stands
+    b = ThinkingBudget(1, [5], end, thinking=True)
+    assert _budget_run(b, [7, 8, 9]) == [None, None, None]
+    b = ThinkingBudget(3, [5], end, thinking=True)
+    assert _budget_run(b, [1, 7, 8, 7, 8, 9]) == [None, None, None, None, 8, 9]
+    # a false start of the tag counts as reasoning
+    b = ThinkingBudget(3, [5], end, thinking=True)
+    assert _budget_run(b, [7, 8, 1, 7, 8, 9]) == [None, None, None, 7, 8, 9]
+    # a reply that closes the block in budget is never forced
+    b = ThinkingBudget(10, [5], end, thinking=True)
+    assert _budget_run(b, [1, 7, 8, 9, 1, 1, 1, 1, 1, 1, 1, 1, 1]) == [None] * 13
+    # budget 0: the tag at once; a reply that opens no block is not capped
+    assert _budget_run(ThinkingBudget(0, [5], end, thinking=True), [7, 8, 9]) == [7, 8, 9]
+    b = ThinkingBudget(0, [5, 6], end, thinking=False)
+    assert _budget_run(b, [5, 6, 7, 8, 9]) == [None, None, 7, 8, 9]
+    b = ThinkingBudget(0, [5, 6], end, thinking=False)
+    assert _budget_run(b, [5, 1, 1]) == [None, None, None] and b.phase == "done"
+
+
+def test_thinking_budget_caps_the_reasoning_then_the_reply_goes_on(eng):
+    """Budget 4 on a reply that starts inside its block and never closes it: four tokens of
+    the model's own reasoning (its logprobs too), then the end tag's tokens, then the model's
+    own answer; with a grammar the answer follows it. Without the budget the reply is the free
+    one (the control)."""
+    prompt = _ids(eng, "Think briefly:")
+    free = _plain(eng, prompt, 16)
+    end = _ids(eng, "</think>")
+    gate = ReasoningGate()
+    capped = SamplingParams(
+        max_new_tokens=16, temperature=0, return_logprob=True, ignore_eos=True,
+        reasoning_gate=gate, thinking_budget=4,
+    )  # fmt: skip
+    out = eng.submit(prompt, capped).result()
+    ids = out["output_ids"]
+    assert ids[:4] == free["output_ids"][:4] and ids[4 : 4 + len(end)] == end
+    assert ids[:4] + end != free["output_ids"][: 4 + len(end)]
+    lps = out["meta_info"]["output_token_logprobs"]
+    assert lps[:4] == pytest.approx(free["meta_info"]["output_token_logprobs"][:4], abs=1e-5)
+    # the answer is the model's free continuation of prompt + reasoning + tag
+    rest = _plain(eng, prompt + ids[: 4 + len(end)], 16 - 4 - len(end))
+    assert ids[4 + len(end) :] == rest["output_ids"]
+    eng.check_integrity()
+    # with a grammar: the answer follows it
+    bound = SamplingParams(
+        max_new_tokens=40, temperature=0, grammar=GRAMMAR, reasoning_gate=gate, thinking_budget=4
+    )
+    out = eng.submit(prompt, bound).result()
+    assert out["output_ids"][:4] == free["output_ids"][:4]
+    text = eng.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    jsonschema.validate(json.loads(text.split("</think>", 1)[1]), SCHEMA)
+    assert out["meta_info"]["finish_reason"] == "stop"
+    # sampled, seeded: still four tokens, then the tag
+    seeded = SamplingParams(
+        max_new_tokens=12, temperature=1.0, seed=3, ignore_eos=True, reasoning_gate=gate,
+        thinking_budget=4,
+    )  # fmt: skip
+    assert eng.submit(prompt, seeded).result()["output_ids"][4 : 4 + len(end)] == end
+
+
+def test_thinking_budget_fields_are_checked():
+    with pytest.raises(FieldError, match="thinking_budget"):
+        SamplingParams(thinking_budget=3).validate(100)
+    with pytest.raises(FieldError, match="thinking_budget"):
+        SamplingParams(thinking_budget=-2, reasoning_gate=ReasoningGate()).validate(100)
+    SamplingParams(thinking_budget=0, reasoning_gate=ReasoningGate()).validate(100)

@@ -142,6 +142,37 @@ def test_structured_output_binds_the_answer_not_the_reasoning(tclient) -> None:
     assert answer.finish_reason == "stop"
 
 
+def test_thinking_token_budget_caps_the_reasoning(tclient, server, engine) -> None:
+    """vLLM's thinking_token_budget: the reasoning is the free reply's first N tokens, then
+    the block is closed for the model and the rest is its answer; 0 closes it at once. Without
+    a reasoning parser the field is a 400 naming it."""
+    kw = dict(model="tiny-qwen", messages=MSGS, max_tokens=14, temperature=0)
+    free = tclient.chat.completions.create(
+        **kw, extra_body={"ignore_eos": True, "return_token_ids": True}
+    ).choices[0]  # fmt: skip
+    ids = free.model_extra["token_ids"]
+    end = engine.tokenizer.encode("</think>", add_special_tokens=False)
+    for budget in (0, 3):
+        r = tclient.chat.completions.create(
+            **kw, extra_body={"ignore_eos": True, "thinking_token_budget": budget,
+                              "return_token_ids": True},
+        ).choices[0]  # fmt: skip
+        assert r.model_extra["token_ids"][: budget + len(end)] == ids[:budget] + end
+        want = engine.tokenizer.decode(ids[:budget])
+        assert (r.message.model_extra.get("reasoning_content") or "") == want
+        assert r.message.content
+    raw = tclient.chat.completions.create(
+        **kw, extra_body={"ignore_eos": True, "thinking_token_budget": 3,
+                          "separate_reasoning": False},
+    ).choices[0].message.content  # fmt: skip
+    assert raw.startswith(engine.tokenizer.decode(ids[:3]) + "</think>")
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        tclient.chat.completions.create(**kw, extra_body={"thinking_token_budget": -1})
+    plain = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="reasoning-parser"):
+        plain.chat.completions.create(**kw, extra_body={"thinking_token_budget": 3})
+
+
 @pytest.mark.parametrize(
     "text, in_reasoning, want",
     [

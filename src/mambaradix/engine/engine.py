@@ -25,7 +25,7 @@ from mambaradix.engine import spec_costs
 from mambaradix.engine.cpu_runtime import release_thread_pool
 from mambaradix.engine.detokenizer import DetokState
 from mambaradix.engine.health import EngineHealth, HealthReport
-from mambaradix.engine.logits_process import RequestLogits
+from mambaradix.engine.logits_process import RequestLogits, ThinkingBudget
 from mambaradix.engine.loop import Abort, AbortAll, EngineLoop
 from mambaradix.engine.output_stage import OutputStage
 from mambaradix.engine.outputs import EngineDeadError, RequestHandle
@@ -126,7 +126,11 @@ class Engine:
         req = Req(rid=rid, prompt_ids=list(input_ids), params=params)
         if params.processes_logits:
             req.logits_state = RequestLogits(
-                params, req.prompt_ids, vocab, list(getattr(self.model, "eos_token_ids", []) or [])
+                params,
+                req.prompt_ids,
+                vocab,
+                list(getattr(self.model, "eos_token_ids", []) or []),
+                self._thinking_budget(params),
             )
         if params.grammar is not None:
             if self.tokenizer is None:
@@ -138,6 +142,22 @@ class Engine:
         req.stream = handle
         req.detok = DetokState()
         return req, handle
+
+    def _thinking_budget(self, params: SamplingParams) -> ThinkingBudget | None:
+        """The request's thinking budget, its gate's tags as this tokenizer spells them."""
+        gate = params.reasoning_gate
+        if params.thinking_budget < 0 or gate is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("a thinking budget needs the model's tokenizer")
+        start, end = (
+            self.tokenizer.encode(t, add_special_tokens=False) for t in (gate.start, gate.end)
+        )
+        if not all(0 <= t < self.model.vocab_size for t in start + end):
+            raise ValueError(
+                f"the reasoning tags {gate.start!r} / {gate.end!r} are not in the vocabulary"
+            )
+        return ThinkingBudget(params.thinking_budget, start, end, gate.thinking)
 
     def abort(self, rid: str) -> None:
         self.loop.put(Abort(rid))

@@ -278,10 +278,19 @@ def create_app(engine: Any, server_config: ServerConfig | None = None) -> FastAP
         params.top_logprobs = req.top_logprobs or 0
         ch = Choices(True, req, tok, srv.table, logprobs=bool(req.logprobs), tools=calling)
         parser = srv.cfg.reasoning_parser
+        budget = req.thinking_token_budget
+        if budget is not None and (not parser or budget < 0):
+            raise APIError(
+                "thinking_token_budget must be >= 0" if parser else
+                "thinking_token_budget needs a server started with --reasoning-parser",
+                param="thinking_token_budget",
+            )  # fmt: skip
         if parser:
             thinking = starts_in_reasoning(parser, text, kwargs)
-            if params.grammar is not None:  # the grammar binds the answer, not the reasoning
+            # the grammar binds the answer, not the reasoning; the budget caps the reasoning
+            if params.grammar is not None or budget is not None:
                 params.reasoning_gate = ReasoningGate(START, END, thinking)
+                params.thinking_budget = -1 if budget is None else budget
             if req.separate_reasoning is not False:
                 ch.in_reasoning = thinking
                 ch.stream_reasoning = req.stream_reasoning is not False

@@ -9,7 +9,8 @@ vLLM names): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ign
 choice and ``prompt_token_ids``), ``stream_options.continuous_usage_stats``; structured output:
 OpenAI's ``response_format`` and SGLang's ``regex`` / ``json_schema`` / ``ebnf``; chat:
 ``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``,
-``separate_reasoning``, ``stream_reasoning``, messages' ``reasoning_content`` and ``name``;
+``separate_reasoning``, ``stream_reasoning``, ``thinking_token_budget`` (vLLM's; with
+``--reasoning-parser``), messages' ``reasoning_content`` and ``name``;
 completions: ``max_tokens: 0`` (with ``echo``: prompt logprobs only).
 """
 
@@ -245,6 +246,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool | None = False
     separate_reasoning: bool | None = True
     stream_reasoning: bool | None = True
+    thinking_token_budget: int | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True

@@ -81,7 +81,6 @@ _PEER_FIELDS_COMMON: dict[str, tuple[Any, ...]] = {
     "vllm_xargs": (),
     "mm_processor_kwargs": (),
     "media_io_kwargs": (),
-    "thinking_token_budget": (),
 }
 _PEER_FIELDS_COMPLETION: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
