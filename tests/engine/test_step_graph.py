@@ -108,6 +108,7 @@ def _generate(eng: Engine, prompts, new_tokens: list[int], **params):
         ("granite_hybrid", "float32"),
         ("granite_hybrid", "bfloat16"),
         ("lfm2", "bfloat16"),
+        ("lfm2_moe", "bfloat16"),  # sigmoid routing with an fp32 expert bias
         ("qwen3_5", "float32"),
         ("qwen3_5", "bfloat16"),
         ("nemotron_h_8b", "float32"),

@@ -1,5 +1,5 @@
 """Our bf16 logits against transformers' bf16 logits of the same checkpoint (a Gated DeltaNet,
-a Mamba2 and an LFM2 short-conv hybrid): a 96-token prefill (every position) and 12 decode
+a Mamba2, an LFM2 short-conv hybrid and its MoE): a 96-token prefill (every position) and 12 decode
 steps, each model with its own cache; the LFM2 case once more on the cpu backend (native bf16
 kernels) with its prefill's matmuls in fp32 (``kernels.bf16_matmul``: the path a CPU whose bf16
 matmul is the slower one takes).
@@ -31,6 +31,7 @@ CASES = [
     OracleCase("bf16_qwen3_next", "qwen3_next"),
     OracleCase("bf16_granite_hybrid", "granite_hybrid"),
     OracleCase("bf16_lfm2", "lfm2"),
+    OracleCase("bf16_lfm2_moe", "lfm2_moe"),  # sigmoid routing: bf16 scores, fp32 bias
 ]
 
 

@@ -1,8 +1,13 @@
 """LFM2: gated short-convolution layers and attention layers (QK-norm, RoPE), each followed by a
-SwiGLU feed-forward; pre-norm residual blocks; the final norm is ``embedding_norm``.
+SwiGLU feed-forward; pre-norm residual blocks; the final norm is ``embedding_norm``. LFM2-MoE:
+the same layers, the feed-forward of every layer past the first ``num_dense_layers`` a sparse
+mixture of SwiGLU experts (sigmoid router, experts chosen with a per-expert bias, no shared
+expert).
 
 Parameter names are the checkpoint's (``operator_norm``, ``ffn_norm``, ``feed_forward.w1/w2/w3``,
-``self_attn.out_proj``, ``conv.in_proj``), so weights load by name.
+``self_attn.out_proj``, ``conv.in_proj``, ``feed_forward.gate`` / ``expert_bias``), so weights
+load by name; LFM2-MoE's per-expert ``experts.{e}.w1/w3/w2`` are stacked into
+``experts.gate_up_proj`` / ``down_proj`` while loading.
 """
 
 from __future__ import annotations
@@ -12,9 +17,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mambaradix.layers.attention import pooled_attention
+from mambaradix.layers.moe import Experts
 from mambaradix.layers.norm import RMSNorm
 from mambaradix.layers.ops import KernelUser, Linear
 from mambaradix.layers.rotary import RotaryEmbedding
@@ -23,6 +30,7 @@ from mambaradix.layout import ForwardContext
 from mambaradix.models.base import HybridCausalLM, pool_layer_indices
 from mambaradix.models.loader import assign_weights, merge_weights
 from mambaradix.models.registry import register_model
+from mambaradix.models.weights import W123_EXPERTS, stack_expert_weights
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +62,48 @@ class Lfm2FeedForward(KernelUser, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.gated_mlp(x, self.w13.weight, self.w2.weight, "silu")
+
+
+class Lfm2MoeRouter(nn.Module):
+    """The router's ``[E, H]`` weight (the checkpoint's ``feed_forward.gate.weight``)."""
+
+    def __init__(self, num_experts: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+
+
+class Lfm2SparseMoe(nn.Module):
+    """LFM2-MoE's feed-forward: scores ``sigmoid(gate x)`` in the model's dtype; the top-k
+    experts by score plus ``expert_bias`` (fp32, whatever the model dtype, as transformers keeps
+    it); their weights the unbiased scores, renormalised when ``norm_topk_prob`` (a 1e-6 floor),
+    times ``routed_scaling_factor``; gated SiLU experts."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        e, h = config.num_experts, config.hidden_size
+        self.top_k = config.num_experts_per_tok
+        self.normalize = config.norm_topk_prob
+        self.scaling = float(config.routed_scaling_factor)
+        self.gate = Lfm2MoeRouter(e, h)
+        self.experts = Experts(e, h, config.moe_intermediate_size, "silu")
+        self.expert_bias = (
+            nn.Parameter(torch.zeros(e), requires_grad=False) if config.use_expert_bias else None
+        )
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001
+        super()._apply(fn, recurse)
+        if self.expert_bias is not None:
+            self.expert_bias.data = self.expert_bias.data.float()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = F.linear(x, self.gate.weight).sigmoid()
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        ids = choice.topk(self.top_k, dim=-1)[1]
+        w = scores.gather(1, ids)
+        if self.normalize:
+            w = w / (w.sum(-1, keepdim=True) + 1e-6)
+        return self.experts(x, w * self.scaling, ids)
 
 
 class Lfm2Attention(KernelUser, nn.Module):
@@ -94,7 +144,9 @@ class Lfm2Attention(KernelUser, nn.Module):
 
 
 class Lfm2Layer(nn.Module):
-    def __init__(self, config: Any, is_attention: bool, attn_index: int, state_index: int):
+    def __init__(
+        self, config: Any, is_attention: bool, attn_index: int, state_index: int, moe: bool
+    ) -> None:
         super().__init__()
         h = config.hidden_size
         self.is_attention = is_attention
@@ -102,7 +154,10 @@ class Lfm2Layer(nn.Module):
             self.self_attn = Lfm2Attention(config, attn_index)
         else:
             self.conv = ShortConv(h, config.conv_L_cache, state_index, bias=config.conv_bias)
-        self.feed_forward = Lfm2FeedForward(h, ff_dim(config))
+        if moe:
+            self.feed_forward = Lfm2SparseMoe(config)
+        else:
+            self.feed_forward = Lfm2FeedForward(h, ff_dim(config))
         self.operator_norm = RMSNorm(h, config.norm_eps)
         self.ffn_norm = RMSNorm(h, config.norm_eps)
 
@@ -122,26 +177,31 @@ class Lfm2Layer(nn.Module):
 
 
 class _Lfm2Body(nn.Module):
-    def __init__(self, config: Any, kinds: list[str]) -> None:
+    def __init__(self, config: Any, kinds: list[str], moe: bool = False) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         is_attn = [k != "conv" for k in kinds]
+        # LFM2-MoE: the feed-forwards past the first num_dense_layers are sparse
+        dense = getattr(config, "num_dense_layers", len(kinds)) if moe else len(kinds)
+        idx = pool_layer_indices(is_attn, [not x for x in is_attn])
         self.layers = nn.ModuleList(
-            Lfm2Layer(config, att, a, s)
-            for att, (a, s) in zip(is_attn, pool_layer_indices(is_attn, [not x for x in is_attn]))
+            Lfm2Layer(config, att, a, s, i >= dense)
+            for i, (att, (a, s)) in enumerate(zip(is_attn, idx))
         )
         self.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps)
 
 
-@register_model("Lfm2ForCausalLM")
+@register_model("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
 class Lfm2ForCausalLM(HybridCausalLM):
-    """LFM2. Contract: ``models/base.py`` (short conv has no temporal state)."""
+    """LFM2 and LFM2-MoE (``num_experts`` in the config). Contract: ``models/base.py`` (short
+    conv has no temporal state)."""
 
     def __init__(self, config: Any, ssm_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self._init_common(config, ssm_dtype)  # ssm_dtype unused: no temporal state
         kinds = list(config.layer_types)
-        self.model = _Lfm2Body(config, kinds)
+        self.moe = getattr(config, "model_type", "") == "lfm2_moe"
+        self.model = _Lfm2Body(config, kinds, self.moe)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_lm_head(getattr(config, "tie_word_embeddings", False))
         attn = [m.self_attn for m in self.model.layers if m.is_attention]
@@ -159,7 +219,13 @@ class Lfm2ForCausalLM(HybridCausalLM):
         return self.model.embedding_norm
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        assign_weights(self, merge_weights(self.without_tied_head(weights), FF_MERGE))
+        def num_experts(prefix: str) -> int:
+            return self.get_submodule(prefix).gate_up_proj.shape[0]
+
+        named = merge_weights(self.without_tied_head(weights), FF_MERGE)
+        if self.moe:
+            named = stack_expert_weights(named, num_experts, W123_EXPERTS)
+        assign_weights(self, named)
 
     def body(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cos_sin = self.rotary(ctx.layout.positions) if self.rotary is not None else None

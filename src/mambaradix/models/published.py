@@ -70,6 +70,8 @@ def cut_fields(
             f["num_hidden_layers"] = layers
         if isinstance(f.get("mlp_only_layers"), list):
             f["mlp_only_layers"] = [i for i in f["mlp_only_layers"] if i < layers]
+        if f.get("num_dense_layers"):  # LFM2-MoE: keep a sparse layer in the cut
+            f["num_dense_layers"] = min(f["num_dense_layers"], max(layers - 1, 0))
     if vocab is not None:
         f["vocab_size"] = vocab
     if experts is not None:

@@ -458,11 +458,55 @@ PUBLISHED["nemotron_3_nano_30b_a3b"] = Published(
     "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B config.json (quoted by test fixtures)",
 )
 
+# LFM2-MoE: LFM2-2.6B's width and attention (hidden 2048, 32 heads / 8 KV), the first 2
+# feed-forwards dense (7168), then experts chosen top 4 by sigmoid score plus an expert bias
+# (transformers' Lfm2MoeConfig defaults; LiquidAI's LFM2-24B-A2B release notes).
+_LFM2_MOE = dict(
+    vocab_size=65536,
+    hidden_size=2048,
+    intermediate_size=7168,
+    num_dense_layers=2,
+    num_experts_per_tok=4,
+    use_expert_bias=True,
+    norm_topk_prob=True,
+    routed_scaling_factor=1.0,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    conv_L_cache=3,
+    tie_word_embeddings=True,
+    max_position_embeddings=128000,
+)
+# LiquidAI/LFM2-8B-A1B (8.3B total / 1.5B active): 24 layers (6 attention), 32 experts of
+# 1792; the attention positions are not confirmed.
+PUBLISHED["lfm2_8b_a1b"] = Published(
+    "Lfm2MoeConfig",
+    "Lfm2MoeForCausalLM",
+    dict(
+        num_hidden_layers=24,
+        moe_intermediate_size=1792,
+        num_experts=32,
+        layer_types=_at(24, (2, 6, 10, 14, 18, 21), "full_attention", "conv"),
+        **_LFM2_MOE,
+    ),
+    "LiquidAI/LFM2-8B-A1B (transformers' Lfm2MoeConfig; LiquidAI's LFM2-24B-A2B notes)",
+)
+# LiquidAI/LFM2-24B-A2B: 40 layers (10 attention, assumed one in four), 64 experts of 1536.
+PUBLISHED["lfm2_24b_a2b"] = Published(
+    "Lfm2MoeConfig",
+    "Lfm2MoeForCausalLM",
+    dict(
+        num_hidden_layers=40,
+        moe_intermediate_size=1536,
+        num_experts=64,
+        layer_types=_at(40, tuple(range(2, 40, 4)), "full_attention", "conv"),
+        **_LFM2_MOE,
+    ),
+    "LiquidAI/LFM2-24B-A2B (LiquidAI's release notes: 40 layers, 64 experts x 1536, top 4)",
+)
+
 # Published checkpoints whose architecture transformers has but this engine does not run:
 # loading one must fail with the list of supported architectures.
-# LiquidAI/LFM2-8B-A1B (Lfm2MoeForCausalLM): the LFM2 technical report's MoE (8.3B total).
 UNSUPPORTED = {
-    "lfm2_8b_a1b": ("lfm2_moe", "Lfm2MoeForCausalLM"),
     "mamba_130m": ("mamba", "MambaForCausalLM"),
     "falcon_h1_0_5b": ("falcon_h1", "FalconH1ForCausalLM"),
     "jamba_mini": ("jamba", "JambaForCausalLM"),

@@ -38,16 +38,25 @@ CHAT_TEMPLATE = (
 TinyBuilder = Callable[..., tuple[Any, Any]]
 # (hf_config, the checkpoint's tensors, generator) -> (mtp.* tensors, config.json fields)
 MtpWriter = Callable[[Any, dict, Any], tuple[dict, dict]]
+# (the built transformers model, generator): values its initialiser leaves uninformative
+TinyInit = Callable[[Any, Any], None]
 _BUILDERS: dict[str, TinyBuilder] = {}
 _MTP_WRITERS: dict[str, MtpWriter] = {}
+_INITS: dict[str, TinyInit] = {}
 
 
-def register_tiny(arch: str, builder: TinyBuilder, mtp: MtpWriter | None = None) -> None:
+def register_tiny(
+    arch: str, builder: TinyBuilder, mtp: MtpWriter | None = None, init: TinyInit | None = None
+) -> None:
     """Register the tiny-config builder of an architecture name (e.g. ``"granite_hybrid"``),
-    and the writer of its MTP head's tensors where it has one."""
+    the writer of its MTP head's tensors where it has one, and ``init``: seeded values for
+    tensors transformers initialises to a constant (a routing bias of zeros would leave the
+    code that adds it untested)."""
     _BUILDERS[arch] = builder
     if mtp is not None:
         _MTP_WRITERS[arch] = mtp
+    if init is not None:
+        _INITS[arch] = init
 
 
 def mtp_archs() -> list[str]:
@@ -168,6 +177,9 @@ def make_tiny_checkpoint(
     else:
         model = model_cls(config)
     model = model.float().eval()
+    if arch in _INITS:
+        with torch.no_grad():
+            _INITS[arch](model, torch.Generator().manual_seed(seed + 2_000_003))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     if mtp:

@@ -220,13 +220,11 @@ register_tiny("nemotron_h", _tiny_nemotron_h)
 _LAYERS = {"tiny": 5, "small": 8, "mid": 12}
 
 
-def _tiny_lfm2(size: str = "tiny", **overrides: Any):
-    from transformers import Lfm2Config
-    from transformers import Lfm2ForCausalLM as HFModel
-
+def _lfm2_fields(size: str) -> dict[str, Any]:
+    """Config fields shared by the LFM2 and LFM2-MoE tiny builders."""
     d = size_dims(size)
     n = _LAYERS[size]
-    kw: dict[str, Any] = dict(
+    return dict(
         vocab_size=d["vocab"],
         hidden_size=d["hidden"],
         intermediate_size=d["intermediate"],
@@ -236,13 +234,52 @@ def _tiny_lfm2(size: str = "tiny", **overrides: Any):
         num_attention_heads=d["heads"],
         num_key_value_heads=d["kv_heads"],
         conv_L_cache=3,
-        block_multiple_of=32,
         max_position_embeddings=4096,
         # the default 0.02 makes the conv branch too weak to show in the logits
         initializer_range=0.1 if size == "tiny" else 0.05,
     )
+
+
+def _tiny_lfm2(size: str = "tiny", **overrides: Any):
+    from transformers import Lfm2Config
+    from transformers import Lfm2ForCausalLM as HFModel
+
+    kw = dict(_lfm2_fields(size), block_multiple_of=32)
     kw.update(overrides)
     return Lfm2Config(**kw), HFModel
 
 
 register_tiny("lfm2", _tiny_lfm2)
+
+
+def _tiny_lfm2_moe(size: str = "tiny", **overrides: Any):
+    from transformers import Lfm2MoeConfig
+    from transformers import Lfm2MoeForCausalLM as HFModel
+
+    kw = _lfm2_fields(size)
+    kw.update(
+        moe_intermediate_size=kw["intermediate_size"] // 2,
+        num_dense_layers=1,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
+    kw.update(overrides)
+    return Lfm2MoeConfig(**kw), HFModel
+
+
+def _lfm2_moe_routing(model: Any, gen: Any) -> None:
+    """Router scores spread over (0, 1) and expert biases of their size (transformers starts
+    the biases at zero, and its router init leaves every score near 0.5: experts tied within a
+    bf16 step, so that bf16 and fp32 route apart at most tokens), so that the biases change
+    which experts are chosen without making every choice a near-tie."""
+    import torch
+
+    for name, p in model.named_parameters():
+        if name.endswith("feed_forward.gate.weight"):
+            p.mul_(4.0)
+    for name, buf in model.named_buffers():
+        if name.endswith("expert_bias"):
+            buf.copy_(0.3 * torch.randn(buf.shape, generator=gen))
+
+
+register_tiny("lfm2_moe", _tiny_lfm2_moe, init=_lfm2_moe_routing)

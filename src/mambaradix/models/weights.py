@@ -233,11 +233,13 @@ def read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, t.tensor()
 
 
-_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 
 
 GATED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 PLAIN_EXPERTS = {"up_proj": ("up_proj",), "down_proj": ("down_proj",)}
+# LFM2-MoE's checkpoints: per expert ``w1`` (gate), ``w3`` (up), ``w2`` (down)
+W123_EXPERTS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
 
 
 def stack_expert_weights(
