@@ -1,8 +1,8 @@
 """Our bf16 logits against transformers' bf16 logits of the same checkpoint (a Gated DeltaNet,
-a Mamba2, an LFM2 short-conv hybrid and its MoE): a 96-token prefill (every position) and 12 decode
-steps, each model with its own cache; the LFM2 case once more on the cpu backend (native bf16
-kernels) with its prefill's matmuls in fp32 (``kernels.bf16_matmul``: the path a CPU whose bf16
-matmul is the slower one takes).
+a Mamba2, an LFM2 short-conv hybrid and its MoE, Falcon-H1): a 96-token prefill (every
+position) and 12 decode steps, each model with its own cache; the LFM2 case once more on the
+cpu backend (native bf16 kernels) with its prefill's matmuls in fp32 (``kernels.bf16_matmul``:
+the path a CPU whose bf16 matmul is the slower one takes).
 
 Tolerance ``ATOL``: 0.15 nats, the largest difference of any log-softmax entry at a position,
 except at the positions where transformers' bf16 itself is off from its fp32 by more than that
@@ -32,6 +32,7 @@ CASES = [
     OracleCase("bf16_granite_hybrid", "granite_hybrid"),
     OracleCase("bf16_lfm2", "lfm2"),
     OracleCase("bf16_lfm2_moe", "lfm2_moe"),  # sigmoid routing: bf16 scores, fp32 bias
+    OracleCase("bf16_falcon_h1", "falcon_h1"),  # muP multipliers folded into bf16 weights
 ]
 
 

@@ -36,7 +36,9 @@ CUT = dict(vocab=1024, experts=4)
 
 
 def kinds_of(fields: dict) -> list[str]:
-    return fields.get("layer_types") or fields.get("layers_block_type")
+    """Each layer's kind (Falcon-H1 has one: every layer is hybrid)."""
+    kinds = fields.get("layer_types") or fields.get("layers_block_type")
+    return kinds or ["hybrid"] * fields["num_hidden_layers"]
 
 
 def min_layers(name: str) -> int:

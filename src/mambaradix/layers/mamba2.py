@@ -4,7 +4,8 @@ Per token: ``in_proj -> [gate z | xBC | dt]``; ``xBC`` goes through a causal dep
 (+SiLU) carrying the last K-1 inputs as conv state; the SSM scan (``kernels/mamba2.py``) carries
 ``[heads, head_dim, d_state]``; the output is ``RMSNorm(y * silu(z))`` per group, then
 ``out_proj``. Parameter names follow Hugging Face's (``in_proj``, ``conv1d``, ``dt_bias``,
-``A_log``, ``D``, ``norm.weight``, ``out_proj``) so checkpoints load by name.
+``A_log``, ``D``, ``norm.weight``, ``out_proj``) so checkpoints load by name. Falcon-H1's
+variants: no norm (``y * silu(z)``), or the norm before the gate.
 
 State contract (see ``models/base.py``): request i starts from
 ``state_pool.conv[j][slot_i]`` / ``temporal[j][slot_i]``, leaves its final state there and
@@ -19,6 +20,7 @@ import logging
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mambaradix.core import StateLayerSpec
@@ -48,6 +50,9 @@ class Mamba2Mixer(KernelUser, nn.Module):
         norm_eps: float = 1e-6,
         dt_limit: tuple[float, float] = (0.0, float("inf")),
         activation: str = "silu",
+        out_bias: bool | None = None,
+        gated_norm: bool = True,
+        norm_before_gate: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % n_groups:
@@ -78,13 +83,20 @@ class Mamba2Mixer(KernelUser, nn.Module):
         # of every start)
         self.A_log = nn.Parameter(torch.tensor([math.log(h) for h in range(1, num_heads + 1)]))
         self.D = nn.Parameter(torch.ones(num_heads))
-        self.norm = GatedRMSNorm(
-            self.intermediate,
-            norm_eps,
-            norm_before_gate=False,
-            group_size=self.intermediate // n_groups,
+        # the output: RMSNorm(y * silu(z)) per group (Mamba2), the norm first then the gate
+        # (norm_before_gate), or no norm, y * silu(z) (gated_norm False: Falcon-H1's default)
+        self.norm = (
+            GatedRMSNorm(
+                self.intermediate,
+                norm_eps,
+                norm_before_gate=norm_before_gate,
+                group_size=self.intermediate // n_groups,
+            )
+            if gated_norm
+            else None
         )
-        self.out_proj = Linear(self.intermediate, hidden_size, bias=proj_bias)
+        out_bias = proj_bias if out_bias is None else out_bias
+        self.out_proj = Linear(self.intermediate, hidden_size, bias=out_bias)
 
     def state_layer_spec(
         self, conv_dtype: torch.dtype = torch.float32, ssm_dtype: torch.dtype = torch.float32
@@ -106,7 +118,8 @@ class Mamba2Mixer(KernelUser, nn.Module):
         proj = self.in_proj(hidden)
         gate, xbc, dt_raw = proj.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
         weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
-        if layout.decode is not None and layout.decode.rows.whole:
+        fused_norm = self.norm is not None and not self.norm.norm_before_gate
+        if layout.decode is not None and layout.decode.rows.whole and fused_norm:
             # decodes alone: the op finishes with the output norm (one kernel on the cpu backend)
             out = ops.mamba2_mixer_decode(
                 xbc, dt_raw, conv_pool, ssm_pool, layout, weight, bias, self.activation,
@@ -131,5 +144,9 @@ class Mamba2Mixer(KernelUser, nn.Module):
                 self.activation, self.A_log, self.dt_bias, self.dt_limit, self.D, self.scan_shape,
             )  # fmt: skip
             y = rows.put(y, step)
-        out = self.norm(y.view(-1, self.intermediate), gate)
+        y = y.view(-1, self.intermediate)
+        if self.norm is not None:
+            out = self.norm(y, gate)
+        else:
+            out = (y.float() * F.silu(gate.float())).to(y.dtype)
         return self.out_proj(out)

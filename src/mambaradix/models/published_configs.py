@@ -504,10 +504,53 @@ PUBLISHED["lfm2_24b_a2b"] = Published(
     "LiquidAI/LFM2-24B-A2B (LiquidAI's release notes: 40 layers, 64 experts x 1536, top 4)",
 )
 
+# ----------------------------------------------------------------------------- Falcon-H1
+
+# tiiuae/Falcon-H1-0.5B-Instruct config.json as quoted by mlx-lm's and Megatron-Bridge's ports:
+# 36 layers, each attention (8 heads / 2 KV x 64, RoPE theta 1e11) beside a Mamba2 mixer
+# (24 heads x 64, d_state 128, no output norm), SwiGLU 2048, its muP multipliers.
+PUBLISHED["falcon_h1_0_5b"] = Published(
+    "FalconH1Config",
+    "FalconH1ForCausalLM",
+    dict(
+        vocab_size=32784,
+        hidden_size=1024,
+        num_hidden_layers=36,
+        intermediate_size=2048,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        mamba_d_ssm=1536,
+        mamba_n_heads=24,
+        mamba_d_head=64,
+        mamba_n_groups=1,
+        mamba_d_state=128,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=128,
+        mamba_conv_bias=True,
+        mamba_proj_bias=False,
+        mamba_rms_norm=False,
+        mamba_norm_before_gate=False,
+        embedding_multiplier=5.656854249492381,
+        lm_head_multiplier=0.0390625,
+        key_multiplier=0.390625,
+        attention_in_multiplier=1.0,
+        attention_out_multiplier=0.9375,
+        ssm_in_multiplier=1.25,
+        ssm_out_multiplier=0.23570226039551587,
+        mlp_multipliers=[0.8838834764831844, 0.5859375],
+        ssm_multipliers=[0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e11},
+        tie_word_embeddings=False,
+        max_position_embeddings=131072,
+    ),
+    "tiiuae/Falcon-H1-0.5B-Instruct config.json (quoted by mlx-lm's and Megatron-Bridge's ports)",
+)
+
 # Published checkpoints whose architecture transformers has but this engine does not run:
 # loading one must fail with the list of supported architectures.
 UNSUPPORTED = {
     "mamba_130m": ("mamba", "MambaForCausalLM"),
-    "falcon_h1_0_5b": ("falcon_h1", "FalconH1ForCausalLM"),
     "jamba_mini": ("jamba", "JambaForCausalLM"),
 }

@@ -21,6 +21,7 @@ MODEL_MODULES = (
     "mambaradix.models.granite_hybrid",
     "mambaradix.models.nemotron_h",
     "mambaradix.models.lfm2",
+    "mambaradix.models.falcon_h1",
 )
 
 _MODELS: dict[str, type] = {}

@@ -283,3 +283,65 @@ def _lfm2_moe_routing(model: Any, gen: Any) -> None:
 
 
 register_tiny("lfm2_moe", _tiny_lfm2_moe, init=_lfm2_moe_routing)
+
+
+# --------------------------------------------------------------------------- falcon_h1
+
+
+def _tiny_falcon_h1(size: str = "tiny", **overrides: Any):
+    from transformers import FalconH1Config
+    from transformers import FalconH1ForCausalLM as HFModel
+
+    d = size_dims(size)
+    kw: dict[str, Any] = dict(
+        vocab_size=d["vocab"],
+        hidden_size=d["hidden"],
+        intermediate_size=d["intermediate"],
+        num_hidden_layers=d["layers"] // 2 + 1,
+        num_attention_heads=d["heads"],
+        num_key_value_heads=d["kv_heads"],
+        head_dim=d["head_dim"],
+        mamba_d_ssm=2 * d["hidden"],
+        mamba_n_heads=2 * d["hidden"] // d["head_dim"],
+        mamba_d_head=d["head_dim"],
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_chunk_size=64,
+        mamba_rms_norm=False,
+        mamba_norm_before_gate=False,
+        # muP multipliers, none of them 1 so that folding each is tested; Falcon-H1-0.5B's
+        # where they leave the mixer audible in a random model, larger for the mixer's own
+        embedding_multiplier=5.656854249492381,
+        lm_head_multiplier=0.5,  # 0.04 as published flattens the tiny logits
+        key_multiplier=0.390625,
+        attention_in_multiplier=0.75,
+        attention_out_multiplier=0.9375,
+        ssm_in_multiplier=1.25,
+        ssm_out_multiplier=2.0,
+        mlp_multipliers=[0.8838834764831844, 0.5859375],
+        ssm_multipliers=[1.5, 2.0, 1.25, 1.5, 0.5],
+        max_position_embeddings=4096,
+        initializer_range=0.1 if size == "tiny" else 0.05,
+        tie_word_embeddings=False,
+    )
+    kw.update(overrides)
+    return FalconH1Config(**kw), HFModel
+
+
+def _falcon_h1_dt(model: Any, gen: Any) -> None:
+    """Time steps drawn log-uniform in [1e-3, 0.1] as Mamba2's initialiser draws them
+    (transformers' Falcon-H1 starts every dt_bias at 1: a state that forgets within a few
+    tokens, so a zeroed state would hardly show in the logits)."""
+    import math
+
+    import torch
+
+    for name, p in model.named_parameters():
+        if name.endswith("mamba.dt_bias"):
+            u = torch.rand(p.shape, generator=gen)
+            dt = torch.exp(u * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+
+
+register_tiny("falcon_h1", _tiny_falcon_h1, init=_falcon_h1_dt)
