@@ -45,8 +45,9 @@ CACHE = Path(os.environ.get("MAMBARADIX_CACHE", Path.home() / ".cache" / "mambar
 # Published configurations (models/published_configs.py), full size: random weights in bf16,
 # the published dimensions, layer pattern and vocabulary.
 PRESETS = ("qwen3_5_0_8b", "lfm2_350m", "granite_4_0_h_350m")
-# larger ones, run only when named (--presets): a mixture of experts (7B, 1B active: 14 GB)
-MORE_PRESETS = ("granite_4_0_h_tiny",)
+# run only when named (--presets): a mixture of experts (7B, 1B active: 14 GB), and Falcon-H1
+# (attention and Mamba2 in every layer)
+MORE_PRESETS = ("granite_4_0_h_tiny", "falcon_h1_0_5b")
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -126,6 +127,7 @@ TOKENIZER_CLASS = {
     "lfm2_350m": "TokenizersBackend",
     "granite_4_0_h_350m": "GPT2Tokenizer",
     "granite_4_0_h_tiny": "GPT2Tokenizer",
+    "falcon_h1_0_5b": "PreTrainedTokenizerFast",
 }
 
 
