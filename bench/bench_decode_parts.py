@@ -46,6 +46,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_real import (  # noqa: E402
+    MORE_PRESETS,
     PRESETS,
     decode_engine,
     engine_decode,
@@ -56,7 +57,7 @@ from bench_real import (  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--preset", default="lfm2_350m", choices=sorted(PRESETS))
+    ap.add_argument("--preset", default="lfm2_350m", choices=sorted([*PRESETS, *MORE_PRESETS]))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32, help="decode steps of each timed run")
