@@ -368,7 +368,7 @@ class GateVocab:
 def _bitmask_row(ids: frozenset[int], n_words: int) -> np.ndarray:
     """An int32 bitmask row (xgrammar's layout: bit i % 32 of word i // 32) with ``ids`` set."""
     bits = np.zeros(n_words * 32, dtype=np.uint8)
-    bits[sorted(ids)] = 1
+    bits[[i for i in sorted(ids) if i < bits.size]] = 1
     return np.packbits(bits.reshape(-1, 32), axis=1, bitorder="little").view(np.int32)[:, 0]
 
 
@@ -382,8 +382,8 @@ class GrammarMatcher:
     goes through phases: ``start`` (the grammar's tokens or the start tag), ``thinking`` (no
     mask: ``constrains()`` is False; the end tag is looked for in the bytes generated), ``after``
     (the end tag seen: the grammar's tokens or whitespace, at most ``MAX_SPACE_TOKENS`` of
-    it), ``grammar``. In ``start`` and
-    ``after`` the mask is the grammar's with ``extra_allowed()`` added."""
+    it), ``grammar``. In ``start`` and ``after`` the mask is the grammar's with
+    ``extra_allowed()`` added."""
 
     def __init__(
         self,

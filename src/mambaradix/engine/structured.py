@@ -37,11 +37,7 @@ import torch
 
 from mambaradix.core import GrammarSpec, ReasoningGate
 from mambaradix.engine.batch import RunBatch
-from mambaradix.engine.grammar import (
-    GrammarCompiler,
-    GrammarMatcher,
-    apply_bitmask_rows,
-)
+from mambaradix.engine.grammar import GrammarCompiler, GrammarMatcher, apply_bitmask_rows
 
 logger = logging.getLogger(__name__)
 
