@@ -117,3 +117,50 @@ def test_constraints_lists_the_fields_set():
         "ebnf",
     ]
     assert constraints(SimpleNamespace(regex=None, json_schema={}, ebnf=None)) == ["json_schema"]
+
+
+def test_vllm_fields_are_the_same_specs():
+    want = GrammarSpec.from_json_schema(SCHEMA)
+    assert grammar_of(_req(guided_json=SCHEMA)) == want
+    assert grammar_of(_req(guided_json=json.dumps(SCHEMA))) == want
+    assert grammar_of(_req(structured_outputs={"json": SCHEMA})) == want
+    assert grammar_of(_req(guided_regex="a+")) == GrammarSpec("regex", "a+")
+    assert grammar_of(_req(structured_outputs={"regex": "a+"})) == GrammarSpec("regex", "a+")
+    ebnf = 'root ::= "a"'
+    assert grammar_of(_req(guided_grammar=ebnf)) == GrammarSpec("ebnf", ebnf)
+    assert grammar_of(_req(structured_outputs={"grammar": ebnf, "regex": None})) == GrammarSpec(
+        "ebnf", ebnf
+    )
+    assert grammar_of(_req(structured_outputs={"json_object": True})) == GrammarSpec("json_object")
+    choice = grammar_of(_req(guided_choice=['a "b"', "c\\d", "é"]))
+    assert choice == GrammarSpec("ebnf", 'root ::= "a \\"b\\"" | "c\\\\d" | "é"')
+    assert grammar_of(_req(structured_outputs={"choice": ["x"]})) == GrammarSpec(
+        "ebnf", 'root ::= "x"'
+    )
+
+
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_choice": ["a", 3]}, "guided_choice"),
+        ({"guided_regex": "a+("}, "guided_regex"),
+        ({"guided_json": "{"}, "guided_json"),
+        ({"guided_grammar": "root ::= "}, "guided_grammar"),
+        ({"structured_outputs": "json"}, "structured_outputs"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs"),
+        (
+            {"structured_outputs": {"whitespace_pattern": " "}},
+            "structured_outputs.whitespace_pattern",
+        ),
+        ({"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object"),
+        ({"structured_outputs": {"regex": "a+("}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+        ({"guided_json": SCHEMA, "regex": "a"}, "guided_json"),
+    ],
+)
+def test_vllm_field_errors_name_the_field(fields, param):
+    with pytest.raises(APIError) as err:
+        grammar_of(_req(**fields))
+    assert err.value.param == param

@@ -189,3 +189,35 @@ def test_bad_grammars_are_400s_naming_the_field_and_serving_goes_on(http, path, 
     assert err.get("param") == param, err
     good = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "regex": "ok"})
     assert good.status_code == 200 and good.json()["choices"][0]["text"] == "ok"
+
+
+def test_vllm_fields_on_both_routes(client):
+    """vLLM's guided_choice / guided_regex / guided_json and structured_outputs: the output
+    follows them on completions and chat, sampled with seeds so the mask shapes every token
+    (json_object, unbounded, only as a spec: test_grammar_fields)."""
+    choices = ["red", "green", "blue sky"]
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 9}}, "required": ["n"], "additionalProperties": False}  # fmt: skip
+
+    def fits(t: str) -> bool:
+        jsonschema.validate(json.loads(t), schema)
+        return True
+
+    cases = [
+        ({"guided_choice": choices}, lambda t: t in choices),
+        ({"structured_outputs": {"choice": choices}}, lambda t: t in choices),
+        ({"guided_regex": "[a-c]{3}x"}, lambda t: re.fullmatch("[a-c]{3}x", t)),
+        ({"structured_outputs": {"json": schema}}, fits),
+        ({"guided_json": schema}, fits),
+    ]  # fmt: skip
+    for extra, ok in cases:
+        for seed in (1, 2):
+            kw = dict(model="tiny-qwen", max_tokens=60, temperature=0.9, seed=seed,
+                      extra_body=extra)  # fmt: skip
+            comp = client.completions.create(prompt="Pick:", **kw).choices[0]
+            chat = client.chat.completions.create(
+                messages=[{"role": "user", "content": "Pick:"}], **kw
+            ).choices[0]  # fmt: skip
+            for text, reason in ((comp.text, comp.finish_reason),
+                                 (chat.message.content, chat.finish_reason)):  # fmt: skip
+                assert reason == "stop" and ok(text), (extra, text)

@@ -7,7 +7,9 @@ plain dicts in the OpenAI wire format. Extensions implemented beyond OpenAI's sc
 vLLM names): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``return_token_ids`` (adds ``token_ids`` to each
 choice and ``prompt_token_ids``), ``stream_options.continuous_usage_stats``; structured output:
-OpenAI's ``response_format`` and SGLang's ``regex`` / ``json_schema`` / ``ebnf``; chat:
+OpenAI's ``response_format``, SGLang's ``regex`` / ``json_schema`` / ``ebnf``, vLLM's
+``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and
+``structured_outputs``; chat:
 ``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``,
 ``separate_reasoning``, ``stream_reasoning``, ``thinking_token_budget`` (vLLM's; with
 ``--reasoning-parser``), messages' ``reasoning_content`` and ``name``;
@@ -96,6 +98,12 @@ class _SamplingFields(_Strict):
     regex: str | None = None
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
+    # ... and vLLM's: the older guided_* fields and the newer structured_outputs object
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def num_choices(self) -> int:

@@ -8,6 +8,10 @@ request:
   (``strict`` true or false: the schema is enforced either way);
 - SGLang's ``regex``, ``json_schema`` (a schema, as a JSON string or an object) and ``ebnf``: on
   ``/generate``'s ``sampling_params`` and as extra body fields of the OpenAI routes;
+- vLLM's extra body fields of the OpenAI routes: ``guided_json`` / ``guided_regex`` /
+  ``guided_grammar`` (as the three above), ``guided_choice`` (the output is one of a list of
+  strings), and ``structured_outputs`` holding one of ``json`` / ``regex`` / ``choice`` /
+  ``grammar`` / ``json_object: true``;
 - on the chat route, ``tool_choice`` required / named: one forced call, whose grammar
   ``resolve_tools`` builds (``server.tools.resolve``: each tool's parameters through
   ``schema_spec``); it refuses a forced call together with any field above (``constraints``).
@@ -27,7 +31,14 @@ from mambaradix.core import GrammarSpec
 from mambaradix.engine.grammar import validate_spec
 from mambaradix.server.protocol import APIError
 
-FIELDS = ("response_format", "regex", "json_schema", "ebnf")  # in the order errors name them
+# in the order errors name them
+FIELDS = ("response_format", "regex", "json_schema", "ebnf", "guided_json", "guided_regex",
+          "guided_choice", "guided_grammar", "structured_outputs")  # fmt: skip
+# vLLM's fields as the spec kind they stand for (``guided_choice``: an EBNF of the choices)
+_VLLM = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "ebnf"}
+# vLLM's structured_outputs object: its keys as the fields above
+_STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                       "grammar": "guided_grammar", "json_object": None}  # fmt: skip
 MAX_SOURCE_CHARS = 1 << 20  # a schema / regex / grammar longer than 1 MiB is refused
 _RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 _JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
@@ -66,14 +77,54 @@ def grammar_of(req: Any, prefix: str = "") -> GrammarSpec | None:
     value = getattr(req, field)
     if field == "response_format":
         return _response_format_spec(value, prefix + field)
-    if field == "json_schema":
-        return schema_spec(value, prefix + field)
-    where = prefix + field
+    if field == "structured_outputs":
+        key, value = _structured_outputs(value, prefix + field)
+        where = f"{prefix}{field}.{key}"
+        if key == "json_object":
+            return GrammarSpec("json_object")
+        field = _STRUCTURED_OUTPUTS[key]
+    else:
+        where = prefix + field
+    if field == "guided_choice":
+        return _choice_spec(value, where)
+    kind = _VLLM.get(field, field)
+    if kind == "json_schema":
+        return schema_spec(value, where)
     if not isinstance(value, str) or not value:
         raise _error(where, "must be a non-empty string")
     if len(value) > MAX_SOURCE_CHARS:
         raise _error(where, f"longer than {MAX_SOURCE_CHARS} characters")
-    return _validated(GrammarSpec(field, value), where)
+    return _validated(GrammarSpec(kind, value), where)
+
+
+def _structured_outputs(value: Any, where: str) -> tuple[str, Any]:
+    """vLLM's ``structured_outputs``: exactly one of ``json``, ``regex``, ``choice``,
+    ``grammar`` or ``json_object: true``, as ``(that key, its value)``."""
+    if not isinstance(value, dict):
+        raise _error(where, "must be an object")
+    unknown = sorted(k for k in value if k not in _STRUCTURED_OUTPUTS)
+    if unknown:
+        raise _error(f"{where}.{unknown[0]}", "not supported by this server")
+    given = [k for k in _STRUCTURED_OUTPUTS if value.get(k) not in (None, False)]
+    if len(given) != 1:
+        names = ", ".join(_STRUCTURED_OUTPUTS)
+        raise _error(where, f"needs exactly one of {names}, got {len(given)}")
+    key = given[0]
+    if key == "json_object" and value[key] is not True:
+        raise _error(f"{where}.json_object", "must be true")
+    return key, value[key]
+
+
+def _choice_spec(choices: Any, where: str) -> GrammarSpec:
+    """vLLM's ``guided_choice``: the output is exactly one of the strings."""
+    if not isinstance(choices, list) or not choices:
+        raise _error(where, "must be a non-empty list of strings")
+    if not all(isinstance(c, str) and c for c in choices):
+        raise _error(where, "every choice must be a non-empty string")
+    source = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    if len(source) > MAX_SOURCE_CHARS:
+        raise _error(where, f"longer than {MAX_SOURCE_CHARS} characters")
+    return _validated(GrammarSpec("ebnf", source), where)
 
 
 def schema_spec(schema: Any, where: str) -> GrammarSpec:
