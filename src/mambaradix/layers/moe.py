@@ -56,6 +56,21 @@ def experts_forward(
     return ops.moe_experts(x, weights, ids, gate_up, down, act, gated)
 
 
+class KeepsFloat32(nn.Module):
+    """A module whose parameters named in ``fp32_params`` stay float32 whatever the model dtype
+    (routing weights and biases: in bfloat16, near-tied expert scores would route otherwise)."""
+
+    fp32_params: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001
+        super()._apply(fn, recurse)
+        for name in self.fp32_params:
+            p = getattr(self, name, None)
+            if p is not None:
+                p.data = p.data.float()
+        return self
+
+
 class Experts(KernelUser, nn.Module):
     """The routed experts of a block, fused: gated (``gate_up_proj`` ``[E, 2I, H]``, Qwen /
     Granite) or plain (``up_proj`` ``[E, I, H]``, ``down(act(up(x)))``, Nemotron-H), and

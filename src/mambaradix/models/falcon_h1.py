@@ -107,12 +107,11 @@ class _Body(nn.Module):
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-def mup_rows(config: Any) -> torch.Tensor:
-    """The per-row multiplier of the mixer's ``in_proj`` output ``[z | x | B | C | dt]``."""
-    d_ssm = config.mamba_d_ssm or int(config.mamba_expand * config.hidden_size)
-    gn = config.mamba_n_groups * config.mamba_d_state
-    sizes = (d_ssm, d_ssm, gn, gn, config.mamba_n_heads)
-    mults = config.ssm_multipliers or [1.0] * 5
+def mup_rows(mixer: Mamba2Mixer, multipliers: list[float] | None) -> torch.Tensor:
+    """The per-row multiplier of ``mixer.in_proj``'s output ``[z | x | B | C | dt]``."""
+    gn = mixer.n_groups * mixer.d_state
+    sizes = (mixer.intermediate, mixer.intermediate, gn, gn, mixer.num_heads)
+    mults = multipliers or [1.0] * 5
     return torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, mults)])
 
 
@@ -149,7 +148,7 @@ class FalconH1ForCausalLM(HybridCausalLM):
     def _fold_multipliers(self) -> None:
         c = self.config
         gate_mult, down_mult = c.mlp_multipliers or (1.0, 1.0)
-        rows = mup_rows(c) * float(c.ssm_in_multiplier)
+        rows = mup_rows(self.model.layers[0].mamba, c.ssm_multipliers) * float(c.ssm_in_multiplier)
         for layer in self.model.layers:
             att, mix, ff = layer.self_attn, layer.mamba, layer.feed_forward
             a_in = float(c.attention_in_multiplier)

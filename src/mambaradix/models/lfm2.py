@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mambaradix.layers.attention import pooled_attention
-from mambaradix.layers.moe import Experts
+from mambaradix.layers.moe import Experts, KeepsFloat32
 from mambaradix.layers.norm import RMSNorm
 from mambaradix.layers.ops import KernelUser, Linear
 from mambaradix.layers.rotary import RotaryEmbedding
@@ -72,11 +72,13 @@ class Lfm2MoeRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
 
 
-class Lfm2SparseMoe(nn.Module):
+class Lfm2SparseMoe(KeepsFloat32):
     """LFM2-MoE's feed-forward: scores ``sigmoid(gate x)`` in the model's dtype; the top-k
     experts by score plus ``expert_bias`` (fp32, whatever the model dtype, as transformers keeps
     it); their weights the unbiased scores, renormalised when ``norm_topk_prob`` (a 1e-6 floor),
     times ``routed_scaling_factor``; gated SiLU experts."""
+
+    fp32_params = ("expert_bias",)
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -89,12 +91,6 @@ class Lfm2SparseMoe(nn.Module):
         self.expert_bias = (
             nn.Parameter(torch.zeros(e), requires_grad=False) if config.use_expert_bias else None
         )
-
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001
-        super()._apply(fn, recurse)
-        if self.expert_bias is not None:
-            self.expert_bias.data = self.expert_bias.data.float()
-        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scores = F.linear(x, self.gate.weight).sigmoid()

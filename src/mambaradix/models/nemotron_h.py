@@ -21,7 +21,7 @@ from torch import nn
 
 from mambaradix.layers.mamba2 import Mamba2Mixer
 from mambaradix.layers.mlp import activation
-from mambaradix.layers.moe import Experts
+from mambaradix.layers.moe import Experts, KeepsFloat32
 from mambaradix.layers.norm import RMSNorm
 from mambaradix.layers.ops import Linear
 from mambaradix.layout import ForwardContext
@@ -50,10 +50,13 @@ class NemotronMLP(nn.Module):
         return self.down_proj(self.act(self.up_proj(x)))
 
 
-class NemotronRouter(nn.Module):
+class NemotronRouter(KeepsFloat32):
     """Sigmoid scores; experts chosen among the ``topk_group`` best groups (a group's score is
     the sum of its two best biased scores); weights are the unbiased scores, optionally
-    renormalized, times ``routed_scaling_factor``."""
+    renormalized, times ``routed_scaling_factor``. Its weight and bias stay float32 (as in the
+    reference model)."""
+
+    fp32_params = ("weight", "e_score_correction_bias")
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -66,14 +69,6 @@ class NemotronRouter(nn.Module):
         self.e_score_correction_bias = nn.Parameter(
             torch.zeros(self.num_experts), requires_grad=False
         )
-
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001
-        # Router weights stay float32 whatever the model dtype (as in the reference model):
-        # in bfloat16 near-tied expert scores would otherwise route differently.
-        super()._apply(fn, recurse)
-        for p in (self.weight, self.e_score_correction_bias):
-            p.data = p.data.float()
-        return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
