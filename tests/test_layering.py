@@ -17,6 +17,8 @@ FORBIDDEN = {
     "core.py": _ALL,
     "layout.py": _ALL,
     "stats.py": _ALL | {"core", "layout"},
+    # host memory (pools' mappings, the weights' huge-page arena): used by cache/ and models/
+    "host_memory.py": _ALL | {"core", "layout", "stats"},
     "cache": {"models", "layers", "kernels", "config", *_UPPER},
     "kernels": {"models", "layers", "config", *_UPPER},
     "layers": {"models", "config", *_UPPER},

@@ -1,17 +1,20 @@
-"""Pools on the host cost memory only where they are written (``cache/host_memory.py``): a
-large pool maps zero pages the kernel supplies on first touch, so start-up does not fault in a
-budget it may never use; small or non-CPU tensors are ordinary ``torch.zeros``."""
+"""Host memory (``host_memory.py``). Pools cost memory only where they are written: a large
+pool maps zero pages the kernel supplies on first touch, so start-up does not fault in a budget
+it may never use; small or non-CPU tensors are ordinary ``torch.zeros``. Weights are cut from
+one arena advised for transparent huge pages."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
-from mambaradix.cache.host_memory import MAPPED_MIN_BYTES, lazy_zeros
+from mambaradix import host_memory
 from mambaradix.cache.kv_pool import KVPool
 from mambaradix.cache.state_pool import StatePool
 from mambaradix.core import KVSpec, StateLayerSpec, StateSpec
+from mambaradix.host_memory import ALIGN, HUGE_PAGE, MAPPED_MIN_BYTES, WeightArena, lazy_zeros
 
 MB = 1 << 20
 
@@ -55,3 +58,50 @@ def test_pools_allocate_lazily():
     slots = states.alloc(1)
     states.temporal[0][slots[0]].fill_(1.0)
     assert states.temporal[0][slots[0]].sum() == 32 * 128 * 128
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of the mapping of this process that holds ``address``."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(a, 16) for a in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_weight_arena_cuts_aligned_tensors_from_one_huge_page_mapping(monkeypatch):
+    monkeypatch.setattr(host_memory, "HUGE_PAGES", True)
+    shapes = [(1000, 3), (64, 64), (7,), (2048, 1024)]
+    arena = WeightArena(sum(WeightArena.span(s, torch.bfloat16) for s in shapes))
+    cut = [arena.take(s, torch.bfloat16) for s in shapes]
+    assert arena.used == arena.capacity
+    assert cut[0].data_ptr() % HUGE_PAGE == 0  # the arena starts on a huge page
+    for t, s in zip(cut, shapes):
+        assert t.shape == s and t.is_contiguous() and t.data_ptr() % ALIGN == 0
+    for i, t in enumerate(cut):  # disjoint: each keeps what was written to it
+        t.fill_(i + 1)
+    assert [float(t.float().mean()) for t in cut] == [1.0, 2.0, 3.0, 4.0]
+    assert arena.huge and "hg" in _vm_flags(cut[3].data_ptr())  # advised MADV_HUGEPAGE
+    with pytest.raises(ValueError, match="left"):
+        arena.take((1,), torch.float32)
+    # the control: the same arena with the advice off is not advised
+    monkeypatch.setattr(host_memory, "HUGE_PAGES", False)
+    plain = WeightArena(4 * MB)
+    assert not plain.huge and "hg" not in _vm_flags(plain.take((16,), torch.float32).data_ptr())
+
+
+def test_loaded_weights_live_in_the_arena():
+    """Every parameter the loader materialises on the CPU is cut from one advised mapping."""
+    from mambaradix.models.loader import load_model
+
+    model = load_model("tiny:lfm2")
+    params = list(model.parameters())
+    ptrs = sorted(p.data_ptr() for p in params)
+    nbytes = sum(WeightArena.span(p.shape, p.dtype) for p in params)
+    assert ptrs[-1] - ptrs[0] < nbytes  # packed one after another
+    assert all("hg" in _vm_flags(p) for p in ptrs[:: max(1, len(ptrs) // 8)])

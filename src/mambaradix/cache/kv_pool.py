@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from mambaradix.cache.host_memory import lazy_zeros
 from mambaradix.core import KVSpec
+from mambaradix.host_memory import lazy_zeros
 
 
 class KVPool:

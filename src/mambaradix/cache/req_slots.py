@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mambaradix.cache.host_memory import lazy_zeros
+from mambaradix.host_memory import lazy_zeros
 
 
 class ReqSlots:

@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mambaradix.host_memory import WeightArena
+
 
 class CheckpointError(ValueError):
     """A checkpoint folder is missing a file or holds something malformed."""
@@ -328,8 +330,15 @@ def _owns_storage(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0
 
 
-def _materialise(p: nn.Parameter, t: torch.Tensor | Lazy, device: torch.device) -> nn.Parameter:
-    """A real parameter with ``p``'s dtype, shape and strides holding ``t``'s values."""
+def _materialise(
+    p: nn.Parameter, t: torch.Tensor | Lazy, device: torch.device, arena: WeightArena | None
+) -> nn.Parameter:
+    """A real parameter with ``p``'s dtype, shape and strides holding ``t``'s values, cut from
+    ``arena`` where it has one."""
+    if arena is not None and _in_arena(p):
+        data = arena.take(p.shape, p.dtype)
+        write_into(t, data)
+        return nn.Parameter(data, requires_grad=p.requires_grad)
     if isinstance(t, Lazy):
         data = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype)
         t.read_into(data)  # read in place: the one write of these bytes
@@ -344,6 +353,19 @@ def _materialise(p: nn.Parameter, t: torch.Tensor | Lazy, device: torch.device) 
     return nn.Parameter(data, requires_grad=p.requires_grad)
 
 
+def _in_arena(p: nn.Parameter) -> bool:
+    return p.is_meta and p.numel() > 0 and p.is_contiguous()
+
+
+def _weight_arena(params: Iterable[nn.Parameter], device: torch.device) -> WeightArena | None:
+    """One arena (``host_memory.WeightArena``: huge pages) for every meta parameter on the CPU
+    (tiny models too: every test's model is loaded the way a real one is)."""
+    if device.type != "cpu":
+        return None
+    nbytes = sum(WeightArena.span(p.shape, p.dtype) for p in params if _in_arena(p))
+    return WeightArena(nbytes) if nbytes else None
+
+
 def assign_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor | Lazy]],
@@ -354,13 +376,15 @@ def assign_weights(
 
     A meta parameter (model built under ``no_init``) is replaced by a real one with its dtype
     and layout, on ``device`` (default cpu), in every module that holds it (tied weights); a
-    real parameter is copied into. Raises CheckpointError listing missing parameters, shape
-    mismatches and (when strict) unexpected names."""
+    real parameter is copied into. On the CPU the new parameters are cut from one
+    ``WeightArena`` (huge pages: the weights stream faster in decode). Raises CheckpointError
+    listing missing parameters, shape mismatches and (when strict) unexpected names."""
     dev = torch.device(device or "cpu")
     params = dict(model.named_parameters())
     owners = _owners(model)
     seen: set[str] = set()
     unexpected, bad_shape = [], []
+    arena = _weight_arena(params.values(), dev)
     with torch.no_grad():
         for name, tensor in weights:
             p = params.get(name)
@@ -371,7 +395,7 @@ def assign_weights(
                 bad_shape.append(f"{name}: checkpoint {tuple(tensor.shape)} vs {tuple(p.shape)}")
                 continue
             if p.is_meta:
-                new = _materialise(p, tensor, dev)
+                new = _materialise(p, tensor, dev, arena)
                 for mod, leaf in owners.pop(id(p)):
                     mod._parameters[leaf] = new
                 owners[id(new)] = []
