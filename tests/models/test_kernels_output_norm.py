@@ -6,7 +6,8 @@ Each folded result is compared with the same backend's unfolded op followed by i
 path the layers took before, and still take for mixed batches) and with the torch reference's
 composition, in bf16 and fp32 at published shapes; the states must be those of the unfolded
 op. The norm op is made to raise, so the fold must have run in C. Controls: a norm over the
-wrong groups, and another gate, are far outside the bounds met."""
+wrong groups, and another gate, are far outside the bounds met. A Mamba2 mixer without a norm
+(Falcon-H1) folds its bare gate the same way."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from mambaradix.core import ForwardReq
 from mambaradix.kernels import cpu
+from mambaradix.kernels import norm as norm_ops
 from mambaradix.kernels.cpu_backend import CpuBackend
 from mambaradix.kernels.norm import GatedNorm
 from mambaradix.kernels.torch_backend import TorchBackend
@@ -122,6 +124,32 @@ def test_mamba2_decode_folds_its_gate_first_norm(heads, groups, dtype, monkeypat
     other = cpu.rms_norm_gate_first(y.view(3, -1), z.roll(1, 1), weight, EPS, group)
     for wrong in (regrouped, other):
         assert spacing_err(wrong, want).mean() > 20 * spacing_err(composed, want).mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mamba2_decode_folds_its_bare_gate(dtype, monkeypatch):
+    """Without a norm (Falcon-H1: ``y * silu(z)``, a ``GatedNorm`` with no weight) the same
+    C call finishes with the gate alone."""
+    case = _mamba2_case(24, 1, dtype)  # Falcon-H1-0.5B's mixer: 24 heads of 64, one group
+    z = case[0]
+    gate = GatedNorm(z, None, 0.0, 64)
+    cpu_backend = CpuBackend()
+    y, unfolded_pools = _mamba2_run(cpu_backend, case, None)
+    composed = norm_ops.silu_gate(y.view(3, -1), z)
+    want, _ = _mamba2_run(TorchBackend(), case, gate)
+
+    monkeypatch.setattr(norm_ops, "silu_gate", _refuse)
+    monkeypatch.setattr(TorchBackend, "mamba2_mixer_decode", None)  # no composed fallback
+    got, pools = _mamba2_run(cpu_backend, case, gate)
+    monkeypatch.undo()
+
+    assert got.dtype == dtype and got.shape == (3, 24 * 64) and got.is_contiguous()
+    for a, b in zip(pools, unfolded_pools):
+        assert torch.equal(a, b)
+    _check_fold(got, composed, want, dtype)
+    # controls: another gate, and the ungated y
+    for wrong in (norm_ops.silu_gate(y.view(3, -1), z.roll(1, 1)), y.view(3, -1)):
+        assert spacing_err(wrong, want).mean() > 20 * spacing_err(composed, want).mean() + 1
 
 
 def test_mamba2_decode_runs_the_norm_op_where_it_cannot_fold(monkeypatch):

@@ -167,7 +167,7 @@ class KernelBackend(ABC):
         ``[Td, H]`` before softplus; ``shape`` = ``(H, P, G, N)``): conv, dt, scan; both states
         updated in the pool. Returns ``[Td, H, P]`` in ``xbc``'s dtype; with ``norm`` (gate
         ``[Td, H * P]``), the mixer's output norm of it ``[Td, H * P]`` (``rms_norm_gate_first``
-        per group)."""
+        per group), or with a ``norm`` without weight the bare gate (``norm.silu_gate``)."""
 
     # ------------------------------------------------------------ per-token ops
     @abstractmethod

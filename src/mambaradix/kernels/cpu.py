@@ -167,8 +167,7 @@ def _folds(gn: norm.GatedNorm, dt: torch.dtype, rows: int, features: int, weight
     return (
         _cpu_rows(g, dt)
         and tuple(g.shape) == (rows, features)
-        and _cpu_dense(w, dt)
-        and w.numel() == weights
+        and (w is None or (_cpu_dense(w, dt) and w.numel() == weights))
     )
 
 
@@ -176,7 +175,8 @@ def _norm_args(gn: norm.GatedNorm | None) -> tuple:
     """A decode kernel's trailing norm arguments: gate, its row stride, weight, eps."""
     if gn is None:
         return None, 0, None, 0.0
-    return gn.gate.data_ptr(), gn.gate.stride(0), gn.weight.data_ptr(), gn.eps
+    weight = None if gn.weight is None else gn.weight.data_ptr()
+    return gn.gate.data_ptr(), gn.gate.stride(0), weight, gn.eps
 
 
 def _gdn_norm(out: torch.Tensor, gn: norm.GatedNorm) -> torch.Tensor:
@@ -919,8 +919,9 @@ def mamba2_decode(
     row-strided views of one projection; states in place at ``slots``. ``shape`` is
     ``(H, P, G, N)``; ``cu`` / ``row_slots``: decodes of several positions
     (``gated_delta_decode``). Returns ``y`` ``[rows, H, P]`` in the model dtype or, with
-    ``out_norm``, the mixer's output norm of it ``[rows, H * P]`` (``rms_norm_gate_first``);
-    None where the C code does not cover the inputs (the caller composes the separate steps)."""
+    ``out_norm``, the mixer's output norm of it ``[rows, H * P]`` (``rms_norm_gate_first``; or
+    the bare gate, ``silu_gate``, where ``out_norm`` has no weight); None where the C code
+    does not cover the inputs (the caller composes the separate steps)."""
     dt = xbc.dtype
     fn = _native_fn(native.load("ssm_decode"), "mamba2_decode", dt)
     H, P, G, N = shape
@@ -968,6 +969,8 @@ def mamba2_decode(
     if out_norm is None or fold:
         return out
     gn = out_norm
+    if gn.weight is None:
+        return norm.silu_gate(y.view(B, -1), gn.gate)
     return rms_norm_gate_first(y.view(B, -1), gn.gate, gn.weight, gn.eps, gn.group_size)
 
 

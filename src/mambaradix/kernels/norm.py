@@ -51,6 +51,12 @@ def rms_norm_gate_first(
     return weight * y.to(x.dtype)
 
 
+def silu_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * silu(gate)`` in fp32, rounded once to x's dtype (a Mamba2 mixer without its output
+    norm: Falcon-H1's default)."""
+    return (x.float() * F.silu(gate.float())).to(x.dtype)
+
+
 def rms_norm_gated(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
@@ -68,9 +74,10 @@ class GatedNorm:
     ``group_size``, the features normalised together. Which norm it is belongs to the op: Gated
     DeltaNet normalises each value head and then gates (``rms_norm_gated``; ``weight``
     ``[group_size]``, shared by the heads), Mamba2 gates and then normalises each group
-    (``rms_norm_gate_first``; ``weight`` ``[features]``)."""
+    (``rms_norm_gate_first``; ``weight`` ``[features]``). ``weight`` None: no norm, the gate
+    alone (``silu_gate``; Mamba2 only)."""
 
     gate: torch.Tensor
-    weight: torch.Tensor
+    weight: torch.Tensor | None
     eps: float
     group_size: int

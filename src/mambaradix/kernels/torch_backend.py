@@ -70,6 +70,7 @@ class TorchBackend(KernelBackend):
     add_rms_norm = staticmethod(norm.add_rms_norm)
     rms_norm_gated = staticmethod(norm.rms_norm_gated)
     rms_norm_gate_first = staticmethod(norm.rms_norm_gate_first)
+    silu_gate = staticmethod(norm.silu_gate)  # (not an op: mamba2_mixer_decode's bare gate)
     rms_norm_rope = staticmethod(rope.rms_norm_rope)
     moe_pad = staticmethod(moe.moe_pad)
     moe_unpad = staticmethod(moe.moe_unpad)
@@ -285,6 +286,8 @@ class TorchBackend(KernelBackend):
         y = self.mamba2_decode(x, dt, A, B, C, D, ssm_pool, layout).to(xbc.dtype)
         if norm is None:
             return y
+        if norm.weight is None:
+            return self.silu_gate(y.view(y.shape[0], -1), norm.gate)
         return self.rms_norm_gate_first(
             y.view(y.shape[0], -1), norm.gate, norm.weight, norm.eps, norm.group_size
         )

@@ -20,11 +20,11 @@ import logging
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mambaradix.core import StateLayerSpec
 from mambaradix.kernels.mamba2 import process_dt, split_xbc
+from mambaradix.kernels.norm import GatedNorm, silu_gate
 from mambaradix.layers.norm import GatedRMSNorm
 from mambaradix.layers.ops import KernelUser, Linear
 from mambaradix.layout import ForwardContext
@@ -53,7 +53,10 @@ class Mamba2Mixer(KernelUser, nn.Module):
         out_bias: bool | None = None,
         gated_norm: bool = True,
         norm_before_gate: bool = False,
+        projections: bool = True,
     ) -> None:
+        """``projections`` False: no ``in_proj`` / ``out_proj`` of its own (a model that fuses
+        them with other layers' calls ``mix`` on its projection)."""
         super().__init__()
         if num_heads % n_groups:
             raise ValueError(f"mamba heads {num_heads} not divisible by n_groups {n_groups}")
@@ -66,9 +69,8 @@ class Mamba2Mixer(KernelUser, nn.Module):
         self.state_index = state_index
         self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
         self.activation = activation
-        self.in_proj = Linear(
-            hidden_size, self.intermediate + self.conv_dim + num_heads, bias=proj_bias
-        )
+        self.in_width = self.intermediate + self.conv_dim + num_heads  # [z | xBC | dt]
+        self.in_proj = Linear(hidden_size, self.in_width, bias=proj_bias) if projections else None
         self.conv1d = nn.Conv1d(
             self.conv_dim,
             self.conv_dim,
@@ -96,7 +98,9 @@ class Mamba2Mixer(KernelUser, nn.Module):
             else None
         )
         out_bias = proj_bias if out_bias is None else out_bias
-        self.out_proj = Linear(self.intermediate, hidden_size, bias=out_bias)
+        self.out_proj = (
+            Linear(self.intermediate, hidden_size, bias=out_bias) if projections else None
+        )
 
     def state_layer_spec(
         self, conv_dtype: torch.dtype = torch.float32, ssm_dtype: torch.dtype = torch.float32
@@ -112,22 +116,27 @@ class Mamba2Mixer(KernelUser, nn.Module):
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """``hidden [T, hidden_size]`` packed as in ``ctx.layout`` -> ``[T, hidden_size]``."""
+        return self.out_proj(self.mix(self.in_proj(hidden), ctx))
+
+    def mix(self, proj: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The mixer on its input projection ``proj`` ``[T, in_width]`` (``[z | xBC | dt]``;
+        rows may be strided, as columns of a wider projection) -> its gated output
+        ``[T, intermediate]``, before ``out_proj``."""
         layout, ops = ctx.layout, self.ops
         j = self.state_index
         conv_pool, ssm_pool = ctx.state_pool.conv[j], ctx.state_pool.temporal[j]
-        proj = self.in_proj(hidden)
         gate, xbc, dt_raw = proj.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
         weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
-        fused_norm = self.norm is not None and not self.norm.norm_before_gate
-        if layout.decode is not None and layout.decode.rows.whole and fused_norm:
-            # decodes alone: the op finishes with the output norm (one kernel on the cpu backend)
-            out = ops.mamba2_mixer_decode(
+        gate_first = self.norm is None or not self.norm.norm_before_gate
+        if layout.decode is not None and layout.decode.rows.whole and gate_first:
+            # decodes alone: the op finishes with the output stage (one kernel on the cpu
+            # backend)
+            return ops.mamba2_mixer_decode(
                 xbc, dt_raw, conv_pool, ssm_pool, layout, weight, bias, self.activation,
                 self.A_log, self.dt_bias, self.dt_limit, self.D, self.scan_shape,
-                self.norm.folded(gate),
+                self._output(gate),
             )  # fmt: skip
-            return self.out_proj(out)
-        y = hidden.new_empty((hidden.shape[0], self.num_heads, self.head_dim))
+        y = proj.new_empty((proj.shape[0], self.num_heads, self.head_dim))
         if layout.prefill is not None:
             rows = layout.prefill.rows
             conv_out = ops.conv1d_prefill(
@@ -146,7 +155,12 @@ class Mamba2Mixer(KernelUser, nn.Module):
             y = rows.put(y, step)
         y = y.view(-1, self.intermediate)
         if self.norm is not None:
-            out = self.norm(y, gate)
-        else:
-            out = (y.float() * F.silu(gate.float())).to(y.dtype)
-        return self.out_proj(out)
+            return self.norm(y, gate)
+        return silu_gate(y, gate)
+
+    def _output(self, gate: torch.Tensor) -> GatedNorm:
+        """The output stage a decode op finishes with: the gate-first norm, or the bare gate
+        (no norm: a ``GatedNorm`` without a weight)."""
+        if self.norm is None:
+            return GatedNorm(gate, None, 0.0, self.head_dim)  # (any group: nothing is summed)
+        return self.norm.folded(gate)

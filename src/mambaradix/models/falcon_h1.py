@@ -3,25 +3,32 @@ input and adds both to the residual (``h + attn(x) + mamba(x)``), then a SwiGLU 
 RoPE attention, Mamba2 without the output norm by default (``y * silu(z)``), and muP
 multipliers throughout.
 
-The multipliers that scale a linear's input or output are folded into its weight (and bias)
-once the checkpoint is loaded: ``attention_in_multiplier`` into ``q/k/v_proj``,
-``key_multiplier`` into ``k_proj``, ``attention_out_multiplier`` into ``o_proj``,
-``ssm_in_multiplier`` and the per-row ``ssm_multipliers`` (the muP vector over
-``[z | x | B | C | dt]``) into the mixer's ``in_proj``, ``ssm_out_multiplier`` into its
-``out_proj``, ``mlp_multipliers`` into the gate rows of ``gate_up_proj`` and into
-``down_proj``. ``embedding_multiplier`` and ``lm_head_multiplier`` stay scalars of the model
-(``HybridCausalLM``'s ``embedding_multiplier`` / ``logits_scaling``), so a tied embedding is
-right too. The result equals transformers' in fp32 up to the rounding of the products; in bf16
-a folded weight is rounded once where transformers rounds the scaled activations.
+Both mixers read the same input and their outputs are summed, so each layer runs them with two
+linears where the checkpoint has six: ``in_proj`` is the mixer's input projection and
+``q/k/v_proj`` stacked (one weight read, one call; ``[z | xBC | dt | q | k | v]``), and
+``out_proj`` is the mixer's ``out_proj`` and ``o_proj`` side by side over the joined outputs
+(``[W_mamba | W_o] @ [y_mamba ; y_attn]`` is the sum; the biases add). In a batch-1 decode of
+Falcon-H1-0.5B, 108 calls of 1-7 MB each fewer.
 
-Parameter names are the checkpoint's (``mamba.*``, ``self_attn.*``, ``feed_forward.*``,
-``input_layernorm``, ``pre_ff_layernorm``, ``final_layernorm``), so weights load by name.
+The multipliers that scale a linear's input or output are folded into its weight (and bias)
+as the checkpoint streams in: ``attention_in_multiplier`` into the ``q/k/v`` rows,
+``key_multiplier`` into the ``k`` rows, ``attention_out_multiplier`` into the ``o`` columns,
+``ssm_in_multiplier`` and the per-row ``ssm_multipliers`` (the muP vector over ``[z | x | B |
+C | dt]``) into the mixer's rows, ``ssm_out_multiplier`` into its columns of ``out_proj``,
+``mlp_multipliers`` into ``gate_proj`` and ``down_proj``. ``embedding_multiplier`` and
+``lm_head_multiplier`` stay scalars of the model (``HybridCausalLM``'s ``embedding_multiplier``
+/ ``logits_scaling``), so a tied embedding is right too. The result equals transformers' in
+fp32 up to the rounding of the products; in bf16 a folded weight is rounded once where
+transformers rounds the scaled activations.
+
+Other parameter names are the checkpoint's (``mamba.*``, ``feed_forward.*``,
+``input_layernorm``, ``pre_ff_layernorm``, ``final_layernorm``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -37,6 +44,7 @@ from mambaradix.models.base import HybridCausalLM, pool_layer_indices
 from mambaradix.models.granite_hybrid import ProjAttention
 from mambaradix.models.loader import assign_weights, merge_weights
 from mambaradix.models.registry import register_model
+from mambaradix.models.weights import Concat, Lazy, Mapped, materialised
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +69,7 @@ def _mixer(config: Any, state_index: int) -> Mamba2Mixer:
         activation=config.hidden_act,
         gated_norm=config.mamba_rms_norm,
         norm_before_gate=config.mamba_norm_before_gate,
+        projections=False,  # the layer's fused in_proj / out_proj
     )
 
 
@@ -77,8 +86,14 @@ class FalconH1Layer(nn.Module):
             head_dim,
             attn_index,
             head_dim**-0.5,
-            bias=config.attention_bias,
+            projections=False,
         )
+        q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+        self.in_split = [self.mamba.in_width, q, kv, kv]
+        in_bias = config.mamba_proj_bias or config.attention_bias
+        self.in_proj = Linear(h, sum(self.in_split), bias=in_bias)
+        out_bias = config.projectors_bias or config.attention_bias
+        self.out_proj = Linear(self.mamba.intermediate + q, h, bias=out_bias)
         self.feed_forward = GatedMLP(h, config.intermediate_size, config.hidden_act,
                                      bias=config.mlp_bias)  # fmt: skip
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
@@ -91,8 +106,11 @@ class FalconH1Layer(nn.Module):
             x = self.input_layernorm(h)
         else:
             h, x = self.input_layernorm.add_and_norm(h, pending)
-        both = self.mamba(x, ctx) + self.self_attn(x, ctx, rotary, cos_sin)
-        h, x = self.pre_ff_layernorm.add_and_norm(h, both)
+        m, q, k, v = self.in_proj(x).split(self.in_split, dim=-1)
+        y = torch.cat(
+            [self.mamba.mix(m, ctx), self.self_attn.attend(q, k, v, ctx, rotary, cos_sin)], dim=-1
+        )
+        h, x = self.pre_ff_layernorm.add_and_norm(h, self.out_proj(y))
         return h, self.feed_forward(x)
 
 
@@ -141,28 +159,73 @@ class FalconH1ForCausalLM(HybridCausalLM):
         return self.model.final_layernorm
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        assign_weights(self, merge_weights(self.without_tied_head(weights), GATE_UP_MERGE))
-        self._fold_multipliers()
+        assign_weights(self, merge_weights(self._fused(self.without_tied_head(weights)), MERGES))
 
-    @torch.no_grad()
-    def _fold_multipliers(self) -> None:
+    def _fused(self, weights: Iterable[tuple[str, torch.Tensor | Lazy]]) -> Iterator:
+        """The checkpoint's tensors under the fused layers' names, each scaled by its muP
+        multiplier: the input parts renamed for ``MERGES``, the two output projections joined
+        column-wise (their biases summed), the feed-forward's scaled in place."""
         c = self.config
-        gate_mult, down_mult = c.mlp_multipliers or (1.0, 1.0)
-        rows = mup_rows(self.model.layers[0].mamba, c.ssm_multipliers) * float(c.ssm_in_multiplier)
-        for layer in self.model.layers:
-            att, mix, ff = layer.self_attn, layer.mamba, layer.feed_forward
-            a_in = float(c.attention_in_multiplier)
-            _scale(att.q_proj, a_in, inputs_only=True)
-            _scale(att.v_proj, a_in, inputs_only=True)
-            _scale(att.k_proj, a_in, inputs_only=True)
-            _scale(att.k_proj, float(c.key_multiplier))
-            _scale(att.o_proj, float(c.attention_out_multiplier))
-            _scale_rows(mix.in_proj, rows, input_scale=float(c.ssm_in_multiplier))
-            _scale(mix.out_proj, float(c.ssm_out_multiplier))
-            gate_rows = torch.ones(ff.gate_up_proj.weight.shape[0])
-            gate_rows[: ff.intermediate] = float(gate_mult)
-            _scale_rows(ff.gate_up_proj, gate_rows)
-            _scale(ff.down_proj, float(down_mult))
+        mixer = self.model.layers[0].mamba
+        a_in, key = float(c.attention_in_multiplier), float(c.key_multiplier)
+        ssm_in, ssm_out = float(c.ssm_in_multiplier), float(c.ssm_out_multiplier)
+        attn_out = float(c.attention_out_multiplier)
+        gate_mult, down_mult = (float(m) for m in c.mlp_multipliers or (1.0, 1.0))
+        rows = mup_rows(mixer, c.ssm_multipliers)
+        # part -> (fused part's name, weight scale, bias scale): a linear(x * s_in) * s_out has
+        # its weight scaled by s_in * s_out and its bias by s_out
+        inputs = {
+            "mamba.in_proj": ("in_mamba", rows * ssm_in, rows),
+            "self_attn.q_proj": ("in_q", a_in, 1.0),
+            "self_attn.k_proj": ("in_k", a_in * key, key),
+            "self_attn.v_proj": ("in_v", a_in, 1.0),
+            "feed_forward.gate_proj": ("feed_forward.gate_proj", gate_mult, gate_mult),
+            "feed_forward.down_proj": ("feed_forward.down_proj", down_mult, down_mult),
+        }
+        outputs = {"mamba.out_proj": ssm_out, "self_attn.o_proj": attn_out}
+        held: dict[tuple[str, str], dict[str, torch.Tensor | Lazy]] = {}
+        for name, t in weights:
+            layer, _, rest = name.partition(".layers.")
+            index, _, part = rest.partition(".")
+            module, _, leaf = part.rpartition(".")
+            prefix = f"{layer}.layers.{index}"
+            if not rest or leaf not in ("weight", "bias"):
+                yield name, t
+            elif module in inputs:
+                fused, w_scale, b_scale = inputs[module]
+                scale = w_scale if leaf == "weight" else b_scale
+                yield f"{prefix}.{fused}.{leaf}", _scaled(t, scale)
+            elif module in outputs:
+                parts = held.setdefault((prefix, leaf), {})
+                parts[module] = _scaled(t, outputs[module])
+                if leaf == "bias":  # the biases add; one may be absent (its config flag off)
+                    continue
+                if len(parts) == len(outputs):
+                    del held[(prefix, leaf)]
+                    joined = Concat([parts["mamba.out_proj"], parts["self_attn.o_proj"]], dim=1)
+                    yield f"{prefix}.out_proj.weight", joined
+            else:
+                yield name, t
+        for (prefix, leaf), parts in held.items():
+            if leaf == "bias":
+                yield f"{prefix}.out_proj.bias", _summed(list(parts.values()))
+            else:  # a layer short of one output weight: named as it came, left to the checks
+                for module, t in parts.items():
+                    yield f"{prefix}.{module}.{leaf}", t
+        yield from self._zero_biases()
+
+    def _zero_biases(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Zero biases for the input parts without one, where the others have one (the
+        attention's and the mixer's bias flags differ): a fused bias has every row."""
+        c = self.config
+        if bool(c.attention_bias) == bool(c.mamba_proj_bias):
+            return
+        for i, layer in enumerate(self.model.layers):
+            dtype = layer.in_proj.bias.dtype
+            names = ("in_mamba",) if c.attention_bias else ("in_q", "in_k", "in_v")
+            for name in names:
+                n = layer.in_split[("in_mamba", "in_q", "in_k", "in_v").index(name)]
+                yield f"model.layers.{i}.{name}.bias", torch.zeros(n, dtype=dtype)
 
     def body(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cos_sin = self.rotary(ctx.layout.positions)
@@ -172,20 +235,22 @@ class FalconH1ForCausalLM(HybridCausalLM):
         return h + pending
 
 
-def _scale(linear: nn.Module, m: float, inputs_only: bool = False) -> None:
-    """``linear(x) * m`` (or, ``inputs_only``, ``linear(x * m)``) as one linear."""
-    if m == 1.0:
-        return
-    linear.weight.mul_(m)
-    if linear.bias is not None and not inputs_only:
-        linear.bias.mul_(m)
+MERGES = {**GATE_UP_MERGE, "in_proj": ("in_mamba", "in_q", "in_k", "in_v")}
 
 
-def _scale_rows(linear: nn.Module, rows: torch.Tensor, input_scale: float = 1.0) -> None:
-    """``linear(x * input_scale) * rows`` (``rows`` per output feature, including
-    ``input_scale``, which the bias does not take) as one linear."""
-    w = linear.weight
-    w.copy_((w.float() * rows.to(w.device)[:, None]).to(w.dtype))
-    if linear.bias is not None:
-        b = linear.bias
-        b.copy_((b.float() * (rows / input_scale).to(b.device)).to(b.dtype))
+def _scaled(t: torch.Tensor | Lazy, scale: float | torch.Tensor) -> torch.Tensor | Lazy:
+    """``t`` times ``scale`` (a number, or one per row), computed in fp32 and rounded once."""
+    if isinstance(scale, float) and scale == 1.0:
+        return t
+
+    def apply(w: torch.Tensor) -> torch.Tensor:
+        s = scale if isinstance(scale, float) else scale.view(-1, *[1] * (w.dim() - 1))
+        return (w.float() * s).to(w.dtype)
+
+    return Mapped(t, apply)
+
+
+def _summed(parts: list[torch.Tensor | Lazy]) -> torch.Tensor:
+    """The sum of biases (each already scaled), in fp32, rounded once."""
+    total = sum(materialised(p).float() for p in parts)
+    return total.to(materialised(parts[0]).dtype)

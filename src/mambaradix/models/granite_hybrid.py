@@ -45,7 +45,9 @@ class ProjAttention(KernelUser, nn.Module):
     """Grouped-query attention with ``q_proj/k_proj/v_proj/o_proj`` over the pooled KV.
 
     ``attn_index`` is this layer's index among the model's attention layers (its KV pool layer);
-    ``rotary`` None means no positional encoding (NemotronH, Granite with ``nope``).
+    ``rotary`` None means no positional encoding (NemotronH, Granite with ``nope``);
+    ``projections`` False: no projections of its own (a model that fuses them with another
+    layer's calls ``attend``).
     """
 
     def __init__(
@@ -57,15 +59,17 @@ class ProjAttention(KernelUser, nn.Module):
         attn_index: int,
         scale: float,
         bias: bool = False,
+        projections: bool = True,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.attn_index = attn_index
         self.scale = scale
-        self.q_proj = Linear(hidden, num_heads * head_dim, bias=bias)
-        self.k_proj = Linear(hidden, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = Linear(hidden, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = Linear(num_heads * head_dim, hidden, bias=bias)
+        if projections:
+            self.q_proj = Linear(hidden, num_heads * head_dim, bias=bias)
+            self.k_proj = Linear(hidden, num_kv_heads * head_dim, bias=bias)
+            self.v_proj = Linear(hidden, num_kv_heads * head_dim, bias=bias)
+            self.o_proj = Linear(num_heads * head_dim, hidden, bias=bias)
 
     def forward(
         self,
@@ -74,14 +78,29 @@ class ProjAttention(KernelUser, nn.Module):
         rotary: RotaryEmbedding | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.o_proj(self.attend(q, k, v, ctx, rotary, cos_sin))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: ForwardContext,
+        rotary: RotaryEmbedding | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Attention over the projected ``q`` ``[T, heads * head_dim]``, ``k`` and ``v``
+        (``[T, kv_heads * head_dim]``; rows may be strided) -> ``[T, heads * head_dim]``,
+        before ``o_proj``."""
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if rotary is not None and cos_sin is not None:
             q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
         out = pooled_attention(self.ops, ctx, self.attn_index, q, k, v, self.scale)
-        return self.o_proj(out.reshape(t, -1))
+        return out.reshape(t, -1)
 
 
 class _Weight(nn.Module):

@@ -329,10 +329,12 @@ def _tiny_falcon_h1(size: str = "tiny", **overrides: Any):
     return FalconH1Config(**kw), HFModel
 
 
-def _falcon_h1_dt(model: Any, gen: Any) -> None:
+def _falcon_h1_init(model: Any, gen: Any) -> None:
     """Time steps drawn log-uniform in [1e-3, 0.1] as Mamba2's initialiser draws them
     (transformers' Falcon-H1 starts every dt_bias at 1: a state that forgets within a few
-    tokens, so a zeroed state would hardly show in the logits)."""
+    tokens, so a zeroed state would hardly show in the logits); the projections' biases, where
+    the config asks for them, drawn too (transformers starts them at 0, where a bias loaded
+    wrong would not show)."""
     import math
 
     import torch
@@ -342,6 +344,8 @@ def _falcon_h1_dt(model: Any, gen: Any) -> None:
             u = torch.rand(p.shape, generator=gen)
             dt = torch.exp(u * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
             p.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        elif name.endswith("_proj.bias"):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
 
 
-register_tiny("falcon_h1", _tiny_falcon_h1, init=_falcon_h1_dt)
+register_tiny("falcon_h1", _tiny_falcon_h1, init=_falcon_h1_init)

@@ -181,23 +181,26 @@ class FileTensor(Lazy):
 
 
 class Concat(Lazy):
-    """Tensors joined along dim 0 (a fused projection): each part read into its rows."""
+    """Tensors joined along ``dim`` (a fused projection: its output rows, dim 0, or its input
+    columns, dim 1): each part read into its slice."""
 
-    def __init__(self, parts: list[torch.Tensor | Lazy]) -> None:
-        tails = {tuple(p.shape[1:]) for p in parts}
-        if len(tails) != 1:
+    def __init__(self, parts: list[torch.Tensor | Lazy], dim: int = 0) -> None:
+        rests = {tuple(d for i, d in enumerate(p.shape) if i != dim) for p in parts}
+        if len(rests) != 1:
             raise CheckpointError(f"cannot fuse parts of shapes {[tuple(p.shape) for p in parts]}")
-        self.parts = parts
-        self.shape = torch.Size((sum(p.shape[0] for p in parts), *tails.pop()))
+        self.parts, self.dim = parts, dim
+        shape = list(parts[0].shape)
+        shape[dim] = sum(p.shape[dim] for p in parts)
+        self.shape = torch.Size(shape)
         self.dtype = parts[0].dtype
         for p in parts[1:]:
             self.dtype = torch.promote_types(self.dtype, p.dtype)
 
     def read_into(self, out: torch.Tensor) -> None:
-        row = 0
+        at = 0
         for p in self.parts:
-            write_into(p, out[row : row + p.shape[0]])
-            row += p.shape[0]
+            write_into(p, out.narrow(self.dim, at, p.shape[self.dim]))
+            at += p.shape[self.dim]
 
 
 class Mapped(Lazy):

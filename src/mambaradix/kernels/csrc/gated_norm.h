@@ -83,4 +83,14 @@ ALWAYS_INLINE void norm_gate_first(
         st(out, oo + i, ld(weight, wo + i, bf) * rnd(ld(x, xo + i, bf) * gr[i] * inv, bf), bf);
 }
 
+/* A Mamba2 mixer without its norm (Falcon-H1's default): out = x * silu(gate) in fp32, rounded
+ * once (gr: the silu'd gate). */
+ALWAYS_INLINE void gate_only(int64_t dim, const void *x, int64_t xo, const float *gr, void *out,
+                             int64_t oo, const int bf)
+{
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++)
+        st(out, oo + i, ld(x, xo + i, bf) * gr[i], bf);
+}
+
 #endif

@@ -10,8 +10,9 @@
  *   x, B and C rows are addressed with their own row strides (views of the conv output).
  * mamba2_decode: the two above as one step from the input projection's xBC and raw dt rows,
  *   with dt's softplus and clamp and A = -exp(A_log) inside (see m2_decode_team); given the
- *   output norm's weight, also the mixer's gate-first norm of y with the projection's gate rows
- *   (out = weight * norm(y * silu(z)) per group), so y never leaves the call.
+ *   projection's gate rows, also the mixer's output: the gate-first norm of y with them (out =
+ *   weight * norm(y * silu(z)) per group) or, without a norm weight, y * silu(z); so y never
+ *   leaves the call.
  * mamba2_scan: the prefill scan of S varlen segments, token after token with the step above
  *   (see m2_scan_task); the state after any token is there for a snapshot. Returns 0, or -1
  *   (nothing done) when its scratch cannot be had.
@@ -185,10 +186,10 @@ static inline __attribute__((always_inline)) void m2_step_head(
  * views of it, same stride): conv (+ activation) into `conv_out` ([B][C] scratch, model dtype,
  * as the reference holds it), then per head dt = clamp(softplus(dt_raw + dt_bias)),
  * A = -exp(A_log) and the scan step; y [B][H][P] in the model dtype. One call where the
- * composed step took ten torch operations between the two kernels. With `norm_w`, then the
- * gate-first norm of each group of `group` features of y with the gate rows z (row-strided as
- * xBC) into `out` [B][H * P] (y is scratch then). Called by every thread of the exported
- * functions' parallel regions. */
+ * composed step took ten torch operations between the two kernels. With the gate rows z
+ * (row-strided as xBC), then the gate-first norm of each group of `group` features of y with
+ * them (`norm_w`), or without `norm_w` the bare gate y * silu(z), into `out` [B][H * P] (y is
+ * scratch then). Called by every thread of the exported functions' parallel regions. */
 static inline __attribute__((always_inline)) void m2_decode_team(
     int64_t B, const int64_t *slots, const int64_t *cu, const int64_t *row_slots,
     const void *xbc, const void *dt_raw, int64_t in_stride,
@@ -224,7 +225,7 @@ static inline __attribute__((always_inline)) void m2_decode_team(
                         -expf(ld(A_log, h, bf)), D ? ld(D, h, bf) : 0.0f, y, (r * H + h) * P, P,
                         N, bf, bf);
             }
-    if (!norm_w)
+    if (!z)
         return;
     const int64_t groups = H * P / group; /* (the loop above ends with a barrier) */
 #pragma omp for collapse(2) schedule(static)
@@ -232,8 +233,11 @@ static inline __attribute__((always_inline)) void m2_decode_team(
         for (int64_t g = 0; g < groups; g++) {
             float gr[group];
             silu_row(gr, z, b * in_stride + g * group, group, bf);
-            norm_gate_first(group, y, b * H * P + g * group, gr, norm_w, g * group, eps, out,
-                            b * H * P + g * group, bf);
+            if (norm_w)
+                norm_gate_first(group, y, b * H * P + g * group, gr, norm_w, g * group, eps, out,
+                                b * H * P + g * group, bf);
+            else
+                gate_only(group, y, b * H * P + g * group, gr, out, b * H * P + g * group, bf);
         }
 }
 
