@@ -47,7 +47,7 @@ CACHE = Path(os.environ.get("MAMBARADIX_CACHE", Path.home() / ".cache" / "mambar
 PRESETS = ("qwen3_5_0_8b", "lfm2_350m", "granite_4_0_h_350m")
 # run only when named (--presets): a mixture of experts (7B, 1B active: 14 GB), and Falcon-H1
 # (attention and Mamba2 in every layer)
-MORE_PRESETS = ("granite_4_0_h_tiny", "falcon_h1_0_5b")
+MORE_PRESETS = ("granite_4_0_h_tiny", "falcon_h1_0_5b", "olmo_hybrid_7b")
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -128,6 +128,7 @@ TOKENIZER_CLASS = {
     "granite_4_0_h_350m": "GPT2Tokenizer",
     "granite_4_0_h_tiny": "GPT2Tokenizer",
     "falcon_h1_0_5b": "PreTrainedTokenizerFast",
+    "olmo_hybrid_7b": "GPT2Tokenizer",
 }
 
 

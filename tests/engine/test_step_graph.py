@@ -110,6 +110,7 @@ def _generate(eng: Engine, prompts, new_tokens: list[int], **params):
         ("lfm2", "bfloat16"),
         ("lfm2_moe", "bfloat16"),  # sigmoid routing with an fp32 expert bias
         ("falcon_h1", "bfloat16"),  # attention and Mamba2 in every layer, no mixer norm
+        ("olmo_hybrid", "bfloat16"),  # Gated DeltaNet heads of 24 / 48, beta doubled
         ("qwen3_5", "float32"),
         ("qwen3_5", "bfloat16"),
         ("nemotron_h_8b", "float32"),

@@ -117,6 +117,7 @@ ARCHS = [
     ("qwen3_5", "bfloat16"),
     ("granite_hybrid", "float32"),  # Mamba2 (fused decode step) + attention
     ("lfm2", "bfloat16"),  # short conv + attention
+    ("olmo_hybrid", "bfloat16"),  # Gated DeltaNet with beta doubled, heads of 24 / 48
 ]
 
 

@@ -221,6 +221,7 @@ class _Ops:
         self.m2_norm = GatedNorm(
             _rand(g, Td, H * P, dtype=dt), (1 + _rand(g, H * P, scale=0.2)).to(dt), 1e-6, H * P
         )
+        self.m2_gate = GatedNorm(self.m2_norm.gate, None, 0.0, P)  # no norm: y * silu(gate)
 
     # each returns (outputs, pools) after running on fresh copies of the pools
     def conv_prefill(self, be, layout=None):
@@ -251,17 +252,21 @@ class _Ops:
         )  # fmt: skip
         return [y], pools
 
-    def gdn_decode(self, be, norm=None, layout=None):
+    def gdn_decode(self, be, norm=None, layout=None, beta_scale=1.0):
         pools = {k: v.clone() for k, v in self.gdn.items()}
         y = be.gdn_decode(
             self._dec(self.x_dec, layout), *(self._dec(t, layout) for t in self.ab_dec),
             pools["conv_pool"], pools["ssm_pool"], layout or self.layout, self.conv_w,
-            self.conv_b, self.A_log, self.dt_bias, self.hk, "silu", norm,
+            self.conv_b, self.A_log, self.dt_bias, self.hk, "silu", norm, beta_scale,
         )  # fmt: skip
         return [y], pools
 
     def gdn_decode_norm(self, be):
         return self.gdn_decode(be, self.gdn_norm)
+
+    def gdn_decode_beta2(self, be, layout=None):
+        """With the write strength doubled (OLMo-Hybrid)."""
+        return self.gdn_decode(be, self.gdn_norm, layout, beta_scale=2.0)
 
     def mamba2_prefill(self, be, layout=None):
         pools = {"ssm_pool": self.m2["ssm_pool"].clone()}
@@ -279,6 +284,10 @@ class _Ops:
 
     def mamba2_mixer_decode_norm(self, be):
         return self.mamba2_mixer_decode(be, self.m2_norm)
+
+    def mamba2_mixer_decode_gate(self, be):
+        """Without a norm, the bare gate (Falcon-H1)."""
+        return self.mamba2_mixer_decode(be, self.m2_gate)
 
     def mamba2_mixer_decode(self, be, norm=None, layout=None):
         pools = {
@@ -381,8 +390,9 @@ class _Ops:
 
 
 STATE_OPS = ["conv_prefill", "conv_decode", "gdn_prefill", "gdn_decode", "gdn_decode_norm",
-             "mamba2_prefill", "mamba2_decode", "mamba2_mixer_decode", "mamba2_mixer_decode_norm",
-             "attention", "per_token"]  # fmt: skip
+             "gdn_decode_beta2", "mamba2_prefill", "mamba2_decode", "mamba2_mixer_decode",
+             "mamba2_mixer_decode_norm", "mamba2_mixer_decode_gate", "attention",
+             "per_token"]  # fmt: skip
 PREFILL_OPS = {"conv_prefill": "conv_pool", "gdn_prefill": "ssm_pool", "mamba2_prefill": "ssm_pool"}
 
 
@@ -473,6 +483,7 @@ def contract_failures(
         ("gdn_decode", "ssm_pool"),
         ("mamba2_decode", "ssm_pool"),
         ("gdn_decode_norm", "ssm_pool"),
+        ("gdn_decode_beta2", "ssm_pool"),
         ("mamba2_mixer_decode", "conv_pool"),
         ("mamba2_mixer_decode", "ssm_pool"),
         ("mamba2_mixer_decode_norm", "ssm_pool"),
@@ -579,8 +590,8 @@ class _Bf16StateError(TorchBackend):
         super().__init__()
         self.op = op
 
-    def gated_delta_step(self, x, conv_pool, ssm_pool, slots, *args):
-        out = gated_delta_decode(x, conv_pool, ssm_pool, slots, *args)
+    def gated_delta_step(self, x, conv_pool, ssm_pool, slots, *args, **kw):
+        out = gated_delta_decode(x, conv_pool, ssm_pool, slots, *args, **kw)
         if self.op == "gdn_decode" and x.dtype == torch.bfloat16:
             ssm_pool[slots] *= 1.05
         return out
@@ -596,7 +607,10 @@ class _Bf16StateError(TorchBackend):
 def test_a_bf16_only_state_error_of_5_percent_fails_the_contract(op: str) -> None:
     assert contract_failures(_Bf16StateError(op), CASES["fp32"]) == []
     failures = contract_failures(_Bf16StateError(op), CASES["bf16"])
-    want = {"gdn_decode": ["gdn_decode", "gdn_decode_norm"], "mamba2_prefill": ["mamba2_prefill"]}
+    want = {
+        "gdn_decode": ["gdn_decode", "gdn_decode_norm", "gdn_decode_beta2"],
+        "mamba2_prefill": ["mamba2_prefill"],
+    }
     assert failures == [f"{name}: ssm_pool differs from the reference" for name in want[op]]
 
 
@@ -607,8 +621,8 @@ class _Fp32StateScale(TorchBackend):
         super().__init__()
         self.factor = factor
 
-    def gated_delta_step(self, x, conv_pool, ssm_pool, slots, *args):
-        out = gated_delta_decode(x, conv_pool, ssm_pool, slots, *args)
+    def gated_delta_step(self, x, conv_pool, ssm_pool, slots, *args, **kw):
+        out = gated_delta_decode(x, conv_pool, ssm_pool, slots, *args, **kw)
         ssm_pool[slots] *= self.factor
         return out
 
@@ -649,8 +663,8 @@ def _restore(pool: torch.Tensor, before: torch.Tensor, slots: torch.Tensor) -> N
 class _IgnoresNorms(TorchBackend):
     """Accepts the mixers' output norm but returns the decode step's output without it."""
 
-    def gdn_decode(self, *args, norm=None):
-        return super().gdn_decode(*args[:12])
+    def gdn_decode(self, *args, norm=None, beta_scale=1.0):
+        return super().gdn_decode(*args[:12], beta_scale=args[13] if len(args) > 13 else 1.0)
 
     def mamba2_mixer_decode(self, *args, norm=None):
         return super().mamba2_mixer_decode(*args[:13])
@@ -660,7 +674,21 @@ def test_a_backend_that_ignores_the_output_norm_fails_the_contract() -> None:
     failures = contract_failures(_IgnoresNorms(), CASES["bf16"])
     assert "gdn_decode_norm: output 0 differs from the reference" in failures, failures
     assert "mamba2_mixer_decode_norm: output 0 differs from the reference" in failures, failures
+    assert "mamba2_mixer_decode_gate: output 0 differs from the reference" in failures, failures
     assert not any(f.startswith(("gdn_decode:", "mamba2_mixer_decode:")) for f in failures)
+
+
+class _IgnoresBetaScale(TorchBackend):
+    """Accepts Gated DeltaNet's beta scale but steps with beta = sigmoid(b)."""
+
+    def gdn_decode(self, *args, norm=None, beta_scale=1.0):
+        return super().gdn_decode(*args[:13])
+
+
+def test_a_backend_that_ignores_the_beta_scale_fails_the_contract() -> None:
+    failures = contract_failures(_IgnoresBetaScale(), CASES["fp32"])
+    assert "gdn_decode_beta2: output 0 differs from the reference" in failures, failures
+    assert not any(f.startswith(("gdn_decode:", "gdn_decode_norm:")) for f in failures)
 
 
 def test_a_backend_that_drops_snapshots_fails_the_contract() -> None:

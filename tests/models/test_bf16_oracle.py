@@ -33,6 +33,7 @@ CASES = [
     OracleCase("bf16_lfm2", "lfm2"),
     OracleCase("bf16_lfm2_moe", "lfm2_moe"),  # sigmoid routing: bf16 scores, fp32 bias
     OracleCase("bf16_falcon_h1", "falcon_h1"),  # muP multipliers folded into bf16 weights
+    OracleCase("bf16_olmo_hybrid", "olmo_hybrid"),  # beta doubled, head dims 24 / 48
 ]
 
 

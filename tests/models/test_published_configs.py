@@ -139,10 +139,14 @@ def test_cut_keeps_every_layer_kind_and_published_widths():
         assert len(kinds_of(fields)) == min_layers(name), name
         for key, value in pub.fields.items():
             if key not in ("layer_types", "layers_block_type", "num_hidden_layers", "vocab_size",
+                           "pad_token_id", "bos_token_id", "eos_token_id",
                            "num_experts", "num_local_experts", "n_routed_experts",
                            "num_experts_per_tok", "mlp_only_layers",
                            "num_dense_layers"):  # fmt: skip
                 assert fields[key] == value, (name, key)
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids past the cut wrap
+            if isinstance(pub.fields.get(key), int):
+                assert fields[key] == pub.fields[key] % fields["vocab_size"], (name, key)
 
 
 @pytest.mark.parametrize("name", sorted(UNSUPPORTED))

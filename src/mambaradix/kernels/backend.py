@@ -135,11 +135,12 @@ class KernelBackend(ABC):
     def gdn_decode(self, x: Tensor, a: Tensor, b: Tensor, conv_pool: Tensor, ssm_pool: Tensor,
                    layout: ForwardLayout, conv_weight: Tensor, conv_bias: Tensor | None,
                    A_log: Tensor, dt_bias: Tensor, num_k_heads: int, activation: str | None,
-                   norm: GatedNorm | None = None) -> Tensor:  # fmt: skip
+                   norm: GatedNorm | None = None, beta_scale: float = 1.0) -> Tensor:  # fmt: skip
         """One fused decode step of the decodes (``x`` ``[Td, conv_dim]`` = q|k|v before the
-        conv, ``a`` / ``b`` ``[Td, Hv]`` raw gates): conv, gates, delta rule; both states
-        updated in the pool. Returns ``[Td, Hv, Dv]``; with ``norm`` (gate ``[Td, Hv * Dv]``,
-        ``group_size`` Dv), the layer's output norm of it (``rms_norm_gated`` per head)."""
+        conv, ``a`` / ``b`` ``[Td, Hv]`` raw gates): conv, gates (``gdn_gates``, with
+        ``beta_scale``), delta rule; both states updated in the pool. Returns ``[Td, Hv, Dv]``;
+        with ``norm`` (gate ``[Td, Hv * Dv]``, ``group_size`` Dv), the layer's output norm of it
+        (``rms_norm_gated`` per head)."""
 
     # ------------------------------------------------------------ Mamba2
     @abstractmethod

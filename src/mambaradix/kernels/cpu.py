@@ -105,6 +105,7 @@ def gated_delta_decode(
     out_norm: norm.GatedNorm | None = None,
     cu: torch.Tensor | None = None,
     row_slots: torch.Tensor | None = None,
+    beta_scale: float = 1.0,
 ) -> torch.Tensor | None:
     """``kernels.gated_delta.gated_delta_decode`` in one pass per request (C, in place), the
     gates included: fp32 throughout, or the model's tensors in bf16 with an fp32 delta state.
@@ -130,7 +131,7 @@ def gated_delta_decode(
             return None
         out = gated_delta.gated_delta_decode(
             x, conv_pool, ssm_pool, slots, weight, bias, a, b, A_log, dt_bias, num_k_heads,
-            activation, use_qk_l2norm,
+            activation, use_qk_l2norm, beta_scale,
         )  # fmt: skip
         return out if out_norm is None else _gdn_norm(out, out_norm)
     B = x.shape[0]
@@ -156,7 +157,7 @@ def gated_delta_decode(
         out.data_ptr(),
         num_k_heads, hv, dk, dv, width,
         _SILU[activation], int(use_qk_l2norm),
-        *_norm_args(out_norm if fold else None),
+        *_norm_args(out_norm if fold else None), beta_scale,
     )  # fmt: skip
     return out if out_norm is None or fold else _gdn_norm(out, out_norm)
 

@@ -163,16 +163,17 @@ class CpuBackend(TorchBackend):
         return y
 
     def gdn_decode(self, x, a, b, conv_pool, ssm_pool, layout, conv_weight, conv_bias, A_log,
-                   dt_bias, num_k_heads, activation, norm=None):  # fmt: skip
+                   dt_bias, num_k_heads, activation, norm=None, beta_scale=1.0):  # fmt: skip
         dec = layout.decode
         out = cpu.gated_delta_decode(
             x, conv_pool, ssm_pool, dec.state_slots, conv_weight, conv_bias, a, b, A_log,
             dt_bias, num_k_heads, activation, out_norm=norm, cu=dec.cu, row_slots=dec.row_slots,
+            beta_scale=beta_scale,
         )  # fmt: skip
         if out is None:  # several positions the C code does not cover: stepped one by one
             return super().gdn_decode(
                 x, a, b, conv_pool, ssm_pool, layout, conv_weight, conv_bias, A_log, dt_bias,
-                num_k_heads, activation, norm,
+                num_k_heads, activation, norm, beta_scale,
             )  # fmt: skip
         for pool in (conv_pool, ssm_pool):
             _copy_decode_snapshots(pool, dec)

@@ -231,7 +231,8 @@ class CudaBackend(TorchBackend):
         )  # fmt: skip
 
     def gdn_decode(self, x, a, b, conv_pool, ssm_pool, layout, conv_weight, conv_bias, A_log,
-                   dt_bias, num_k_heads, activation, norm=None) -> Tensor:  # fmt: skip
+                   dt_bias, num_k_heads, activation, norm=None,
+                   beta_scale=1.0) -> Tensor:  # fmt: skip
         """The conv step, the gates, the delta step on the pool (fla-core's; a verify step's
         positions in this project's kernel), the output norm."""
         from mambaradix.kernels.triton import conv, gdn
@@ -242,7 +243,7 @@ class CudaBackend(TorchBackend):
         mixed = conv.conv1d_decode(x, conv_weight, conv_bias, conv_pool, idx.state_slots,
                                    activation, idx.cu, idx.row_slots)  # fmt: skip
         q, k, v = torch.split(mixed, [num_k_heads * dk, num_k_heads * dk, hv * dv], dim=-1)
-        g, beta = gated_delta.gdn_gates(a, b, A_log, dt_bias)
+        g, beta = gated_delta.gdn_gates(a, b, A_log, dt_bias, beta_scale)
         q, k, v = q.reshape(n, num_k_heads, dk), k.reshape(n, num_k_heads, dk), v.reshape(n, hv, dv)
         if dec.multi:
             out = gdn.gdn_decode_positions(q, k, v, g, beta, ssm_pool, idx.state_slots, idx.cu,

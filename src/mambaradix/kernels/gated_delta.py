@@ -170,12 +170,19 @@ def recurrent_gated_delta_step(
 
 
 def gdn_gates(
-    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    beta_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated DeltaNet's log decay and write strength from the projected ``a``, ``b``
-    (``[..., Hv]``): ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32), ``beta = sigmoid(b)``."""
+    (``[..., Hv]``): ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32), ``beta = beta_scale *
+    sigmoid(b)`` (in b's dtype; ``beta_scale`` 2 lets OLMo-Hybrid's state take negative
+    eigenvalues)."""
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    return g, torch.sigmoid(b)
+    beta = torch.sigmoid(b)
+    return g, beta if beta_scale == 1.0 else beta * beta_scale
 
 
 def gated_delta_decode(
@@ -192,6 +199,7 @@ def gated_delta_decode(
     num_k_heads: int,
     activation: str | None = "silu",
     use_qk_l2norm: bool = True,
+    beta_scale: float = 1.0,
 ) -> torch.Tensor:
     """One decode token of B requests through the short conv and the delta rule, in place on
     the state pools.
@@ -200,11 +208,12 @@ def gated_delta_decode(
     ``conv_pool`` ``[S, conv_dim, K-1]`` and ``ssm_pool`` ``[S, Hv, Dk, Dv]``; ``slots`` ``[B]``
     (distinct) the requests' slots, whose conv and delta states advance by one token;
     ``weight`` ``[conv_dim, K]``; ``a``, ``b`` ``[B, Hv]`` the gate projections and ``A_log``,
-    ``dt_bias`` ``[Hv]`` (``gdn_gates``). Returns ``[B, Hv, Dv]`` in x's dtype.
+    ``dt_bias`` ``[Hv]`` and ``beta_scale`` (``gdn_gates``). Returns ``[B, Hv, Dv]`` in x's
+    dtype.
     """
     B = x.shape[0]
     hv, dk, dv = ssm_pool.shape[1:]
-    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    g, beta = gdn_gates(a, b, A_log, dt_bias, beta_scale)
     conv_out, new_conv = causal_conv1d_update(
         x, conv_pool.index_select(0, slots), weight, bias, activation
     )

@@ -58,6 +58,7 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _INT, _INT,            # silu, l2norm
             _PTR, _I64,            # gate z (nullable), its row stride
             _PTR, ctypes.c_float,  # output norm weight (nullable: no norm), eps
+            ctypes.c_float,        # beta scale
         ],
     },
     "ssm_decode": {

@@ -230,19 +230,20 @@ class TorchBackend(KernelBackend):
         return out
 
     def gdn_decode(self, x, a, b, conv_pool, ssm_pool, layout, conv_weight, conv_bias, A_log,
-                   dt_bias, num_k_heads, activation, norm=None) -> Tensor:  # fmt: skip
+                   dt_bias, num_k_heads, activation, norm=None,
+                   beta_scale=1.0) -> Tensor:  # fmt: skip
         dec = layout.decode
         if dec.multi:
             return self._stepwise(
                 layout, (conv_pool, ssm_pool), (x, a, b, None if norm is None else norm.gate),
                 lambda x, a, b, gate, one: self.gdn_decode(
                     x, a, b, conv_pool, ssm_pool, one, conv_weight, conv_bias, A_log, dt_bias,
-                    num_k_heads, activation, _with_gate(norm, gate),
+                    num_k_heads, activation, _with_gate(norm, gate), beta_scale,
                 ),
             )  # fmt: skip
         out = self.gated_delta_step(
             x, conv_pool, ssm_pool, dec.state_slots, conv_weight, conv_bias, a, b, A_log,
-            dt_bias, num_k_heads, activation,
+            dt_bias, num_k_heads, activation, beta_scale=beta_scale,
         )  # fmt: skip
         for pool in (conv_pool, ssm_pool):
             _copy_decode_snapshots(pool, dec)

@@ -8,9 +8,11 @@ and gates; its backend (``self.ops``) runs the conv and the delta rule over the 
 and the decodes of the forward's layout, states in the pool.
 
 Projection layouts: ``"qwen3_next"`` packs ``in_proj_qkvz`` / ``in_proj_ba`` per key-head group;
-``"qwen3_5"`` has separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``. Both are
-fused into one ``in_proj`` whose rows are regrouped at load (``regroup_in_proj``), so the
-forward reads one layout.
+``"qwen3_5"`` has separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``;
+``"olmo_hybrid"`` one linear each (``q_proj`` ... ``a_proj``, the gate ``g_proj``). All are fused
+into one ``in_proj`` whose rows are regrouped at load (``regroup_in_proj``), so the forward reads
+one layout. ``beta_scale`` 2 (OLMo-Hybrid's ``linear_allow_neg_eigval``) doubles the write
+strength, so the state's transition can have negative eigenvalues.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from mambaradix.layout import ForwardContext
 GDN_MERGES = {
     "qwen3_next": {"in_proj": ("in_proj_qkvz", "in_proj_ba")},
     "qwen3_5": {"in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")},
+    "olmo_hybrid": {"in_proj": ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "a_proj")},
 }
 
 
@@ -43,9 +46,10 @@ class GatedDeltaNet(KernelUser, nn.Module):
         eps: float = 1e-6,
         layout: str = "qwen3_next",
         activation: str = "silu",
+        beta_scale: float = 1.0,
     ) -> None:
         super().__init__()
-        if layout not in ("qwen3_next", "qwen3_5"):
+        if layout not in GDN_MERGES:
             raise ValueError(f"unknown Gated DeltaNet projection layout {layout!r}")
         self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
@@ -54,6 +58,7 @@ class GatedDeltaNet(KernelUser, nn.Module):
         self.state_layer = state_layer
         self.layout = layout
         self.activation = activation
+        self.beta_scale = float(beta_scale)
         # All input projections in one GEMM (``in_proj``): the HF linears stacked in the order
         # of GDN_MERGES[layout]; both layouts have qkv(z) then b/a parts.
         self.in_proj = Linear(hidden, self.conv_dim + self.value_dim + 2 * num_v_heads, bias=False)
@@ -76,9 +81,9 @@ class GatedDeltaNet(KernelUser, nn.Module):
     def regroup_in_proj(self, weight: torch.Tensor) -> torch.Tensor:
         """A checkpoint's fused ``in_proj`` weight (``GDN_MERGES`` order) with its rows in the
         order ``_project`` reads: ``q | k | v | z | b | a``, each head after head. ``qwen3_5``
-        checkpoints already are; ``qwen3_next`` ones group q, k, v, z (and b, a) per key head,
-        which cost a gather and a copy of every projection per forward."""
-        if self.layout == "qwen3_5":
+        and ``olmo_hybrid`` checkpoints already are; ``qwen3_next`` ones group q, k, v, z (and
+        b, a) per key head, which cost a gather and a copy of every projection per forward."""
+        if self.layout != "qwen3_next":
             return weight
         r, dk, dv = self.hv // self.hk, self.dk, self.dv
         group = 2 * dk + 2 * r * dv
@@ -116,6 +121,7 @@ class GatedDeltaNet(KernelUser, nn.Module):
             o = ops.gdn_decode(
                 mixed, a, b, conv_pool, ssm_pool, layout, weight, self.conv1d.bias, self.A_log,
                 self.dt_bias, self.hk, self.activation, self.norm.folded(z.flatten(1)),
+                self.beta_scale,
             )  # fmt: skip
             return self.out_proj(o.reshape(x.shape[0], self.value_dim))
         core = torch.empty(x.shape[0], self.hv, self.dv, dtype=x.dtype, device=x.device)
@@ -124,6 +130,7 @@ class GatedDeltaNet(KernelUser, nn.Module):
             o = ops.gdn_decode(
                 rows.take(mixed), rows.take(a), rows.take(b), conv_pool, ssm_pool, layout,
                 weight, self.conv1d.bias, self.A_log, self.dt_bias, self.hk, self.activation,
+                None, self.beta_scale,
             )  # fmt: skip
             core = rows.put(core, o)
         if layout.prefill is not None:
@@ -132,7 +139,9 @@ class GatedDeltaNet(KernelUser, nn.Module):
                 rows.take(mixed), weight, self.conv1d.bias, conv_pool, layout, self.activation
             )
             q, k, v = self._split_qkv(conv_out)
-            g, beta = gdn_gates(rows.take(a), rows.take(b), self.A_log, self.dt_bias)
+            g, beta = gdn_gates(
+                rows.take(a), rows.take(b), self.A_log, self.dt_bias, self.beta_scale
+            )
             core = rows.put(core, ops.gdn_prefill(q, k, v, g, beta, ssm_pool, layout))
         out = self.norm(core, z)
         return self.out_proj(out.reshape(x.shape[0], self.value_dim))

@@ -74,6 +74,9 @@ def cut_fields(
             f["num_dense_layers"] = min(f["num_dense_layers"], max(layers - 1, 0))
     if vocab is not None:
         f["vocab_size"] = vocab
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids past the cut wrap
+            if isinstance(f.get(key), int) and f[key] >= vocab:
+                f[key] = f[key] % vocab
     if experts is not None:
         for key in ("num_experts", "num_local_experts", "n_routed_experts"):
             if f.get(key):

@@ -548,6 +548,37 @@ PUBLISHED["falcon_h1_0_5b"] = Published(
     "tiiuae/Falcon-H1-0.5B-Instruct config.json (quoted by mlx-lm's and Megatron-Bridge's ports)",
 )
 
+# allenai/Olmo-Hybrid-7B: 32 layers, every fourth full attention (30 heads x 128, q/k normed
+# across heads), the others Gated DeltaNet (30 heads, keys 96, values 192, beta doubled),
+# SwiGLU 11008, vocabulary 100352.
+PUBLISHED["olmo_hybrid_7b"] = Published(
+    "OlmoHybridConfig",
+    "OlmoHybridForCausalLM",
+    dict(
+        vocab_size=100352,
+        hidden_size=3840,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=30,
+        num_key_value_heads=30,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
+        linear_num_key_heads=30,
+        linear_num_value_heads=30,
+        linear_key_head_dim=96,
+        linear_value_head_dim=192,
+        linear_conv_kernel_dim=4,
+        linear_allow_neg_eigval=True,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=65536,
+        tie_word_embeddings=False,
+        pad_token_id=100277,
+        eos_token_id=100257,
+    ),
+    "allenai/Olmo-Hybrid-7B as transformers 5.24's OlmoHybridConfig defaults document it (every "
+    "fourth layer attention); its config.json itself not seen (the RoPE theta unconfirmed)",
+)
+
 # Published checkpoints whose architecture transformers has but this engine does not run:
 # loading one must fail with the list of supported architectures.
 UNSUPPORTED = {

@@ -22,6 +22,7 @@ MODEL_MODULES = (
     "mambaradix.models.nemotron_h",
     "mambaradix.models.lfm2",
     "mambaradix.models.falcon_h1",
+    "mambaradix.models.olmo_hybrid",
 )
 
 _MODELS: dict[str, type] = {}

@@ -349,3 +349,50 @@ def _falcon_h1_init(model: Any, gen: Any) -> None:
 
 
 register_tiny("falcon_h1", _tiny_falcon_h1, init=_falcon_h1_init)
+
+
+# --------------------------------------------------------------------------- olmo_hybrid
+
+
+def _tiny_olmo_hybrid(size: str = "tiny", **overrides: Any):
+    from transformers import OlmoHybridConfig
+    from transformers import OlmoHybridForCausalLM as HFModel
+
+    d = size_dims(size)
+    layers = d["layers"]
+    kw: dict[str, Any] = dict(
+        vocab_size=d["vocab"],
+        hidden_size=d["hidden"],
+        intermediate_size=d["intermediate"],
+        num_hidden_layers=layers,
+        num_attention_heads=d["heads"],
+        num_key_value_heads=d["kv_heads"],
+        # both kinds more than once, attention not only last
+        layer_types=["linear_attention", "full_attention"] * (layers // 2),
+        # key / value heads of 3/2 and 3 times the attention's (Olmo-Hybrid-7B: 96 and 192
+        # against 128), and more value heads than key heads
+        linear_num_key_heads=d["kv_heads"],
+        linear_num_value_heads=d["heads"],
+        linear_key_head_dim=3 * d["head_dim"] // 2,
+        linear_value_head_dim=3 * d["head_dim"],
+        linear_conv_kernel_dim=4,
+        linear_allow_neg_eigval=True,
+        max_position_embeddings=4096,
+        initializer_range=0.05,
+        tie_word_embeddings=False,
+    )
+    kw.update(overrides)
+    return OlmoHybridConfig(**kw), HFModel
+
+
+def _olmo_hybrid_init(model: Any, gen: Any) -> None:
+    """Norm weights drawn around 1 (transformers starts them at 1, where a norm applied in the
+    wrong place, or one left out of a fused op, would not show)."""
+    import torch
+
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+
+
+register_tiny("olmo_hybrid", _tiny_olmo_hybrid, init=_olmo_hybrid_init)

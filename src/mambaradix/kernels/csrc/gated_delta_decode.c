@@ -5,7 +5,8 @@
  *   conv:  window = [conv_pool[s][c][0 .. K-2], x[b][c]];  y[c] = act(sum_k w[c][k] window[k] + bias[c])
  *          conv_pool[s][c] <- window[1 .. K-1]
  *   q, k:  the first 2 * Hk * Dk channels of y (Hk key heads), L2-normalised (optional), q * Dk^-1/2
- *   gates: g = -exp(A_log[h]) softplus(a[b][h] + dt_bias[h]),  beta = sigmoid(b[b][h])
+ *   gates: g = -exp(A_log[h]) softplus(a[b][h] + dt_bias[h]),  beta = beta_scale sigmoid(b[b][h])
+ *          (beta_scale 2: OLMo-Hybrid's negative eigenvalues; 1 elsewhere)
  *   step:  for value head h (key head h / (Hv / Hk)), S = ssm_pool[s][h]  ([Dk][Dv]):
  *          S *= exp(g);  u = beta (v - S^T k);  S += k u^T;  out[b][h] = S^T q
  * reading and writing each state once. All tensors contiguous, except that x, a and b rows are
@@ -145,7 +146,7 @@ static inline __attribute__((always_inline)) void gdn_head(
     int64_t a_stride, const void *bgate, int64_t b_stride, const void *A_log,
     const void *dt_bias, void *out, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
     int64_t conv_dim, const void *z, int64_t z_stride, const void *norm_w, float eps,
-    const int bf)
+    float beta_scale, const int bf)
 {
     const int64_t rep = hv / hk;
     const float *yb = y + b * conv_dim;
@@ -156,7 +157,9 @@ static inline __attribute__((always_inline)) void gdn_head(
     const float av = ld(a, b * a_stride + h, bf) + ld(dt_bias, h, bf);
     const float sp = av > 20.0f ? av : log1pf(expf(av));
     const float decay = expf(-expf(ld(A_log, h, bf)) * sp);
-    const float bt = rnd(1.0f / (1.0f + expf(-ld(bgate, b * b_stride + h, bf))), bf);
+    /* rounded where the reference holds bf16: sigmoid's result, then its product */
+    const float sig = rnd(1.0f / (1.0f + expf(-ld(bgate, b * b_stride + h, bf))), bf);
+    const float bt = beta_scale == 1.0f ? sig : rnd(beta_scale * sig, bf);
     /* Column blocks of GQ: a column's u and output need only that column of S, so each block
      * takes both passes while its 16 KB of S stay in L1, its u and o in registers (the same
      * operations in the same order as a pass over whole rows: the same bits). Over whole rows
@@ -218,7 +221,8 @@ static inline __attribute__((always_inline)) void gdn_team(
     float *ssm_pool, const void *weight, const void *bias, const void *a, int64_t a_stride,
     const void *bgate, int64_t b_stride, const void *A_log, const void *dt_bias, void *out,
     int64_t hk, int64_t hv, int64_t dk, int64_t dv, int64_t kernel, int silu, int l2norm,
-    const void *z, int64_t z_stride, const void *norm_w, float eps, float *y, const int bf)
+    const void *z, int64_t z_stride, const void *norm_w, float eps, float beta_scale, float *y,
+    const int bf)
 {
     const int64_t conv_dim = 2 * hk * dk + hv * dv;
     const int64_t chunks = (conv_dim + GDN_CHUNK - 1) / GDN_CHUNK;
@@ -254,7 +258,7 @@ static inline __attribute__((always_inline)) void gdn_team(
 #define GDN_HEAD(DK, DV)                                                                   \
     gdn_head(r, h, several && r > r0 ? local : src, several ? local : dst,                \
              several ? dst : NULL, y, a, a_stride, bgate, b_stride, A_log, dt_bias, out, hk, \
-             hv, DK, DV, conv_dim, z, z_stride, norm_w, eps, bf)
+             hv, DK, DV, conv_dim, z, z_stride, norm_w, eps, beta_scale, bf)
                 if (dk == 128 && dv == 128) /* Qwen3.5's and Qwen3-Next's heads: unrolled */
                     GDN_HEAD(128, 128);
                 else
@@ -275,11 +279,11 @@ static inline __attribute__((always_inline)) void gdn_team(
         const void *bgate, int64_t b_stride, const void *A_log,                          \
         const void *dt_bias, void *out, int64_t hk, int64_t hv, int64_t dk, int64_t dv,  \
         int64_t kernel, int silu, int l2norm, const void *z, int64_t z_stride,            \
-        const void *norm_w, float eps
+        const void *norm_w, float eps, float beta_scale
 #define GDN_PASS                                                                          \
     B, slots, cu, row_slots, x, x_stride, conv_pool, ssm_pool, weight, bias, a, a_stride, \
         bgate, b_stride, A_log, dt_bias, out, hk, hv, dk, dv, kernel, silu, l2norm, z,     \
-        z_stride, norm_w, eps
+        z_stride, norm_w, eps, beta_scale
 
 #define GDN_DECODE(bf)                                                                    \
     do {                                                                                  \
