@@ -27,7 +27,7 @@ import torch
 MAPPED_MIN_BYTES = 1 << 20
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # every tensor of an arena starts on a cache line
-# MAMBARADIX_HUGE_PAGES=0: weights on ordinary pages (the A/B of bench/bench_decode_parts.py)
+# MAMBARADIX_HUGE_PAGES=0: weights on ordinary pages (for A/B runs; docs/benchmarks.md)
 HUGE_PAGES = os.environ.get("MAMBARADIX_HUGE_PAGES", "1") != "0"
 
 

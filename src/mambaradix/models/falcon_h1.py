@@ -251,6 +251,6 @@ def _scaled(t: torch.Tensor | Lazy, scale: float | torch.Tensor) -> torch.Tensor
 
 
 def _summed(parts: list[torch.Tensor | Lazy]) -> torch.Tensor:
-    """The sum of biases (each already scaled), in fp32, rounded once."""
-    total = sum(materialised(p).float() for p in parts)
-    return total.to(materialised(parts[0]).dtype)
+    """The sum of biases (each already scaled and rounded), in fp32, rounded once more."""
+    tensors = [materialised(p) for p in parts]
+    return sum(t.float() for t in tensors).to(tensors[0].dtype)
