@@ -54,6 +54,6 @@ def test_the_layers_and_the_doubled_write_strength(oracle_for, monkeypatch):
 def test_attention_norms_span_all_heads(oracle_for):
     o = oracle_for(CASES["plain"])
     attn = next(layer.self_attn for layer in o.model.model.layers if layer.is_attention)
-    assert attn.q_norm.weight.shape == (attn.h * attn.d,)
-    assert attn.k_norm.weight.shape == (attn.hkv * attn.d,)
+    assert attn.q_norm.weight.shape == (attn.num_heads * attn.head_dim,)
+    assert attn.k_norm.weight.shape == (attn.num_kv_heads * attn.head_dim,)
     assert not torch.allclose(attn.q_norm.weight, torch.ones_like(attn.q_norm.weight))

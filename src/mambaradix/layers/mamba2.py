@@ -97,6 +97,8 @@ class Mamba2Mixer(KernelUser, nn.Module):
             if gated_norm
             else None
         )
+        # whether a decode op can finish the output stage (all but the norm-first variant)
+        self.decode_output = not (gated_norm and norm_before_gate)
         out_bias = proj_bias if out_bias is None else out_bias
         self.out_proj = (
             Linear(self.intermediate, hidden_size, bias=out_bias) if projections else None
@@ -127,8 +129,7 @@ class Mamba2Mixer(KernelUser, nn.Module):
         conv_pool, ssm_pool = ctx.state_pool.conv[j], ctx.state_pool.temporal[j]
         gate, xbc, dt_raw = proj.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
         weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
-        gate_first = self.norm is None or not self.norm.norm_before_gate
-        if layout.decode is not None and layout.decode.rows.whole and gate_first:
+        if layout.decode is not None and layout.decode.rows.whole and self.decode_output:
             # decodes alone: the op finishes with the output stage (one kernel on the cpu
             # backend)
             return ops.mamba2_mixer_decode(

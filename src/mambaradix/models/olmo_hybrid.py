@@ -24,14 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from mambaradix.layers.attention import pooled_attention
 from mambaradix.layers.gated_delta_net import GDN_MERGES, GatedDeltaNet
 from mambaradix.layers.mlp import GATE_UP_MERGE, GatedMLP
 from mambaradix.layers.norm import RMSNorm
-from mambaradix.layers.ops import KernelUser, Linear
+from mambaradix.layers.ops import Linear
 from mambaradix.layers.rotary import RotaryEmbedding
 from mambaradix.layout import ForwardContext
 from mambaradix.models.base import HybridCausalLM, pool_layer_indices
+from mambaradix.models.granite_hybrid import ProjAttention
 from mambaradix.models.loader import assign_weights, merge_weights
 from mambaradix.models.registry import register_model
 
@@ -50,33 +50,27 @@ RENAMES = {
 GDN_NORM_EPS = 1e-5  # the Gated DeltaNet output norm's (transformers: FLA's default)
 
 
-class OlmoAttention(KernelUser, nn.Module):
+class OlmoAttention(ProjAttention):
     """Attention whose q and k are RMS-normed across all heads (``q_norm`` over ``H * D``,
-    ``k_norm`` over ``Hkv * D``), then rotated; q/k/v one GEMM (``ATTN_MERGE``)."""
+    ``k_norm`` over ``Hkv * D``), then rotated (``ProjAttention.attend``); q/k/v one GEMM
+    (``ATTN_MERGE``)."""
 
     def __init__(self, cfg: Any, attn_layer: int) -> None:
-        super().__init__()
-        self.h, self.hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.d = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.h
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        super().__init__(cfg.hidden_size, heads, kv_heads, d, attn_layer, d**-0.5,
+                         projections=False)  # fmt: skip
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=bias)
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(self.h * self.d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.hkv * self.d, cfg.rms_norm_eps)
-        self.attn_layer = attn_layer
-        self.scale = self.d**-0.5
+        self.split = [heads * d, kv_heads * d, kv_heads * d]
+        self.qkv_proj = Linear(cfg.hidden_size, sum(self.split), bias=bias)
+        self.o_proj = Linear(heads * d, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(heads * d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(kv_heads * d, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, rotary, cos_sin) -> torch.Tensor:
-        t = x.shape[0]
-        hk = self.hkv * self.d
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, hk, hk], dim=-1)
-        q = self.q_norm(q).view(t, self.h, self.d)
-        k = self.k_norm(k).view(t, self.hkv, self.d)
-        v = v.reshape(t, self.hkv, self.d)
-        if rotary is not None:
-            q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
-        out = pooled_attention(self.ops, ctx, self.attn_layer, q, k, v, self.scale)
-        return self.o_proj(out.reshape(t, -1))
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        out = self.attend(self.q_norm(q), self.k_norm(k), v, ctx, rotary, cos_sin)
+        return self.o_proj(out)
 
 
 class OlmoHybridLayer(nn.Module):
