@@ -39,6 +39,15 @@ class EngineConfig:
         "neither the CPU (AVX512-BF16 / AMX) nor the kernel backend computes bf16 fast.",
         ["auto", "float32", "bfloat16", "float16"],
     )
+    quantization: str = opt(
+        "",
+        "Weight quantization: 'fp8' stores the linears' weights as float8 e4m3 with a scale "
+        "per 128 x 128 block (the published FP8 checkpoints' format), quantized as they load; "
+        "activations stay in --dtype. The LM head, MoE routers and the routed experts keep "
+        "--dtype. Decode reads half the bytes; outputs move within fp8 rounding of the "
+        "checkpoint's, and never depend on the cache.",
+        ["", "fp8"],
+    )
     device: str = opt("cpu", "Torch device.")
     seed: int = opt(
         0,

@@ -125,12 +125,31 @@ def test_every_replay_equals_the_python_forward(model_path, arch, dtype):
     """Requests of different lengths finishing at different times (batch 3, 2, 1), one crossing
     the 256-column table capacity: every replayed step's logits and pools equal the Python
     forward's bit for bit, and graphs were recorded for each batch size and capacity."""
-    path = model_path(arch)
-    with Engine(model_path=path, dtype=dtype, debug_integrity=True, **POOLS) as eng:
+    _check_replays(model_path(arch), dtype)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "granite_hybrid"])
+def test_replays_with_fp8_weights_equal_the_python_forward(arch):
+    """``--quantization fp8``: the fp8 linears' C calls (codes, scales, tables) replay as the
+    rest do."""
+    from mambaradix.kernels import fp8
+
+    native = fp8._native() is not None  # (else the reference's dequantize-and-matmul replays)
+    _check_replays(f"tiny:{arch}", "bfloat16", "linear_fp8" if native else None,
+                   quantization="fp8")  # fmt: skip
+
+
+def _check_replays(path: str, dtype: str, native_call: str | None = None, **flags) -> None:
+    """``native_call``: a C function every recorded step must call."""
+    with Engine(model_path=path, dtype=dtype, debug_integrity=True, **POOLS, **flags) as eng:
         vocab = eng.model.vocab_size
         with checked_replays(eng) as checks:
             _generate(eng, _prompts(vocab, [240, 30, 7]), [30, 12, 5])
         eng.check_integrity()
+        if native_call is not None:
+            for graph in eng.runner.graphs.graphs:
+                names = {getattr(fn, "__name__", None) for fn, _ in graph.program}
+                assert native_call in names, (graph.key, sorted(filter(None, names))[:12])
         keys = {k[:2] for k, _, _ in checks}
         stats = eng.runner.graphs.stats
         reported = eng.stats()

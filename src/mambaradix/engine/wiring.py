@@ -63,6 +63,7 @@ def load(cfg: EngineConfig) -> tuple[torch.nn.Module, Any]:
         ssm_dtype=DTYPES[cfg.mamba_ssm_dtype],
         mtp=cfg.speculative_algorithm in DRAFT_HEAD_ALGORITHMS,
         fast_bf16=backend.fast_bf16_on_cpu(),  # --dtype auto: bf16 where its kernels run it fast
+        quantization=cfg.quantization,
     )
     logger.info("loaded the weights in %.2f s", time.perf_counter() - t0)
     return model, load_tokenizer(path)

@@ -20,6 +20,7 @@ from mambaradix.kernels import (
     attention,
     attention_plan,
     bf16_matmul,
+    fp8,
     gated_delta,
     moe,
     native,
@@ -1114,7 +1115,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     memory speed, tens of rows in fp32 FMAs where this CPU runs them faster), for many bf16 rows
     by whichever of torch's bf16 matmul and an fp32 one is faster on this CPU
     (``kernels.bf16_matmul``); fp32 stays with torch's matmul.
+    An fp8 weight (``kernels.fp8``) takes ``fp8.linear_cpu``.
     (Called ~140 times a decode step: the checks are written for speed, ~3 us of Python.)"""
+    if type(weight) is fp8.Fp8Weight:
+        return fp8.linear_cpu(x, weight, bias, linear)
     if x.dtype is not torch.bfloat16 or not x.is_cpu:
         return F.linear(x, weight, bias)
     flat = x.dim() == 2

@@ -8,7 +8,7 @@ after each written into its position's slot (``csrc/decode.h``)."""
 
 from __future__ import annotations
 
-from mambaradix.kernels import cpu, moe, native
+from mambaradix.kernels import cpu, fp8, moe, native
 from mambaradix.kernels.activation import activation
 from mambaradix.kernels.backend import register_backend
 from mambaradix.kernels.torch_backend import TorchBackend, _copy_decode_snapshots
@@ -117,6 +117,8 @@ class CpuBackend(TorchBackend):
         return moe.moe_experts(self, x, weights, ids, gate_up, down, activation(act), few, gated)
 
     def gated_mlp(self, x, gate_up, down, act):
+        if isinstance(gate_up, fp8.Fp8Weight) or isinstance(down, fp8.Fp8Weight):
+            return super().gated_mlp(x, gate_up, down, act)  # two fp8 linears around the gate
         out = cpu.gated_mlp(x, gate_up, down, act)
         return super().gated_mlp(x, gate_up, down, act) if out is None else out
 

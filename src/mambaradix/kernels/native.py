@@ -183,6 +183,23 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _INT,                  # whether to compute the last two
         ],
     },
+    "linear_fp8": {
+        "linear_fp8": [
+            _I64, _I64, _I64,      # M, N, K (K a multiple of 64)
+            _PTR, _I64,            # x (bf16), its row stride
+            _PTR, _PTR, _PTR,      # codes [N, K] (e4m3), block scales (fp32), bias (nullable)
+            _PTR,                  # out [M, N] (bf16)
+            _PTR, _PTR,            # the e4m3 magnitudes' bf16 high and low bytes [128] each
+            _PTR,                  # scratch: M x K bf16
+        ],
+        "dequantize_fp8": [
+            _I64, _I64,            # N, K
+            _PTR, _PTR,            # codes, block scales
+            _PTR, _PTR,            # the tables
+            _PTR,                  # out [N, K] (bf16)
+        ],
+        "linear_fp8_supported": [],
+    },
     "linear": {
         "linear_bf16": [
             _I64, _I64, _I64,      # M, N, K
@@ -285,6 +302,7 @@ RESULTS = {
     "moe_pad": _I64,
     "moe_pad_bf16": _I64,
     "linear_uses_dpbf16": _INT,
+    "linear_fp8_supported": _INT,
     "linear_uses_f32x": _INT,
     "attention_prefill_supported": _INT,
     "attention_prefill_block": _INT,
@@ -298,6 +316,7 @@ RESULTS.update({f"{scan}{v}": _INT for scan in ("mamba2_scan", "gated_delta_scan
 # replayed: Python read what the call returned); linear_uses_dpbf16 describes the build
 DATA_RESULTS = frozenset(RESULTS) - {
     "linear_uses_dpbf16",
+    "linear_fp8_supported",
     "attention_prefill_supported",
     "attention_prefill_block",
     "linear_uses_f32x",

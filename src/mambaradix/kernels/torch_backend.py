@@ -20,9 +20,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from mambaradix.kernels import attention, attention_plan, conv, gated_delta, mamba2, moe, norm, rope
+from mambaradix.kernels import (
+    attention,
+    attention_plan,
+    conv,
+    fp8,
+    gated_delta,
+    mamba2,
+    moe,
+    norm,
+    rope,
+)
 from mambaradix.kernels.activation import activation
 from mambaradix.kernels.backend import KernelBackend, register_backend
 from mambaradix.kernels.norm import GatedNorm
@@ -65,7 +74,7 @@ class TorchBackend(KernelBackend):
     # the per-call primitives; a subclass replaces those it has native code for
     gated_delta_step = staticmethod(gated_delta.gated_delta_decode)
     attention_decode = staticmethod(attention.attention_decode)
-    linear = staticmethod(F.linear)
+    linear = staticmethod(fp8.linear)  # F.linear; an fp8 weight dequantized first
     rms_norm = staticmethod(norm.rms_norm)
     add_rms_norm = staticmethod(norm.add_rms_norm)
     rms_norm_gated = staticmethod(norm.rms_norm_gated)

@@ -128,6 +128,7 @@ class SparseMoeBlock(nn.Module):
         if shared_intermediate > 0:
             self.shared_expert = GatedMLP(hidden, shared_intermediate, act)
             self.shared_expert_gate = Linear(hidden, 1, bias=False)
+            self.shared_expert_gate.quantizable = False
         else:
             self.shared_expert = None
 

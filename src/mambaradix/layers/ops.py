@@ -25,7 +25,14 @@ class KernelUser:
 
 class Linear(KernelUser, nn.Linear):
     """``nn.Linear`` (same parameters, same checkpoint names) through the backend's ``linear``:
-    a decode step is mostly weight reads, and the backend decides how they are streamed."""
+    a decode step is mostly weight reads, and the backend decides how they are streamed.
+
+    ``quantization`` (``"fp8"``, set before the weights load: ``loader.mark_quantized``): the
+    weight is stored as an ``Fp8Weight`` as it loads (``weights.assign_weights``), and
+    ``self.weight`` is that from then on. ``quantizable`` False keeps it dense (routers)."""
+
+    quantization: str | None = None
+    quantizable: bool = True
 
     def forward(self, x: Tensor) -> Tensor:
         return self.ops.linear(x, self.weight, self.bias)

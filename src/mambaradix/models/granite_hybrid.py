@@ -135,6 +135,7 @@ class _Router(nn.Module):
     def __init__(self, hidden: int, num_experts: int) -> None:
         super().__init__()
         self.layer = Linear(hidden, num_experts, bias=False)
+        self.layer.quantizable = False  # routing stays exact (as FP8 checkpoints keep it)
 
 
 class GraniteMoE(KernelUser, nn.Module):

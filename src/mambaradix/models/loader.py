@@ -195,6 +195,27 @@ def resolve_dtype(dtype: str | torch.dtype, path: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+QUANTIZATIONS = ("fp8",)
+
+
+def mark_quantized(model: nn.Module, method: str) -> int:
+    """Mark the linears whose weights load quantized (``Linear.quantization``): every
+    ``layers.ops.Linear`` but the LM head (``lm_head``, tied or not: the logits keep the
+    checkpoint's precision, as the published FP8 checkpoints keep it) and those marked not
+    ``quantizable`` (routers). Routed experts are not ``Linear`` modules and stay dense.
+    Returns how many were marked."""
+    from mambaradix.layers.ops import Linear
+
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"unsupported quantization {method!r}; choose one of {QUANTIZATIONS}")
+    count = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, Linear) and mod.quantizable and name.rsplit(".", 1)[-1] != "lm_head":
+            mod.quantization = method
+            count += 1
+    return count
+
+
 def load_model(
     path: str,
     dtype: str | torch.dtype = "auto",
@@ -202,6 +223,7 @@ def load_model(
     ssm_dtype: torch.dtype = torch.float32,
     mtp: bool = False,
     fast_bf16: bool | None = None,
+    quantization: str = "",
 ) -> nn.Module:
     """Build the registered model for the checkpoint at ``path`` (or ``tiny:<arch>``) and load
     its weights. The model is in eval mode on ``device`` with parameters in ``dtype`` (``auto``:
@@ -215,6 +237,9 @@ def load_model(
     (``models/mtp.py``: ``model.mtp``, ``model.draft``; its attention layers extend
     ``model.kv_spec``). A ValueError names the fix where the architecture has no MTP head here
     or the checkpoint has no ``mtp.*`` weights.
+
+    ``quantization`` ``"fp8"``: the linears ``mark_quantized`` picks store their weights as
+    ``kernels.fp8.Fp8Weight``, each quantized as it is read (the dense copy never exists whole).
 
     The model is built without initialisation (``weights.no_init``: meta parameters) and each
     parameter is materialised from the checkpoint tensor that fills it, one at a time; what is
@@ -252,6 +277,10 @@ def load_model(
     with no_init():
         model = cls(config, ssm_dtype=ssm_dtype, **kwargs)
     model.to(dtype=target)  # meta parameters take their target dtypes (overrides included)
+    if quantization:
+        count = mark_quantized(model, quantization)
+        logger.info("%s: %d linears' weights quantized to %s as they load", cls.__name__,
+                    count, quantization)  # fmt: skip
     model.load_weights(iter_weights(folder))  # materialised on the CPU, moved below
     left = meta_tensors(model)
     if left:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from mambaradix.host_memory import WeightArena
+from mambaradix.kernels.fp8 import Fp8Weight
 
 
 class CheckpointError(ValueError):
@@ -369,6 +370,39 @@ def _weight_arena(params: Iterable[nn.Parameter], device: torch.device) -> Weigh
     return WeightArena(nbytes) if nbytes else None
 
 
+def _quantized_linears(params: dict[str, nn.Parameter], owners: dict) -> dict[int, nn.Module]:
+    """The meta weights a linear stores quantized (``Linear.quantization``), by id: those it
+    alone holds (a weight tied to another module stays dense)."""
+    found = {}
+    for p in params.values():
+        held = owners.get(id(p), [])
+        if p.is_meta and p.dim() == 2 and len(held) == 1:
+            mod, leaf = held[0]
+            if leaf == "weight" and getattr(mod, "quantization", None) == "fp8":
+                found[id(p)] = mod
+    return found
+
+
+def _fp8_arena(weights: Iterable[nn.Parameter], device: torch.device) -> WeightArena | None:
+    """The arena the fp8 codes and scales of ``weights`` are cut from (huge pages, as dense
+    weights are)."""
+    spans = [s for p in weights for s in Fp8Weight.spans(p.shape)]
+    if device.type != "cpu" or not spans:
+        return None
+    return WeightArena(sum(WeightArena.span(shape, dtype) for shape, dtype in spans))
+
+
+def _quantize_into(
+    p: nn.Parameter, t: torch.Tensor | Lazy, arena: WeightArena | None, device: torch.device
+) -> Fp8Weight:
+    """``t`` read in ``p``'s dtype (one weight at a time: the dense copy is freed at once) and
+    quantized, into ``arena`` where there is one."""
+    dense = torch.empty(p.shape, dtype=p.dtype)
+    write_into(t, dense)
+    out = None if arena is None else tuple(arena.take(s, d) for s, d in Fp8Weight.spans(p.shape))
+    return Fp8Weight.from_dense(dense, out).to(device)
+
+
 def assign_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor | Lazy]],
@@ -387,7 +421,9 @@ def assign_weights(
     owners = _owners(model)
     seen: set[str] = set()
     unexpected, bad_shape = [], []
-    arena = _weight_arena(params.values(), dev)
+    quantized = _quantized_linears(params, owners)
+    arena = _weight_arena((p for p in params.values() if id(p) not in quantized), dev)
+    fp8_arena = _fp8_arena((p for p in params.values() if id(p) in quantized), dev)
     with torch.no_grad():
         for name, tensor in weights:
             p = params.get(name)
@@ -397,7 +433,12 @@ def assign_weights(
             if tuple(p.shape) != tuple(tensor.shape):
                 bad_shape.append(f"{name}: checkpoint {tuple(tensor.shape)} vs {tuple(p.shape)}")
                 continue
-            if p.is_meta:
+            if id(p) in quantized:  # the linear's weight becomes its Fp8Weight
+                linear = quantized.pop(id(p))
+                del linear.weight  # (a module cannot take a parameter's name)
+                linear.weight = _quantize_into(p, tensor, fp8_arena, dev)
+                owners.pop(id(p))
+            elif p.is_meta:
                 new = _materialise(p, tensor, dev, arena)
                 for mod, leaf in owners.pop(id(p)):
                     mod._parameters[leaf] = new

@@ -1,0 +1,236 @@
+/* Decode linears over fp8 weights: out[m, n] = sum_k x[m, k] * w[n, k] * scale(n, k) (+ bias[n])
+ * for a few bf16 rows m, w [N, K] in float8 e4m3 (the published FP8 checkpoints' format), one
+ * fp32 scale per block of 128 x 128 weights (scale [ceil(N / 128), ceil(K / 128)]).
+ *
+ * Why: a decode step streams every weight once, so its speed is the weights' bytes over the
+ * memory bandwidth; one byte a weight instead of bf16's two halves the read. The conversion
+ * must cost less than the bytes it saves: with e4m3 -> fp32 by shifts and a multiply-add per 16
+ * weights the two cores computed 17 GB/s of fp8 (slower than bf16 streamed); by table this kernel
+ * converts 64 weights in 5 instructions and reads 30-38 GB/s of fp8 (1.4-1.8x the bf16 kernel's
+ * time for the same matrix; docs/benchmarks.md, 2026-12-07).
+ *
+ * How: 64 weight bytes are one load. Their low 7 bits index two 128-entry byte tables (the high
+ * and the low byte of each code's value in bf16, vpermi2b) and the sign bit is put back into the
+ * high byte; e4m3's 4 exponent and 3 mantissa bits are exact in bf16, and its subnormals are
+ * normal bf16 numbers, so the bf16 dot product (which flushes bf16 subnormals) sees every value
+ * exactly. Unpacking the two bytes into words interleaves them by 128-bit lane: the x rows are
+ * permuted once per call the same way (permute_rows), so each product pairs the right weight.
+ * A block of 128 columns accumulates in fp32 from zero, is multiplied by its scale and added to
+ * the row's total: an order fixed by K alone (a row's result does not depend on the other rows
+ * of the batch, the thread count, or how rows are grouped). The single rounding to bf16 comes
+ * after the bias is added. Products are exact (bf16 x bf16 in fp32).
+ *
+ * Threads split the weight rows in contiguous ranges, each range read as two streams side by
+ * side (the prefetch runs PF_BYTES ahead within a stream, into the stream's next rows: with the
+ * two rows of a pair adjacent, a prefetch past a short row landed on the row being read and the
+ * kernel read half as fast).
+ *
+ * Needs AVX-512 BF16 and VBMI (Zen 4, Sapphire Rapids and later); linear_fp8_supported() says
+ * whether this build has them (the caller dequantizes to bf16 otherwise).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "vec_math.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_FP8 1
+#else
+#define HAVE_FP8 0
+#endif
+
+#define BLOCK 128   /* the scale blocks' side */
+#define CHUNK 64    /* weights converted at once */
+#define XR 4        /* x rows dotted with one converted chunk */
+#define PF_BYTES 2048
+
+int linear_fp8_supported(void) { return HAVE_FP8; }
+
+/* The element of a 64-chunk at position j of the converted words: words 0-31 are bytes
+ * [0-7, 16-23, 32-39, 48-55] (unpacklo within each 128-bit lane), words 32-63 the others. */
+static inline int64_t chunk_source(int64_t j)
+{
+    const int64_t half = j / 32, lane = (j % 32) / 8, i = j % 8;
+    return 16 * lane + 8 * half + i;
+}
+
+/* x rows (bf16, row stride xs) into xp, [M][K] with each 64-chunk in chunk_source's order. */
+static void permute_rows(int64_t M, int64_t K, const uint16_t *x, int64_t xs, uint16_t *xp)
+{
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t c = 0; c < K; c += CHUNK)
+            for (int64_t j = 0; j < CHUNK; j++)
+                xp[m * K + c + j] = x[m * xs + c + chunk_source(j)];
+}
+
+#if HAVE_FP8
+typedef struct {
+    __m512i hi0, hi1, lo0, lo1, sign;
+} tables_t;
+
+/* 64 e4m3 bytes -> two vectors of 32 bf16 (chunk_source's order) */
+static inline __attribute__((always_inline)) void convert(const uint8_t *w, const tables_t *t,
+                                                          __m512i *w0, __m512i *w1)
+{
+    const __m512i b = _mm512_loadu_si512((const void *)w);
+    __m512i hi = _mm512_permutex2var_epi8(t->hi0, b, t->hi1);
+    const __m512i lo = _mm512_permutex2var_epi8(t->lo0, b, t->lo1);
+    hi = _mm512_ternarylogic_epi32(hi, b, t->sign, 0xF8); /* hi | (b & 0x80) */
+    *w0 = _mm512_unpacklo_epi8(lo, hi);
+    *w1 = _mm512_unpackhi_epi8(lo, hi);
+}
+
+#define DP(acc, xv, wv) _mm512_dpbf16_ps((acc), (__m512bh)(xv), (__m512bh)(wv))
+
+/* Weight rows wa (and wb when S = 2) against R x rows of xp (permuted, row length K),
+ * res[s * XR + r]. */
+static inline __attribute__((always_inline)) void dot_fp8(const uint16_t *xp, int64_t K,
+                                                          const uint8_t *wa, const uint8_t *wb,
+                                                          const float *sa, const float *sb,
+                                                          const int S, const int R,
+                                                          const tables_t *t, float *res)
+{
+    __m512 tot[2][XR];
+    for (int s = 0; s < S; s++)
+        for (int r = 0; r < R; r++)
+            tot[s][r] = _mm512_setzero_ps();
+    const uint8_t *w[2] = {wa, wb};
+    const float *sc[2] = {sa, sb};
+    for (int64_t k0 = 0; k0 < K; k0 += BLOCK) {
+        const int64_t k1 = k0 + BLOCK < K ? k0 + BLOCK : K;
+        __m512 acc[2][XR];
+        for (int s = 0; s < S; s++)
+            for (int r = 0; r < R; r++)
+                acc[s][r] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k += CHUNK) {
+            __m512i wv[2][2];
+            for (int s = 0; s < S; s++) {
+                _mm_prefetch((const char *)((uintptr_t)(w[s] + k) + PF_BYTES), _MM_HINT_T0);
+                convert(w[s] + k, t, &wv[s][0], &wv[s][1]);
+            }
+            for (int r = 0; r < R; r++) {
+                const __m512i x0 = _mm512_loadu_si512((const void *)(xp + r * K + k));
+                const __m512i x1 = _mm512_loadu_si512((const void *)(xp + r * K + k + 32));
+                for (int s = 0; s < S; s++) {
+                    acc[s][r] = DP(acc[s][r], x0, wv[s][0]);
+                    acc[s][r] = DP(acc[s][r], x1, wv[s][1]);
+                }
+            }
+        }
+        for (int s = 0; s < S; s++) {
+            const __m512 scale = _mm512_set1_ps(sc[s][k0 / BLOCK]);
+            for (int r = 0; r < R; r++)
+                tot[s][r] = _mm512_fmadd_ps(acc[s][r], scale, tot[s][r]);
+        }
+    }
+    for (int s = 0; s < S; s++)
+        for (int r = 0; r < R; r++)
+            res[s * XR + r] = _mm512_reduce_add_ps(tot[s][r]);
+}
+
+/* Weight rows na (and nb when S = 2) against every x row, into out. */
+static inline __attribute__((always_inline)) void rows_fp8(
+    int64_t M, int64_t N, int64_t K, const uint16_t *xp, const uint8_t *w, const float *scale,
+    int64_t na, int64_t nb, const int S, const uint16_t *bias, uint16_t *out, const tables_t *t)
+{
+    const int64_t KB = (K + BLOCK - 1) / BLOCK;
+    const uint8_t *wa = w + na * K, *wb = w + nb * K;
+    const float *sa = scale + na / BLOCK * KB, *sb = scale + nb / BLOCK * KB;
+    float res[2 * XR];
+    for (int64_t m0 = 0; m0 < M; m0 += XR) {
+        const int64_t R = M - m0 < XR ? M - m0 : XR;
+        const uint16_t *xg = xp + m0 * K;
+#define F(s_, r_) dot_fp8(xg, K, wa, wb, sa, sb, s_, r_, t, res)
+        if (S == 2)
+            switch (R) { /* constants: each case unrolled on its own */
+            case 4: F(2, 4); break;
+            case 3: F(2, 3); break;
+            case 2: F(2, 2); break;
+            default: F(2, 1); break;
+            }
+        else
+            switch (R) {
+            case 4: F(1, 4); break;
+            case 3: F(1, 3); break;
+            case 2: F(1, 2); break;
+            default: F(1, 1); break;
+            }
+#undef F
+        const int64_t ns[2] = {na, nb};
+        for (int s = 0; s < S; s++) {
+            const float b = bias ? bf16_to_f32(bias[ns[s]]) : 0.0f;
+            for (int64_t r = 0; r < R; r++)
+                out[(m0 + r) * N + ns[s]] = f32_to_bf16(res[s * XR + r] + b);
+        }
+    }
+}
+#endif
+
+/* out [M, N] (bf16) = x [M, K] (bf16, row stride xs) times the fp8 weights' transpose, + bias
+ * (bf16, nullable). lut_hi / lut_lo: the 128 e4m3 magnitudes' bf16 bytes (kernels/fp8.py).
+ * xp: scratch of M * K bf16. K a multiple of 64, and a build with linear_fp8_supported()
+ * (else nothing is written: the caller checks both). */
+void linear_fp8(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t xs, const uint8_t *w,
+               const float *scale, const uint16_t *bias, uint16_t *out, const uint8_t *lut_hi,
+               const uint8_t *lut_lo, uint16_t *xp)
+{
+#if HAVE_FP8
+    if (K % CHUNK)
+        return;
+    permute_rows(M, K, x, xs, xp);
+    tables_t t;
+    t.hi0 = _mm512_loadu_si512((const void *)lut_hi);
+    t.hi1 = _mm512_loadu_si512((const void *)(lut_hi + 64));
+    t.lo0 = _mm512_loadu_si512((const void *)lut_lo);
+    t.lo1 = _mm512_loadu_si512((const void *)(lut_lo + 64));
+    t.sign = _mm512_set1_epi8((char)0x80);
+#pragma omp parallel
+    {
+#ifdef _OPENMP
+        const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
+#else
+        const int64_t nt = 1, th = 0;
+#endif
+        const int64_t lo = N * th / nt, hi = N * (th + 1) / nt, half = (hi - lo) / 2;
+        for (int64_t i = 0; i < half; i++)
+            rows_fp8(M, N, K, xp, w, scale, lo + i, lo + half + i, 2, bias, out, &t);
+        if ((hi - lo) % 2)
+            rows_fp8(M, N, K, xp, w, scale, hi - 1, hi - 1, 1, bias, out, &t);
+    }
+#else
+    (void)M, (void)N, (void)K, (void)x, (void)xs, (void)w, (void)scale, (void)bias, (void)out;
+    (void)lut_hi, (void)lut_lo, (void)xp;
+#endif
+}
+
+/* w [N, K] fp8 with its block scales -> out [N, K] bf16: bf16(code * scale), rounded once (the
+ * reference's dequantization; the many-row path then runs the bf16 matmul). Any K. */
+void dequantize_fp8(int64_t N, int64_t K, const uint8_t *w, const float *scale,
+                    const uint8_t *lut_hi, const uint8_t *lut_lo, uint16_t *out)
+{
+    const int64_t KB = (K + BLOCK - 1) / BLOCK;
+    float value[256];
+    for (int c = 0; c < 256; c++) {
+        const uint16_t bits = (uint16_t)(lut_hi[c & 127] << 8 | lut_lo[c & 127]) |
+                              (uint16_t)((c & 128) << 8);
+        value[c] = bf16_to_f32(bits);
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *sr = scale + n / BLOCK * KB;
+        const uint8_t *wr = w + n * K;
+        uint16_t *orow = out + n * K;
+        for (int64_t k0 = 0; k0 < K; k0 += BLOCK) {
+            const float s = sr[k0 / BLOCK];
+            const int64_t k1 = k0 + BLOCK < K ? k0 + BLOCK : K;
+#pragma omp simd
+            for (int64_t k = k0; k < k1; k++)
+                orow[k] = f32_to_bf16(value[wr[k]] * s);
+        }
+    }
+}

@@ -1,0 +1,193 @@
+"""Linear weights in fp8 (``--quantization fp8``): float8 e4m3 codes with one fp32 scale per
+block of 128 x 128 weights, the layout of the published FP8 checkpoints (``weight_block_size``
+``[128, 128]``, ``weight_scale_inv``), computed with bf16 or fp32 activations (W8A16).
+
+A decode step reads every weight once, so one byte a weight instead of two is up to half the
+step. ``Fp8Weight`` stands where a linear's weight tensor stood; every backend's ``linear``
+takes either. The reference (``linear``) dequantizes to the activations' dtype and runs the
+dense linear: ``bf16(code * scale)``, exact in fp32. On a CPU with AVX-512 BF16 and VBMI a few
+bf16 rows run in C straight from the codes (``csrc/linear_fp8.c``: each block's products summed
+in fp32, times its scale), within bf16 rounding of the reference; more rows dequantize the
+weight into a bf16 buffer (``dequantize_fp8``, the reference's numbers) and run the dense bf16
+kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+BLOCK = 128  # the scale blocks' side
+E4M3_MAX = 448.0  # the largest finite e4m3 value
+# rows at most that the C kernel takes from the codes; more dequantize (the converted codes are
+# reused across the rows of a chunk, so the kernel pays while the step still streams weights)
+NATIVE_MAX_ROWS = 32
+
+
+def quantize(w: Tensor) -> tuple[Tensor, Tensor]:
+    """``w`` [N, K] -> (codes [N, K] float8_e4m3fn, scales [ceil(N/128), ceil(K/128)] fp32):
+    each block's scale is the power of two at or above its largest magnitude over 448 (1 for an
+    all-zero block), each code the nearest e4m3 value of ``w / scale`` (ties to even).
+
+    Powers of two: ``code * scale`` is then exact in bf16 (4 significant bits, shifted), so
+    every path computes with the same weights: the C kernel's block sums times the scale, and
+    the bf16 weights the many-row path and the reference dequantize to (with an arbitrary
+    scale the two differ by the bf16 rounding of every weight, and a prompt resumed from the
+    cache, whose short suffix takes the C kernel, would differ from one computed whole by
+    more than bf16 noise). The price: a block's largest code is 224-448, not always 448; the
+    relative step of e4m3 (2^-3) is the same, and only the smallest weights lose range."""
+    n, k = w.shape
+    nb, kb = math.ceil(n / BLOCK), math.ceil(k / BLOCK)
+    padded = F.pad(w.float(), (0, kb * BLOCK - k, 0, nb * BLOCK - n))
+    blocks = padded.view(nb, BLOCK, kb, BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3))
+    mantissa, exponent = torch.frexp(amax / E4M3_MAX)  # amax / 448 = mantissa * 2^exponent
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)  # an exact power: itself
+    scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), exponent), 1.0)
+    codes = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    codes = codes.to(torch.float8_e4m3fn).view(nb * BLOCK, kb * BLOCK)[:n, :k]
+    return codes.contiguous(), scale.contiguous()
+
+
+def dequantize(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``dtype(code * scale)``: the product in fp32 (exact: 4 significant bits times a float),
+    rounded once."""
+    n, k = codes.shape
+    s = scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+    return (codes.float() * s).to(dtype)
+
+
+class Fp8Weight(nn.Module):
+    """A linear's weight [out, in] as e4m3 codes (buffer ``q``) and block scales (``scale``);
+    ``shape`` is the weight's. Moves with the model (``.to(device)``); in a state dict as
+    ``<linear>.weight.q`` / ``.scale``."""
+
+    def __init__(self, q: Tensor, scale: Tensor) -> None:
+        super().__init__()
+        if q.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
+            raise TypeError(f"fp8 weight needs float8_e4m3fn codes and fp32 scales, got "
+                            f"{q.dtype} and {scale.dtype}")  # fmt: skip
+        expected = (math.ceil(q.shape[0] / BLOCK), math.ceil(q.shape[1] / BLOCK))
+        if q.dim() != 2 or tuple(scale.shape) != expected:
+            raise ValueError(f"fp8 weight {tuple(q.shape)} needs scales {expected}, got "
+                             f"{tuple(scale.shape)}")  # fmt: skip
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale)
+        # the C kernel's tables, shared by every weight (buffers: memory a recorded decode
+        # step may read, engine/step_graph.py), not saved
+        hi, lo = lut()
+        self.register_buffer("lut_hi", hi, persistent=False)
+        self.register_buffer("lut_lo", lo, persistent=False)
+
+    @classmethod
+    def from_dense(cls, w: Tensor, out: tuple[Tensor, Tensor] | None = None) -> Fp8Weight:
+        """Quantize ``w`` (``quantize``); ``out``: tensors of the codes' and scales' shapes and
+        dtypes to hold them (cut from a weight arena)."""
+        q, scale = quantize(w)
+        if out is not None:
+            out[0].copy_(q)
+            out[1].copy_(scale)
+            q, scale = out
+        return cls(q, scale)
+
+    @staticmethod
+    def spans(shape: torch.Size | tuple[int, ...]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The (shape, dtype) of the codes and of the scales of a weight of ``shape``."""
+        n, k = shape
+        return [((n, k), torch.float8_e4m3fn),
+                ((math.ceil(n / BLOCK), math.ceil(k / BLOCK)), torch.float32)]  # fmt: skip
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def dequantize(self, dtype: torch.dtype) -> Tensor:
+        return dequantize(self.q, self.scale, dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.q.shape)}, e4m3, blocks {BLOCK}x{BLOCK}"
+
+
+def linear(x: Tensor, weight: Tensor | Fp8Weight, bias: Tensor | None) -> Tensor:
+    """The reference ``linear`` of every backend: ``F.linear``, an fp8 weight dequantized to
+    ``x``'s dtype first."""
+    if isinstance(weight, Fp8Weight):
+        weight = weight.dequantize(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+@functools.cache
+def lut() -> tuple[Tensor, Tensor]:
+    """The high and the low byte of each e4m3 magnitude's bf16 bits (codes 0..127; 127, a NaN,
+    maps to 0: ``quantize`` never writes it)."""
+    values = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values[127] = 0.0
+    bits = values.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return (bits >> 8).to(torch.uint8).contiguous(), (bits & 0xFF).to(torch.uint8).contiguous()
+
+
+@functools.cache
+def _native():
+    from mambaradix.kernels import native
+
+    lib = native.load("linear_fp8")
+    return lib if lib is not None and lib.linear_fp8_supported() else None
+
+
+def _dequantize_native(weight: Fp8Weight):
+    lib = native_dequantizer()
+    if lib is None:
+        return weight.dequantize(torch.bfloat16)
+    n, k = weight.shape
+    out = torch.empty(n, k, dtype=torch.bfloat16)
+    lib.dequantize_fp8(
+        n, k, weight.q.data_ptr(), weight.scale.data_ptr(), weight.lut_hi.data_ptr(),
+        weight.lut_lo.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+@functools.cache
+def native_dequantizer():
+    """The C library for ``dequantize_fp8`` (any CPU the native kernels build on), or None."""
+    from mambaradix.kernels import native
+
+    return native.load("linear_fp8")
+
+
+def native_rows(m: int, k: int) -> bool:
+    """Whether ``m`` bf16 rows of ``k`` run in C straight from the codes here."""
+    return 0 < m <= NATIVE_MAX_ROWS and k % 64 == 0 and _native() is not None
+
+
+def linear_cpu(x: Tensor, weight: Fp8Weight, bias: Tensor | None, dense) -> Tensor:
+    """The CPU backend's fp8 ``linear``: a few bf16 rows in C from the codes, else the weight
+    dequantized to bf16 (in C) and ``dense(x, w, bias)`` (the backend's bf16 linear); other
+    dtypes take the reference."""
+    if x.dtype is not torch.bfloat16 or not x.is_cpu or not weight.q.is_cpu:
+        return linear(x, weight, bias)
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    m, k = rows.shape
+    if (
+        rows.stride(1) != 1
+        or not native_rows(m, k)
+        or not (bias is None or (bias.dtype is torch.bfloat16 and bias.is_contiguous()))
+    ):
+        return dense(x, _dequantize_native(weight), bias)
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    scratch = torch.empty(m * k, dtype=torch.bfloat16)  # the rows permuted (linear_fp8.c)
+    _native().linear_fp8(
+        m, n, k, rows.data_ptr(), rows.stride(0), weight.q.data_ptr(), weight.scale.data_ptr(),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), weight.lut_hi.data_ptr(),
+        weight.lut_lo.data_ptr(), scratch.data_ptr(),
+    )  # fmt: skip
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)

@@ -1,0 +1,222 @@
+"""fp8 weights (``--quantization fp8``, ``kernels/fp8.py``): the block quantizer, the C kernels
+against the reference, the loader storing the weights quantized as they load, and models whose
+outputs are those of the same model with the dequantized weights.
+
+Tolerances: the C kernel sums each 128-column block's exact products in fp32 and scales the
+block sum; the reference dequantizes (exactly: the scales are powers of two) and runs the
+dense linear. The two differ in the order of the fp32 sums and by the output's rounding to
+bf16 (2^-9 relative): ``REL_TOL`` 8e-3 of the output's largest magnitude (against an fp32
+reference). Measured: 2-3e-3. Negative controls: scales applied to the wrong blocks, and the
+tables with the sign bit ignored, fail it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mambaradix.kernels import cpu, fp8
+from mambaradix.kernels.fp8 import BLOCK, E4M3_MAX, Fp8Weight
+
+REL_TOL = 8e-3
+
+needs_native = pytest.mark.skipif(
+    fp8._native() is None,
+    reason="the fp8 C kernel needs AVX-512 BF16 and VBMI (and a C compiler): the reference ran",
+)
+
+
+def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    w[: min(n, BLOCK), : min(k, BLOCK)] *= 40  # blocks of very different scales
+    return w.to(torch.bfloat16)
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+# ------------------------------------------------------------------ the quantizer
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 130), (7, 64)])
+def test_quantize_round_trip_is_within_e4m3_precision(shape):
+    w = _weight(*shape).float()
+    q, scale = fp8.quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
+    assert scale.shape == (-(-shape[0] // BLOCK), -(-shape[1] // BLOCK))
+    back = fp8.dequantize(q, scale, torch.float32)
+    s = scale.repeat_interleave(BLOCK, 0)[: shape[0]].repeat_interleave(BLOCK, 1)[:, : shape[1]]
+    # e4m3: 3 mantissa bits (half a step 2^-4 relative) for normals; subnormal steps of 2^-9
+    bound = torch.maximum(w.abs() * 2.0**-4, s * 2.0**-10)
+    assert ((back - w).abs() <= bound + 1e-12).all()
+    codes = q.float()
+    assert not codes.isnan().any()
+    # scales are powers of two, the smallest that fit each block (its largest code 224-448)
+    assert torch.equal(torch.frexp(scale)[0], torch.full_like(scale, 0.5))
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            block = codes[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK]
+            assert E4M3_MAX / 2 < block.abs().max() <= E4M3_MAX
+    # so a code times its scale is exact in bf16: every path computes with the same weights
+    assert torch.equal(fp8.dequantize(q, scale, torch.bfloat16).float(), back)
+
+
+def test_an_all_zero_block_has_scale_one_and_zero_codes():
+    w = torch.zeros(128, 256)
+    w[:, 128:] = 1.0
+    q, scale = fp8.quantize(w)
+    assert scale[0, 0] == 1.0 and (q[:, :128].float() == 0).all()
+    assert scale[0, 1] == 2.0**-8 and (q[:, 128:].float() == 256).all()  # 1/448 -> 2^-8
+
+
+def test_fp8_weight_checks_its_parts():
+    q, scale = fp8.quantize(torch.randn(130, 64))
+    with pytest.raises(ValueError, match="scales"):
+        Fp8Weight(q, scale[:1, :])
+    with pytest.raises(TypeError, match="float8"):
+        Fp8Weight(q.float(), scale)
+
+
+def test_the_tables_hold_every_e4m3_magnitude_exactly_in_bf16():
+    hi, lo = fp8.lut()
+    bits = (hi.to(torch.int32) << 8 | lo.to(torch.int32)).to(torch.int16).view(torch.bfloat16)
+    want = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    assert torch.equal(bits[:127].float(), want)  # subnormals included: bf16 holds them normal
+    assert bits[1].float() == 2.0**-9 and bits[126].float() == E4M3_MAX
+
+
+# ------------------------------------------------------------------ the C kernels
+
+
+@needs_native
+@pytest.mark.parametrize("n,k", [(512, 1024), (300, 192), (1000, 3584), (129, 64)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 32])
+def test_native_linear_matches_the_reference(n, k, m):
+    w = Fp8Weight.from_dense(_weight(n, k, seed=n + k))
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 2 * k, generator=g).to(torch.bfloat16)[:, ::2]  # strided rows
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16) if m % 2 else x.contiguous()
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    want = fp8.linear(x.float(), w, bias.float())
+    got = cpu.linear(x, w, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert _rel_err(got, want) < REL_TOL
+    # a row's result never depends on the rest of the batch
+    assert torch.equal(cpu.linear(x[-1:], w, bias), got[-1:])
+    assert torch.equal(cpu.linear(x, w, None), cpu.linear(x, w, None))  # and is deterministic
+
+
+@needs_native
+def test_native_linear_controls_fail():
+    """The checks above catch a kernel that applies the scales to the wrong blocks or loses
+    the sign."""
+    n, k = 256, 512
+    w = Fp8Weight.from_dense(_weight(n, k))
+    x = torch.randn(2, k).to(torch.bfloat16)
+    want = fp8.linear(x.float(), w, None)
+    assert _rel_err(cpu.linear(x, w, None), want) < REL_TOL
+    wrong_blocks = Fp8Weight(w.q, w.scale.flip(1).contiguous())
+    assert _rel_err(cpu.linear(x, wrong_blocks, None), want) > 10 * REL_TOL
+    unsigned = Fp8Weight((w.q.view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn), w.scale)
+    assert _rel_err(cpu.linear(x, unsigned, None), want) > 10 * REL_TOL
+
+
+@needs_native
+def test_many_rows_dequantize_to_the_references_bf16_weights():
+    w = Fp8Weight.from_dense(_weight(384, 320))
+    assert torch.equal(fp8._dequantize_native(w), w.dequantize(torch.bfloat16))
+    x = torch.randn(fp8.NATIVE_MAX_ROWS + 7, 320).to(torch.bfloat16)
+    assert not fp8.native_rows(x.shape[0], 320)
+    assert torch.equal(cpu.linear(x, w, None), cpu.linear(x, w.dequantize(torch.bfloat16), None))
+
+
+def test_other_dtypes_and_shapes_take_the_reference():
+    w = Fp8Weight.from_dense(_weight(64, 96))  # K not a multiple of 64
+    x = torch.randn(3, 96)
+    assert torch.equal(cpu.linear(x, w, None), fp8.linear(x, w, None))  # fp32: exact
+    xb = x.to(torch.bfloat16)
+    assert not fp8.native_rows(3, 96)
+    assert _rel_err(cpu.linear(xb, w, None), fp8.linear(x, w, None)) < REL_TOL
+
+
+# ------------------------------------------------------------------ loading and models
+
+
+def prefill_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Every position's logits of one prompt through fresh pools."""
+    from mambaradix.cache.kv_pool import KVPool
+    from mambaradix.cache.state_pool import StatePool
+    from mambaradix.core import ForwardReq
+    from mambaradix.layout import ForwardContext
+
+    kv, states = KVPool(model.kv_spec, 256), StatePool(model.state_spec, 2)
+    slots = kv.alloc(len(ids))
+    (slot,) = states.alloc(1)
+    states.clear([slot])
+    req = ForwardReq(0, ids.tolist(), slots, slot, [])
+    with torch.no_grad():
+        return model(ForwardContext.build([req], kv, states), all_logits=True)
+
+
+def _dense_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every Fp8Weight replaced by its dequantized weight (the reference)."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    for mod in twin.modules():
+        if isinstance(getattr(mod, "weight", None), Fp8Weight):
+            dense = mod.weight.dequantize(torch.float32)  # (the fp32 models below)
+            del mod.weight
+            mod.weight = torch.nn.Parameter(dense, requires_grad=False)
+    return twin
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "granite_hybrid_moe", "lfm2", "falcon_h1"])
+def test_loading_quantizes_every_linear_but_the_head_and_routers(arch):
+    from mambaradix.layers.ops import Linear
+    from mambaradix.models.loader import load_model
+
+    model = load_model(f"tiny:{arch}", quantization="fp8")
+    dense = load_model(f"tiny:{arch}")
+    quantized, kept = [], []
+    for name, mod in model.named_modules():
+        if isinstance(mod, Linear):
+            (quantized if isinstance(mod.weight, Fp8Weight) else kept).append(name)
+    assert quantized
+    assert all(n.endswith(("lm_head", "router.layer", "shared_expert_gate")) for n in kept), kept
+    assert isinstance(model.lm_head.weight, torch.nn.Parameter)
+    # quantized from the checkpoint's weights: its dequantized weights are within e4m3 of them
+    dense_mods = dict(dense.named_modules())
+    for name in quantized:
+        w = dense_mods[name].weight.float()
+        back = dict(model.named_modules())[name].weight.dequantize(torch.float32)
+        assert (back - w).abs().max() <= w.abs().max() * 2.0**-4 + 1e-9, name
+        assert w.abs().max() > 0
+    state = model.state_dict()
+    assert any(k.endswith("weight.q") and v.dtype == torch.float8_e4m3fn for k, v in state.items())
+
+
+def test_a_tied_head_and_unknown_methods():
+    from mambaradix.models.loader import load_model
+
+    model = load_model("tiny:qwen3_5", quantization="fp8")
+    if model.tie_word_embeddings:
+        assert model.lm_head.weight is model.embedding.weight
+    with pytest.raises(ValueError, match="fp8"):
+        load_model("tiny:qwen3_5", quantization="int4")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "granite_hybrid", "lfm2"])
+def test_fp8_model_equals_its_dequantized_twin_fp32(arch):
+    """fp32: the fp8 model's logits are exactly those of the same model with the dequantized
+    weights (the reference dequantizes exactly), and differ from the checkpoint's own."""
+    from mambaradix.models.loader import load_model
+
+    model = load_model(f"tiny:{arch}", quantization="fp8")
+    twin = _dense_twin(model)
+    dense = load_model(f"tiny:{arch}")
+    ids = torch.randint(3, model.vocab_size, (37,), generator=torch.Generator().manual_seed(1))
+    got, want, orig = (prefill_logits(m, ids) for m in (model, twin, dense))
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert (got - orig).abs().max() > 1e-3  # the control: quantization changed the model
