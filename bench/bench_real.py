@@ -232,6 +232,12 @@ def weight_figures(model: torch.nn.Module) -> tuple[int, int, int]:
         if p.dim() >= 2 and "conv" not in name:
             linear += int(p.numel() * used)
             head += p.numel() if name.startswith("lm_head") else 0
+    from mambaradix.kernels.fp8 import Fp8Weight
+
+    for mod in model.modules():  # --quantization fp8: codes and scales are buffers
+        if isinstance(mod, Fp8Weight):
+            read += mod.q.numel() + mod.scale.numel() * mod.scale.element_size()
+            linear += mod.q.numel()
     return read, linear, head
 
 

@@ -220,3 +220,89 @@ def test_fp8_model_equals_its_dequantized_twin_fp32(arch):
     got, want, orig = (prefill_logits(m, ids) for m in (model, twin, dense))
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
     assert (got - orig).abs().max() > 1e-3  # the control: quantization changed the model
+
+
+# ------------------------------------------------------------------ published FP8 checkpoints
+
+
+def _published_fp8(folder, block=(128, 128), drop_scale=False):
+    """tiny:granite_hybrid rewritten as the published FP8 checkpoints are: every projection's
+    weight as e4m3 codes with an fp32 ``weight_scale_inv`` per 128 x 128 block (scales are the
+    blocks' amax / 448, not powers of two), ``quantization_config`` in config.json. Returns the
+    folder and a copy written with the dequantized weights in fp32 (the reference)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mambaradix.models.tiny import make_tiny_checkpoint
+
+    src = make_tiny_checkpoint("granite_hybrid", str(folder / "src"))
+    fp8_dir, ref_dir = folder / "fp8", folder / "dequantized"
+    for d in (fp8_dir, ref_dir):
+        shutil.copytree(src, d)
+    (file,) = list(fp8_dir.glob("*.safetensors"))
+    tensors = load_file(str(file))
+    quantized, dequantized = {}, {}
+    for name, t in tensors.items():
+        if name.endswith("proj.weight") or name.endswith("linear.weight"):
+            w = t.float()
+            nb, kb = -(-w.shape[0] // BLOCK), -(-w.shape[1] // BLOCK)
+            padded = torch.nn.functional.pad(w, (0, kb * BLOCK - w.shape[1], 0,
+                                                 nb * BLOCK - w.shape[0]))  # fmt: skip
+            amax = padded.view(nb, BLOCK, kb, BLOCK).abs().amax(dim=(1, 3))
+            scale = (amax / E4M3_MAX).clamp(min=1e-12)
+            s = scale.repeat_interleave(BLOCK, 0)[: w.shape[0]].repeat_interleave(BLOCK, 1)
+            codes = (w / s[:, : w.shape[1]]).to(torch.float8_e4m3fn)
+            quantized[name] = codes
+            if not drop_scale:
+                quantized[name + "_scale_inv"] = scale
+            dequantized[name] = fp8.dequantize(codes, scale, torch.float32)
+        else:
+            quantized[name] = dequantized[name] = t
+    save_file(quantized, str(file), metadata={"format": "pt"})
+    save_file(dequantized, str(ref_dir / file.name), metadata={"format": "pt"})
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block),
+                                     "activation_scheme": "dynamic"}  # fmt: skip
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    return fp8_dir, ref_dir
+
+
+def test_a_published_fp8_checkpoint_loads_dequantized_or_as_fp8(tmp_path):
+    from mambaradix.models.loader import load_model
+
+    fp8_dir, ref_dir = _published_fp8(tmp_path)
+    ref = load_model(str(ref_dir))
+    ids = torch.randint(3, ref.vocab_size, (40,), generator=torch.Generator().manual_seed(2))
+    want = prefill_logits(ref, ids)
+    # dense: the checkpoint's values exactly (codes times scales, in fp32)
+    dense = load_model(str(fp8_dir), quantization="none")
+    assert not any(isinstance(m, Fp8Weight) for m in dense.modules())
+    assert torch.equal(prefill_logits(dense, ids), want)
+    # by default as fp8: the checkpoint's values quantized again to power-of-two block scales
+    model = load_model(str(fp8_dir))
+    ref_mods = dict(ref.named_modules())
+    requantized = [(n, m.weight) for n, m in model.named_modules()
+                   if isinstance(getattr(m, "weight", None), Fp8Weight)]  # fmt: skip
+    assert requantized
+    for name, w in requantized:
+        orig = ref_mods[name].weight.float()
+        step = torch.maximum(orig.abs() * 2.0**-4, w.scale.max() * 2.0**-10)
+        assert ((w.dequantize(torch.float32) - orig).abs() <= step).all(), name
+    # the same model as the checkpoint's values quantized from a dense checkpoint
+    got = prefill_logits(model, ids)
+    assert torch.equal(got, prefill_logits(load_model(str(ref_dir), quantization="fp8"), ids))
+    assert not torch.equal(got, want)  # the control: requantizing rounds
+
+
+def test_published_fp8_checkpoints_that_do_not_fit_are_refused(tmp_path):
+    from mambaradix.models.loader import load_model
+    from mambaradix.models.weights import CheckpointError
+
+    fp8_dir, _ = _published_fp8(tmp_path / "a", block=(64, 64))
+    with pytest.raises(CheckpointError, match="weight_block_size"):
+        load_model(str(fp8_dir))
+    fp8_dir, _ = _published_fp8(tmp_path / "b", drop_scale=True)
+    with pytest.raises(CheckpointError, match="_scale_inv"):
+        load_model(str(fp8_dir))

@@ -24,7 +24,9 @@ from mambaradix.models.registry import get_model_class
 from mambaradix.models.weights import (  # noqa: F401  (re-exported for the model modules)
     CheckpointError,
     FileTensor,
+    Lazy,
     assign_weights,
+    dequantized_fp8,
     merge_weights,
     meta_tensors,
     no_init,
@@ -130,11 +132,35 @@ def weight_files(folder: Path) -> list[Path]:
     )
 
 
-def iter_weights(folder: Path) -> Iterator[tuple[str, FileTensor]]:
+def iter_weights(folder: Path) -> Iterator[tuple[str, Lazy]]:
     """Every checkpoint tensor of the folder, in its checkpoint dtype, not read yet (each is read
-    into the parameter it fills)."""
-    for f in weight_files(folder):
-        yield from scan_safetensors(f)
+    into the parameter it fills); a block-FP8 checkpoint's weights dequantized as they are read
+    (``fp8_checkpoint``)."""
+    tensors = (t for f in weight_files(folder) for t in scan_safetensors(f))
+    if fp8_checkpoint(folder):
+        yield from dequantized_fp8(tensors, str(folder))
+    else:
+        yield from tensors
+
+
+def fp8_checkpoint(folder: Path) -> bool:
+    """Whether config.json's ``quantization_config`` is the published block-FP8 format
+    (``quant_method: fp8``, ``weight_block_size [128, 128]``: e4m3 weights with fp32
+    ``weight_scale_inv`` per block). Another quantization is a CheckpointError naming it."""
+    raw = json.loads((folder / "config.json").read_text()) if folder.is_dir() else {}
+    quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get(
+        "quantization_config"
+    )
+    if not quant:
+        return False
+    method, block = quant.get("quant_method"), quant.get("weight_block_size")
+    if method == "fp8" and list(block or []) == [128, 128]:
+        return True
+    raise CheckpointError(
+        f"{folder}: quantization_config {method!r} (weight_block_size {block}) is not "
+        "supported; block-FP8 checkpoints (quant_method fp8, weight_block_size [128, 128]) "
+        "and unquantized ones load (--quantization fp8 quantizes the latter)"
+    )
 
 
 # --------------------------------------------------------------------------- entry points
@@ -239,7 +265,10 @@ def load_model(
     or the checkpoint has no ``mtp.*`` weights.
 
     ``quantization`` ``"fp8"``: the linears ``mark_quantized`` picks store their weights as
-    ``kernels.fp8.Fp8Weight``, each quantized as it is read (the dense copy never exists whole).
+    ``kernels.fp8.Fp8Weight``, each quantized as it is read (the dense copy never exists whole);
+    ``"none"``: dense; ``""``: the checkpoint's own (``fp8`` for a block-FP8 checkpoint, whose
+    weights are dequantized as they are read and quantized again to power-of-two block scales:
+    ``kernels.fp8.quantize``).
 
     The model is built without initialisation (``weights.no_init``: meta parameters) and each
     parameter is materialised from the checkpoint tensor that fills it, one at a time; what is
@@ -277,7 +306,9 @@ def load_model(
     with no_init():
         model = cls(config, ssm_dtype=ssm_dtype, **kwargs)
     model.to(dtype=target)  # meta parameters take their target dtypes (overrides included)
-    if quantization:
+    if quantization == "":  # the checkpoint's own
+        quantization = "fp8" if fp8_checkpoint(folder) else "none"
+    if quantization != "none":
         count = mark_quantized(model, quantization)
         logger.info("%s: %d linears' weights quantized to %s as they load", cls.__name__,
                     count, quantization)  # fmt: skip

@@ -214,6 +214,49 @@ class Mapped(Lazy):
         out.copy_(self.fn(materialised(self.src)))
 
 
+class Dequantized(Lazy):
+    """A published FP8 checkpoint's weight: e4m3 codes times their block scales
+    (``weight_scale_inv``, one per 128 x 128 block), computed in fp32 (exact) and rounded once
+    to the parameter's dtype, as transformers dequantizes them."""
+
+    def __init__(self, codes: torch.Tensor | Lazy, scale: torch.Tensor | Lazy) -> None:
+        self.codes, self.scale = codes, scale
+        self.shape, self.dtype = codes.shape, torch.float32
+
+    def read_into(self, out: torch.Tensor) -> None:
+        from mambaradix.kernels.fp8 import dequantize
+
+        out.copy_(dequantize(materialised(self.codes), materialised(self.scale), torch.float32))
+
+
+def dequantized_fp8(
+    weights: Iterable[tuple[str, torch.Tensor | Lazy]], where: str
+) -> Iterator[tuple[str, torch.Tensor | Lazy]]:
+    """A block-FP8 checkpoint's tensors with each ``<m>.weight`` (e4m3) and its
+    ``<m>.weight_scale_inv`` joined into one ``Dequantized`` weight; the rest as they are. A
+    code tensor without its scales, or scales of the wrong grid, is a CheckpointError."""
+    from mambaradix.kernels.fp8 import Fp8Weight
+
+    tensors = dict(weights)  # (lazy: only the headers were read)
+    for name, t in tensors.items():
+        if name.endswith("_scale_inv"):
+            if name.removesuffix("_scale_inv") not in tensors:
+                raise CheckpointError(f"{where}: {name} scales no tensor")
+            continue
+        if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            yield name, t
+            continue
+        scale = tensors.get(name + "_scale_inv")
+        if t.dtype != torch.float8_e4m3fn or scale is None or len(t.shape) != 2:
+            raise CheckpointError(f"{where}: {name} ({t.dtype}) needs e4m3 codes in 2 dims "
+                                  f"and {name}_scale_inv beside them")  # fmt: skip
+        grid = Fp8Weight.spans(tuple(t.shape))[1][0]
+        if tuple(scale.shape) != grid:
+            raise CheckpointError(f"{where}: {name}_scale_inv is {tuple(scale.shape)}, the "
+                                  f"128 x 128 blocks of {tuple(t.shape)} need {grid}")  # fmt: skip
+        yield name, Dequantized(t, scale)
+
+
 def scan_safetensors(path: Path) -> Iterator[tuple[str, FileTensor]]:
     """Each tensor of a safetensors file, in file order, as a ``FileTensor`` (nothing read)."""
     with open(path, "rb", buffering=0) as fh:
@@ -395,9 +438,9 @@ def _fp8_arena(weights: Iterable[nn.Parameter], device: torch.device) -> WeightA
 def _quantize_into(
     p: nn.Parameter, t: torch.Tensor | Lazy, arena: WeightArena | None, device: torch.device
 ) -> Fp8Weight:
-    """``t`` read in ``p``'s dtype (one weight at a time: the dense copy is freed at once) and
-    quantized, into ``arena`` where there is one."""
-    dense = torch.empty(p.shape, dtype=p.dtype)
+    """``t`` read in fp32 (one weight at a time: the copy is freed at once; a dequantized FP8
+    checkpoint's values unrounded) and quantized, into ``arena`` where there is one."""
+    dense = torch.empty(p.shape, dtype=torch.float32)
     write_into(t, dense)
     out = None if arena is None else tuple(arena.take(s, d) for s, d in Fp8Weight.spans(p.shape))
     return Fp8Weight.from_dense(dense, out).to(device)
