@@ -124,8 +124,15 @@ def test_native_linear_controls_fail():
 
 @needs_native
 def test_many_rows_dequantize_to_the_references_bf16_weights():
-    w = Fp8Weight.from_dense(_weight(384, 320))
+    for n, k in [(384, 320), (130, 100), (3, 7)]:  # whole vectors, and a scalar tail
+        w = Fp8Weight.from_dense(_weight(n, k))
+        assert torch.equal(fp8._dequantize_native(w), w.dequantize(torch.bfloat16)), (n, k)
+    # every code (signs, subnormals, zeros; 127 and 255 are NaN) under non-power-of-two scales
+    codes = torch.arange(256, dtype=torch.uint8).repeat(3, 1)
+    codes[codes % 128 == 127] = 0
+    w = Fp8Weight(codes.view(torch.float8_e4m3fn).contiguous(), torch.tensor([[0.3, 1.7]]))
     assert torch.equal(fp8._dequantize_native(w), w.dequantize(torch.bfloat16))
+    w = Fp8Weight.from_dense(_weight(384, 320))
     x = torch.randn(fp8.NATIVE_MAX_ROWS + 7, 320).to(torch.bfloat16)
     assert not fp8.native_rows(x.shape[0], 320)
     assert torch.equal(cpu.linear(x, w, None), cpu.linear(x, w.dequantize(torch.bfloat16), None))

@@ -6,8 +6,10 @@
  * memory bandwidth; one byte a weight instead of bf16's two halves the read. The conversion
  * must cost less than the bytes it saves: with e4m3 -> fp32 by shifts and a multiply-add per 16
  * weights the two cores computed 17 GB/s of fp8 (slower than bf16 streamed); by table this kernel
- * converts 64 weights in 5 instructions and reads 30-38 GB/s of fp8 (1.4-1.8x the bf16 kernel's
- * time for the same matrix; docs/benchmarks.md, 2026-12-07).
+ * converts 64 weights in 5 instructions. Against linear.c's bf16 kernel on the same matrices
+ * (2048 x 2048 and 1024 x 3584, 512 MB of them cycled, AMD EPYC Zen 4, 2 threads): 1.6-2.4x
+ * faster at one row, 1.3-1.8x at four, 0.85-1.06x at sixteen, where both compute more than they
+ * read (docs/benchmarks.md, 2026-12-07).
  *
  * How: 64 weight bytes are one load. Their low 7 bits index two 128-entry byte tables (the high
  * and the low byte of each code's value in bf16, vpermi2b) and the sign bit is put back into the
@@ -29,7 +31,6 @@
  * whether this build has them (the caller dequantizes to bf16 otherwise).
  */
 #include <stdint.h>
-#include <string.h>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -87,35 +88,34 @@ static inline __attribute__((always_inline)) void convert(const uint8_t *w, cons
 
 #define DP(acc, xv, wv) _mm512_dpbf16_ps((acc), (__m512bh)(xv), (__m512bh)(wv))
 
-/* Weight rows wa (and wb when S = 2) against R x rows of xp (permuted, row length K),
- * res[s * XR + r]. */
-static inline __attribute__((always_inline)) void dot_fp8(const uint16_t *xp, int64_t K,
-                                                          const uint8_t *wa, const uint8_t *wb,
-                                                          const float *sa, const float *sb,
-                                                          const int S, const int R,
-                                                          const tables_t *t, float *res)
+/* A group of R <= XR x rows (xg: permuted, row length K) against weight rows wr[s < S] over
+ * the whole of K, the running lanes in registers. res[s * XR + r]: the dots' lane sums. */
+static inline __attribute__((always_inline)) void dot_group(const uint16_t *xg, int64_t K,
+                                                            const uint8_t *const *wr,
+                                                            const float *const *sr,
+                                                            const int S, const int R,
+                                                            const tables_t *t, float *res)
 {
     __m512 tot[2][XR];
     for (int s = 0; s < S; s++)
         for (int r = 0; r < R; r++)
             tot[s][r] = _mm512_setzero_ps();
-    const uint8_t *w[2] = {wa, wb};
-    const float *sc[2] = {sa, sb};
     for (int64_t k0 = 0; k0 < K; k0 += BLOCK) {
-        const int64_t k1 = k0 + BLOCK < K ? k0 + BLOCK : K;
+        const int NC = k0 + BLOCK <= K ? 2 : 1;
         __m512 acc[2][XR];
         for (int s = 0; s < S; s++)
             for (int r = 0; r < R; r++)
                 acc[s][r] = _mm512_setzero_ps();
-        for (int64_t k = k0; k < k1; k += CHUNK) {
+        for (int c = 0; c < NC; c++) {
+            const int64_t k = k0 + c * CHUNK;
             __m512i wv[2][2];
             for (int s = 0; s < S; s++) {
-                _mm_prefetch((const char *)((uintptr_t)(w[s] + k) + PF_BYTES), _MM_HINT_T0);
-                convert(w[s] + k, t, &wv[s][0], &wv[s][1]);
+                _mm_prefetch((const char *)((uintptr_t)(wr[s] + k) + PF_BYTES), _MM_HINT_T0);
+                convert(wr[s] + k, t, &wv[s][0], &wv[s][1]);
             }
             for (int r = 0; r < R; r++) {
-                const __m512i x0 = _mm512_loadu_si512((const void *)(xp + r * K + k));
-                const __m512i x1 = _mm512_loadu_si512((const void *)(xp + r * K + k + 32));
+                const __m512i x0 = _mm512_loadu_si512((const void *)(xg + r * K + k));
+                const __m512i x1 = _mm512_loadu_si512((const void *)(xg + r * K + k + 32));
                 for (int s = 0; s < S; s++) {
                     acc[s][r] = DP(acc[s][r], x0, wv[s][0]);
                     acc[s][r] = DP(acc[s][r], x1, wv[s][1]);
@@ -123,7 +123,7 @@ static inline __attribute__((always_inline)) void dot_fp8(const uint16_t *xp, in
             }
         }
         for (int s = 0; s < S; s++) {
-            const __m512 scale = _mm512_set1_ps(sc[s][k0 / BLOCK]);
+            const __m512 scale = _mm512_set1_ps(sr[s][k0 / BLOCK]);
             for (int r = 0; r < R; r++)
                 tot[s][r] = _mm512_fmadd_ps(acc[s][r], scale, tot[s][r]);
         }
@@ -133,19 +133,22 @@ static inline __attribute__((always_inline)) void dot_fp8(const uint16_t *xp, in
             res[s * XR + r] = _mm512_reduce_add_ps(tot[s][r]);
 }
 
-/* Weight rows na (and nb when S = 2) against every x row, into out. */
+/* Weight rows na (and nb when S = 2) against every x row, into out: group by group of XR
+ * rows, each converting the weights again (the two rows stay in L1 between groups). Converting
+ * once per block for all groups, with each group's running lanes kept in memory, took 1.2-1.4x
+ * the time at 16 rows: the lanes' round trips cost more than the conversions they saved. */
 static inline __attribute__((always_inline)) void rows_fp8(
     int64_t M, int64_t N, int64_t K, const uint16_t *xp, const uint8_t *w, const float *scale,
     int64_t na, int64_t nb, const int S, const uint16_t *bias, uint16_t *out, const tables_t *t)
 {
     const int64_t KB = (K + BLOCK - 1) / BLOCK;
-    const uint8_t *wa = w + na * K, *wb = w + nb * K;
-    const float *sa = scale + na / BLOCK * KB, *sb = scale + nb / BLOCK * KB;
-    float res[2 * XR];
+    const uint8_t *wr[2] = {w + na * K, w + nb * K};
+    const float *sr[2] = {scale + na / BLOCK * KB, scale + nb / BLOCK * KB};
+    const int64_t ns[2] = {na, nb};
     for (int64_t m0 = 0; m0 < M; m0 += XR) {
         const int64_t R = M - m0 < XR ? M - m0 : XR;
-        const uint16_t *xg = xp + m0 * K;
-#define F(s_, r_) dot_fp8(xg, K, wa, wb, sa, sb, s_, r_, t, res)
+        float res[2 * XR];
+#define F(s_, r_) dot_group(xp + m0 * K, K, wr, sr, s_, r_, t, res)
         if (S == 2)
             switch (R) { /* constants: each case unrolled on its own */
             case 4: F(2, 4); break;
@@ -161,7 +164,6 @@ static inline __attribute__((always_inline)) void rows_fp8(
             default: F(1, 1); break;
             }
 #undef F
-        const int64_t ns[2] = {na, nb};
         for (int s = 0; s < S; s++) {
             const float b = bias ? bf16_to_f32(bias[ns[s]]) : 0.0f;
             for (int64_t r = 0; r < R; r++)
@@ -208,6 +210,19 @@ void linear_fp8(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t xs, 
 #endif
 }
 
+#if HAVE_FP8
+/* 16 e4m3 codes (zero-extended bytes) -> their values in fp32, exactly: the 7 magnitude bits
+ * placed as an fp32 exponent and mantissa 120 below e4m3's bias (e4m3 subnormals become fp32
+ * subnormals), the sign bit moved up, then times 2^120. */
+static inline __attribute__((always_inline)) __m512 e4m3_f32(__m512i b)
+{
+    const __m512i mag = _mm512_and_si512(_mm512_slli_epi32(b, 20), _mm512_set1_epi32(0x07F00000));
+    const __m512i sign = _mm512_slli_epi32(_mm512_srli_epi32(b, 7), 31);
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(mag, sign)),
+                         _mm512_set1_ps(0x1p120f));
+}
+#endif
+
 /* w [N, K] fp8 with its block scales -> out [N, K] bf16: bf16(code * scale), rounded once (the
  * reference's dequantization; the many-row path then runs the bf16 matmul). Any K. */
 void dequantize_fp8(int64_t N, int64_t K, const uint8_t *w, const float *scale,
@@ -228,8 +243,19 @@ void dequantize_fp8(int64_t N, int64_t K, const uint8_t *w, const float *scale,
         for (int64_t k0 = 0; k0 < K; k0 += BLOCK) {
             const float s = sr[k0 / BLOCK];
             const int64_t k1 = k0 + BLOCK < K ? k0 + BLOCK : K;
-#pragma omp simd
-            for (int64_t k = k0; k < k1; k++)
+            int64_t k = k0;
+#if HAVE_FP8
+            const __m512 sv = _mm512_set1_ps(s);
+            for (; k + 32 <= k1; k += 32) {
+                const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(wr + k)));
+                const __m512i b1 =
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(wr + k + 16)));
+                const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_mul_ps(e4m3_f32(b1), sv),
+                                                       _mm512_mul_ps(e4m3_f32(b0), sv));
+                _mm512_storeu_si512((void *)(orow + k), (__m512i)v);
+            }
+#endif
+            for (; k < k1; k++)
                 orow[k] = f32_to_bf16(value[wr[k]] * s);
         }
     }
