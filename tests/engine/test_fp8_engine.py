@@ -89,3 +89,26 @@ def test_fp8_bf16_zeroed_resumes_fail_the_check(fp8_bf16, monkeypatch):
     with pytest.raises(AssertionError):
         rep.check()
     assert rep.wide or rep.mean > MEAN_ATOL, rep
+
+
+def test_the_quantization_flag():
+    import argparse
+
+    from mambaradix.config import EngineConfig, add_config_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, EngineConfig)
+    cfg = config_from_args(EngineConfig, parser.parse_args(["--quantization", "fp8"]))
+    assert cfg.quantization == "fp8"
+    assert config_from_args(EngineConfig, parser.parse_args([])).quantization == ""
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int4"])  # a choice the engine does not have
+
+
+def test_an_engine_with_fp8_weights_generates():
+    from mambaradix.engine.engine import Engine
+
+    with Engine(model_path="tiny:lfm2", dtype="bfloat16", quantization="fp8") as eng:
+        out = eng.generate("Hello", {"max_new_tokens": 4, "temperature": 0})
+        assert len(out["output_ids"]) == 4
+        assert sum(isinstance(m, Fp8Weight) for m in eng.model.modules()) > 0

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mambaradix.kernels import cpu, fp8
+from mambaradix.kernels.backend import backend_names, create_backend
 from mambaradix.kernels.fp8 import BLOCK, E4M3_MAX, Fp8Weight
 
 REL_TOL = 8e-3
@@ -313,3 +314,32 @@ def test_published_fp8_checkpoints_that_do_not_fit_are_refused(tmp_path):
     fp8_dir, _ = _published_fp8(tmp_path / "b", drop_scale=True)
     with pytest.raises(CheckpointError, match="_scale_inv"):
         load_model(str(fp8_dir))
+
+
+# ------------------------------------------------------------------ every backend
+
+
+@pytest.mark.parametrize("name", sorted(backend_names()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [1, 3, 40])
+def test_every_backends_linear_and_gated_mlp_take_fp8_weights(name, dtype, m):
+    """The op contract's ``linear`` and ``gated_mlp`` with ``Fp8Weight``s, on every registered
+    backend (the cuda backend's on CPU tensors: the reference it inherits), against the
+    reference: exact in fp32, within ``REL_TOL`` in bf16."""
+    backend = create_backend(name)
+    h, i = 256, 384
+    gate_up, down = (
+        Fp8Weight.from_dense(_weight(2 * i, h, 1)),
+        Fp8Weight.from_dense(_weight(h, i, 2)),
+    )
+    x = torch.randn(m, h, generator=torch.Generator().manual_seed(m)).to(dtype)
+    want = fp8.linear(x.float(), gate_up, None)
+    got = backend.linear(x, gate_up, None)
+    assert got.dtype == dtype and got.shape == (m, 2 * i)
+    if dtype == torch.float32:
+        assert torch.equal(got, want)
+    assert _rel_err(got, want) < REL_TOL
+    g, u = want.chunk(2, dim=-1)
+    want_mlp = fp8.linear((torch.nn.functional.silu(g) * u).to(dtype).float(), down, None)
+    got_mlp = backend.gated_mlp(x, gate_up, down, "silu")
+    assert _rel_err(got_mlp, want_mlp) < 2 * REL_TOL
