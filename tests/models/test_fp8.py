@@ -343,3 +343,17 @@ def test_every_backends_linear_and_gated_mlp_take_fp8_weights(name, dtype, m):
     want_mlp = fp8.linear((torch.nn.functional.silu(g) * u).to(dtype).float(), down, None)
     got_mlp = backend.gated_mlp(x, gate_up, down, "silu")
     assert _rel_err(got_mlp, want_mlp) < 2 * REL_TOL
+
+
+def test_the_storage_tiers_fingerprint_tells_fp8_weights_from_dense():
+    """Stored KV and states of the dense model are not those of its fp8 version: the tier's
+    model fingerprint (cache/storage/keys.py) must differ, so one never loads the other's."""
+    from mambaradix.cache.storage.keys import model_fingerprint
+    from mambaradix.models.loader import load_model
+
+    fps = []
+    for quant in ("none", "fp8", "fp8"):
+        model = load_model("tiny:qwen3_5", quantization=quant)
+        fps.append(model_fingerprint(model, model.kv_spec, model.state_spec, block=64,
+                                     page_size=1))  # fmt: skip
+    assert fps[0] != fps[1] and fps[1] == fps[2]
