@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +24,9 @@ from torch import Tensor, nn
 
 BLOCK = 128  # the scale blocks' side
 E4M3_MAX = 448.0  # the largest finite e4m3 value
-# rows at most that the C kernel takes from the codes; more dequantize (the converted codes are
-# reused across the rows of a chunk, so the kernel pays while the step still streams weights)
+# rows at most that the C kernel takes from the codes (it converts them again for each group of
+# 4 rows: 16 rows took 0.85-1.06x the bf16 kernel's time); more rows dequantize the weight to
+# bf16 first, a small cost beside a prefill chunk's matmuls
 NATIVE_MAX_ROWS = 32
 
 
@@ -142,7 +144,16 @@ def _native():
     return lib if lib is not None and lib.linear_fp8_supported() else None
 
 
-def _dequantize_native(weight: Fp8Weight):
+@functools.cache
+def native_dequantizer():
+    """The C library for ``dequantize_fp8`` (any CPU the native kernels build on), or None."""
+    from mambaradix.kernels import native
+
+    return native.load("linear_fp8")
+
+
+def _dequantize_native(weight: Fp8Weight) -> Tensor:
+    """``weight.dequantize(torch.bfloat16)``, in C where it builds (the same numbers)."""
     lib = native_dequantizer()
     if lib is None:
         return weight.dequantize(torch.bfloat16)
@@ -155,20 +166,14 @@ def _dequantize_native(weight: Fp8Weight):
     return out
 
 
-@functools.cache
-def native_dequantizer():
-    """The C library for ``dequantize_fp8`` (any CPU the native kernels build on), or None."""
-    from mambaradix.kernels import native
-
-    return native.load("linear_fp8")
-
-
 def native_rows(m: int, k: int) -> bool:
     """Whether ``m`` bf16 rows of ``k`` run in C straight from the codes here."""
     return 0 < m <= NATIVE_MAX_ROWS and k % 64 == 0 and _native() is not None
 
 
-def linear_cpu(x: Tensor, weight: Fp8Weight, bias: Tensor | None, dense) -> Tensor:
+def linear_cpu(
+    x: Tensor, weight: Fp8Weight, bias: Tensor | None, dense: Callable[..., Tensor]
+) -> Tensor:
     """The CPU backend's fp8 ``linear``: a few bf16 rows in C from the codes, else the weight
     dequantized to bf16 (in C) and ``dense(x, w, bias)`` (the backend's bf16 linear); other
     dtypes take the reference."""

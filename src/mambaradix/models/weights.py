@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from mambaradix.host_memory import WeightArena
-from mambaradix.kernels.fp8 import Fp8Weight
+from mambaradix.kernels.fp8 import Fp8Weight, dequantize
 
 
 class CheckpointError(ValueError):
@@ -224,8 +224,6 @@ class Dequantized(Lazy):
         self.shape, self.dtype = codes.shape, torch.float32
 
     def read_into(self, out: torch.Tensor) -> None:
-        from mambaradix.kernels.fp8 import dequantize
-
         out.copy_(dequantize(materialised(self.codes), materialised(self.scale), torch.float32))
 
 
@@ -235,8 +233,6 @@ def dequantized_fp8(
     """A block-FP8 checkpoint's tensors with each ``<m>.weight`` (e4m3) and its
     ``<m>.weight_scale_inv`` joined into one ``Dequantized`` weight; the rest as they are. A
     code tensor without its scales, or scales of the wrong grid, is a CheckpointError."""
-    from mambaradix.kernels.fp8 import Fp8Weight
-
     tensors = dict(weights)  # (lazy: only the headers were read)
     for name, t in tensors.items():
         if name.endswith("_scale_inv"):
