@@ -37,7 +37,7 @@ def _quantized(arch: str, dtype: str = "auto"):
     return model, load_tokenizer(path)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "granite_hybrid"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "granite_hybrid", "granite_hybrid_moe"])
 def test_fp8_fp32_cache_on_equals_off(arch):
     model, tok = _quantized(arch)
     prompts = workload(model.vocab_size, n=80, seed=5)

@@ -172,11 +172,12 @@ def _dense_twin(model: torch.nn.Module) -> torch.nn.Module:
     import copy
 
     twin = copy.deepcopy(model)
-    for mod in twin.modules():
-        if isinstance(getattr(mod, "weight", None), Fp8Weight):
-            dense = mod.weight.dequantize(torch.float32)  # (the fp32 models below)
-            del mod.weight
-            mod.weight = torch.nn.Parameter(dense, requires_grad=False)
+    for mod in list(twin.modules()):
+        for leaf, child in list(mod.named_children()):
+            if isinstance(child, Fp8Weight):  # a linear's weight, or a stack of experts'
+                dense = child.dequantize(torch.float32)  # (the fp32 models below)
+                delattr(mod, leaf)
+                setattr(mod, leaf, torch.nn.Parameter(dense, requires_grad=False))
     return twin
 
 
@@ -193,6 +194,17 @@ def test_loading_quantizes_every_linear_but_the_head_and_routers(arch):
             (quantized if isinstance(mod.weight, Fp8Weight) else kept).append(name)
     assert quantized
     assert all(n.endswith(("lm_head", "router.layer", "shared_expert_gate")) for n in kept), kept
+    # the routed experts' stacks too, expert by expert
+    stacks = [(n, leaf) for n, m in model.named_modules() if hasattr(m, "expert_stacks")
+              for leaf in m.expert_stacks()]  # fmt: skip
+    assert bool(stacks) == (arch == "granite_hybrid_moe" or arch == "qwen3_next"), stacks
+    for name, leaf in stacks:
+        stack = getattr(model.get_submodule(name), leaf)
+        w = getattr(dense.get_submodule(name), leaf).float()
+        assert isinstance(stack, Fp8Weight) and stack.q.dim() == 3 and stack.scale.dim() == 3
+        back = stack.dequantize(torch.float32)
+        assert (back - w).abs().max() <= w.abs().max() * 2.0**-4 + 1e-9, name
+        assert torch.equal(stack[1].dequantize(torch.float32), back[1])
     assert isinstance(model.lm_head.weight, torch.nn.Parameter)
     # quantized from the checkpoint's weights: its dequantized weights are within e4m3 of them
     dense_mods = dict(dense.named_modules())
@@ -215,7 +227,8 @@ def test_a_tied_head_and_unknown_methods():
         load_model("tiny:qwen3_5", quantization="int4")
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "granite_hybrid", "lfm2"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "granite_hybrid", "lfm2", "granite_hybrid_moe",
+                                  "lfm2_moe", "nemotron_h"])  # fmt: skip
 def test_fp8_model_equals_its_dequantized_twin_fp32(arch):
     """fp32: the fp8 model's logits are exactly those of the same model with the dequantized
     weights (the reference dequantizes exactly), and differ from the checkpoint's own."""
@@ -357,3 +370,28 @@ def test_the_storage_tiers_fingerprint_tells_fp8_weights_from_dense():
         fps.append(model_fingerprint(model, model.kv_spec, model.state_spec, block=64,
                                      page_size=1))  # fmt: skip
     assert fps[0] != fps[1] and fps[1] == fps[2]
+
+
+@pytest.mark.parametrize("name", sorted(backend_names()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_every_backends_moe_experts_take_fp8_stacks(name, dtype, tokens):
+    """``moe_experts`` with fp8 expert stacks: each routed pair through its expert's fp8
+    linears (the reference dequantizes them), against the op on the dequantized stacks."""
+    backend = create_backend(name)
+    e, h, i, k = 8, 256, 192, 2
+    g = torch.Generator().manual_seed(tokens)
+    gate_up = Fp8Weight.from_dense(torch.randn(e, 2 * i, h, generator=g) * 0.05)
+    down = Fp8Weight.from_dense(torch.randn(e, h, i, generator=g) * 0.05)
+    x = torch.randn(tokens, h, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g).to(dtype)
+    got = backend.moe_experts(x, weights, ids, gate_up, down, "silu")
+    want = create_backend("torch").moe_experts(
+        x.float(), weights.float(), ids, gate_up.dequantize(torch.float32),
+        down.dequantize(torch.float32), "silu",
+    )  # fmt: skip
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    assert _rel_err(got, want) < 3 * REL_TOL

@@ -293,8 +293,11 @@ class CudaBackend(TorchBackend):
     def moe_experts(self, x, weights, ids, gate_up, down, act, gated=True) -> Tensor:
         """Each pair's row through its own expert only, with no host sync
         (``kernels/triton/moe.py``; the reference reads every expert and the padding's size)."""
+        from mambaradix.kernels.fp8 import Fp8Weight
         from mambaradix.kernels.triton import moe as triton_moe
 
+        if isinstance(gate_up, Fp8Weight) or isinstance(down, Fp8Weight):
+            return super().moe_experts(x, weights, ids, gate_up, down, act, gated)  # reference
         return triton_moe.moe_experts(x, weights, ids, gate_up, down, activation(act), gated)
 
     # mamba2_mixer_decode: the reference's composition of this backend's conv and scan steps

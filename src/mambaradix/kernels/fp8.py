@@ -31,7 +31,8 @@ NATIVE_MAX_ROWS = 32
 
 
 def quantize(w: Tensor) -> tuple[Tensor, Tensor]:
-    """``w`` [N, K] -> (codes [N, K] float8_e4m3fn, scales [ceil(N/128), ceil(K/128)] fp32):
+    """``w`` [N, K] -> (codes [N, K] float8_e4m3fn, scales [ceil(N/128), ceil(K/128)] fp32); a
+    stack ``[E, N, K]`` (routed experts) expert by expert (scales ``[E, ...]``):
     each block's scale is the power of two at or above its largest magnitude over 448 (1 for an
     all-zero block), each code the nearest e4m3 value of ``w / scale`` (ties to even).
 
@@ -42,6 +43,9 @@ def quantize(w: Tensor) -> tuple[Tensor, Tensor]:
     cache, whose short suffix takes the C kernel, would differ from one computed whole by
     more than bf16 noise). The price: a block's largest code is 224-448, not always 448; the
     relative step of e4m3 (2^-3) is the same, and only the smallest weights lose range."""
+    if w.dim() == 3:
+        parts = [quantize(e) for e in w]
+        return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
     n, k = w.shape
     nb, kb = math.ceil(n / BLOCK), math.ceil(k / BLOCK)
     padded = F.pad(w.float(), (0, kb * BLOCK - k, 0, nb * BLOCK - n))
@@ -57,24 +61,25 @@ def quantize(w: Tensor) -> tuple[Tensor, Tensor]:
 
 def dequantize(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """``dtype(code * scale)``: the product in fp32 (exact: 4 significant bits times a float),
-    rounded once."""
-    n, k = codes.shape
-    s = scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+    rounded once. Codes ``[..., N, K]``, scales ``[..., ceil(N/128), ceil(K/128)]``."""
+    n, k = codes.shape[-2:]
+    s = scale.repeat_interleave(BLOCK, -2)[..., :n, :].repeat_interleave(BLOCK, -1)[..., :k]
     return (codes.float() * s).to(dtype)
 
 
 class Fp8Weight(nn.Module):
     """A linear's weight [out, in] as e4m3 codes (buffer ``q``) and block scales (``scale``);
     ``shape`` is the weight's. Moves with the model (``.to(device)``); in a state dict as
-    ``<linear>.weight.q`` / ``.scale``."""
+    ``<linear>.weight.q`` / ``.scale``. A stack of routed experts' weights ``[E, out, in]``
+    has scales ``[E, ...]``; ``w[e]`` is expert ``e``'s (a view)."""
 
     def __init__(self, q: Tensor, scale: Tensor) -> None:
         super().__init__()
         if q.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
             raise TypeError(f"fp8 weight needs float8_e4m3fn codes and fp32 scales, got "
                             f"{q.dtype} and {scale.dtype}")  # fmt: skip
-        expected = (math.ceil(q.shape[0] / BLOCK), math.ceil(q.shape[1] / BLOCK))
-        if q.dim() != 2 or tuple(scale.shape) != expected:
+        expected = (*q.shape[:-2], math.ceil(q.shape[-2] / BLOCK), math.ceil(q.shape[-1] / BLOCK))
+        if q.dim() not in (2, 3) or tuple(scale.shape) != expected:
             raise ValueError(f"fp8 weight {tuple(q.shape)} needs scales {expected}, got "
                              f"{tuple(scale.shape)}")  # fmt: skip
         self.register_buffer("q", q)
@@ -89,6 +94,12 @@ class Fp8Weight(nn.Module):
     def from_dense(cls, w: Tensor, out: tuple[Tensor, Tensor] | None = None) -> Fp8Weight:
         """Quantize ``w`` (``quantize``); ``out``: tensors of the codes' and scales' shapes and
         dtypes to hold them (cut from a weight arena)."""
+        if out is not None and w.dim() == 3:  # expert by expert (one dense copy at a time)
+            for e in range(w.shape[0]):
+                q, scale = quantize(w[e])
+                out[0][e].copy_(q)
+                out[1][e].copy_(scale)
+            return cls(*out)
         q, scale = quantize(w)
         if out is not None:
             out[0].copy_(q)
@@ -98,10 +109,11 @@ class Fp8Weight(nn.Module):
 
     @staticmethod
     def spans(shape: torch.Size | tuple[int, ...]) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """The (shape, dtype) of the codes and of the scales of a weight of ``shape``."""
-        n, k = shape
-        return [((n, k), torch.float8_e4m3fn),
-                ((math.ceil(n / BLOCK), math.ceil(k / BLOCK)), torch.float32)]  # fmt: skip
+        """The (shape, dtype) of the codes and of the scales of a weight (or stack) of
+        ``shape``."""
+        *lead, n, k = shape
+        return [((*lead, n, k), torch.float8_e4m3fn),
+                ((*lead, math.ceil(n / BLOCK), math.ceil(k / BLOCK)), torch.float32)]  # fmt: skip
 
     @property
     def shape(self) -> torch.Size:
@@ -113,6 +125,10 @@ class Fp8Weight(nn.Module):
 
     def dequantize(self, dtype: torch.dtype) -> Tensor:
         return dequantize(self.q, self.scale, dtype)
+
+    def __getitem__(self, e: int) -> Fp8Weight:
+        """Expert ``e``'s weight of a stack (views of the codes and scales)."""
+        return Fp8Weight(self.q[e], self.scale[e])
 
     def extra_repr(self) -> str:
         return f"{tuple(self.q.shape)}, e4m3, blocks {BLOCK}x{BLOCK}"

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from mambaradix.kernels.fp8 import Fp8Weight
+
 if TYPE_CHECKING:
     from mambaradix.kernels.backend import KernelBackend
 
@@ -45,7 +47,11 @@ def moe_experts(
     the padded GEMM every expert's)."""
     T, K = ids.shape
     E = gate_up.shape[0]
-    if padded_min_pairs <= T * K <= PADDED_MAX_PER_EXPERT * E:
+    fp8_experts = isinstance(gate_up, Fp8Weight) or isinstance(down, Fp8Weight)
+    # fp8 stacks (--quantization fp8): always the loop, each expert's rows through ``ops.linear``
+    # (the CPU backend's runs decode rows from the codes; the padded GEMM would dequantize all)
+    linear = ops.linear if fp8_experts else F.linear
+    if not fp8_experts and padded_min_pairs <= T * K <= PADDED_MAX_PER_EXPERT * E:
         buf, pos = ops.moe_pad(x, ids, E)
         h = expert_activation(torch.bmm(buf, gate_up.transpose(1, 2)), act, gated)
         y = torch.bmm(h, down.transpose(1, 2))
@@ -60,8 +66,8 @@ def moe_experts(
     for e, n in enumerate(counts.tolist()):
         if n == 0:
             continue
-        h = expert_activation(F.linear(xs[start : start + n], gate_up[e]), act, gated)
-        out[start : start + n] = F.linear(h, down[e])
+        h = expert_activation(linear(xs[start : start + n], gate_up[e], None), act, gated)
+        out[start : start + n] = linear(h, down[e], None)
         start += n
     weighted = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
     result = torch.zeros(x.shape, dtype=weighted.dtype, device=x.device)

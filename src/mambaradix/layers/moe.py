@@ -91,6 +91,10 @@ class Experts(KernelUser, nn.Module):
         activation(act)  # an unsupported name fails here, at build
         self.act = act
 
+    def expert_stacks(self) -> tuple[str, ...]:
+        """The names of the expert weight stacks (``--quantization fp8`` stores them as fp8)."""
+        return ("gate_up_proj" if self.gated else "up_proj", "down_proj")
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         up = self.gate_up_proj if self.gated else self.up_proj
         return experts_forward(x, weights, ids, up, self.down_proj, self.act, self.ops, self.gated)

@@ -27,11 +27,12 @@ class Linear(KernelUser, nn.Linear):
     """``nn.Linear`` (same parameters, same checkpoint names) through the backend's ``linear``:
     a decode step is mostly weight reads, and the backend decides how they are streamed.
 
-    ``quantization`` (``"fp8"``, set before the weights load: ``loader.mark_quantized``): the
-    weight is stored as an ``Fp8Weight`` as it loads (``weights.assign_weights``), and
-    ``self.weight`` is that from then on. ``quantizable`` False keeps it dense (routers)."""
+    ``quantized_leaves`` (``("weight",)``, set before the weights load by
+    ``loader.mark_quantized`` for ``--quantization fp8``): the weight is stored as an
+    ``Fp8Weight`` as it loads (``weights.assign_weights``), and ``self.weight`` is that from
+    then on. ``quantizable`` False keeps it dense (routers)."""
 
-    quantization: str | None = None
+    quantized_leaves: tuple[str, ...] = ()
     quantizable: bool = True
 
     def forward(self, x: Tensor) -> Tensor:

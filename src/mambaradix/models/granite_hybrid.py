@@ -113,6 +113,9 @@ class _Weight(nn.Module):
         with torch.no_grad():
             self.weight.normal_(std=0.02)
 
+    def expert_stacks(self) -> tuple[str, ...]:
+        return ("weight",)
+
 
 class GraniteSharedMLP(KernelUser, nn.Module):
     """``output_linear(act(a) * b)`` with ``[a | b] = input_linear(x)``: the backend's

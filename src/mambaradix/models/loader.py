@@ -225,11 +225,11 @@ QUANTIZATIONS = ("fp8",)
 
 
 def mark_quantized(model: nn.Module, method: str) -> int:
-    """Mark the linears whose weights load quantized (``Linear.quantization``): every
-    ``layers.ops.Linear`` but the LM head (``lm_head``, tied or not: the logits keep the
+    """Mark the weights that load quantized (a module's ``quantized_leaves``): every
+    ``layers.ops.Linear``'s but the LM head's (``lm_head``, tied or not: the logits keep the
     checkpoint's precision, as the published FP8 checkpoints keep it) and those marked not
-    ``quantizable`` (routers). Routed experts are not ``Linear`` modules and stay dense.
-    Returns how many were marked."""
+    ``quantizable`` (routers), and the routed experts' stacks (a module's ``expert_stacks()``).
+    Returns how many weights (a stack counts once) were marked."""
     from mambaradix.layers.ops import Linear
 
     if method not in QUANTIZATIONS:
@@ -237,8 +237,10 @@ def mark_quantized(model: nn.Module, method: str) -> int:
     count = 0
     for name, mod in model.named_modules():
         if isinstance(mod, Linear) and mod.quantizable and name.rsplit(".", 1)[-1] != "lm_head":
-            mod.quantization = method
-            count += 1
+            mod.quantized_leaves = ("weight",)
+        elif hasattr(mod, "expert_stacks"):
+            mod.quantized_leaves = mod.expert_stacks()
+        count += len(getattr(mod, "quantized_leaves", ()))
     return count
 
 

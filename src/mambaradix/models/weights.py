@@ -409,16 +409,19 @@ def _weight_arena(params: Iterable[nn.Parameter], device: torch.device) -> Weigh
     return WeightArena(nbytes) if nbytes else None
 
 
-def _quantized_linears(params: dict[str, nn.Parameter], owners: dict) -> dict[int, nn.Module]:
-    """The meta weights a linear stores quantized (``Linear.quantization``), by id: those it
-    alone holds (a weight tied to another module stays dense)."""
+def _quantized_weights(
+    params: dict[str, nn.Parameter], owners: dict
+) -> dict[int, tuple[nn.Module, str]]:
+    """The meta weights stored as fp8 (a module's ``quantized_leaves``: ``loader.mark_quantized``),
+    by id, with their module and name: those one module alone holds (a weight tied to another
+    stays dense)."""
     found = {}
     for p in params.values():
         held = owners.get(id(p), [])
-        if p.is_meta and p.dim() == 2 and len(held) == 1:
+        if p.is_meta and p.dim() in (2, 3) and len(held) == 1:
             mod, leaf = held[0]
-            if leaf == "weight" and getattr(mod, "quantization", None) == "fp8":
-                found[id(p)] = mod
+            if leaf in getattr(mod, "quantized_leaves", ()):
+                found[id(p)] = (mod, leaf)
     return found
 
 
@@ -460,7 +463,7 @@ def assign_weights(
     owners = _owners(model)
     seen: set[str] = set()
     unexpected, bad_shape = [], []
-    quantized = _quantized_linears(params, owners)
+    quantized = _quantized_weights(params, owners)
     arena = _weight_arena((p for p in params.values() if id(p) not in quantized), dev)
     fp8_arena = _fp8_arena((p for p in params.values() if id(p) in quantized), dev)
     with torch.no_grad():
@@ -472,10 +475,10 @@ def assign_weights(
             if tuple(p.shape) != tuple(tensor.shape):
                 bad_shape.append(f"{name}: checkpoint {tuple(tensor.shape)} vs {tuple(p.shape)}")
                 continue
-            if id(p) in quantized:  # the linear's weight becomes its Fp8Weight
-                linear = quantized.pop(id(p))
-                del linear.weight  # (a module cannot take a parameter's name)
-                linear.weight = _quantize_into(p, tensor, fp8_arena, dev)
+            if id(p) in quantized:  # the weight becomes its Fp8Weight
+                mod, leaf = quantized.pop(id(p))
+                delattr(mod, leaf)  # (a module cannot take a parameter's name)
+                setattr(mod, leaf, _quantize_into(p, tensor, fp8_arena, dev))
                 owners.pop(id(p))
             elif p.is_meta:
                 new = _materialise(p, tensor, dev, arena)
