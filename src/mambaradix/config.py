@@ -44,8 +44,9 @@ class EngineConfig:
         "Weight quantization: 'fp8' stores the linears' weights as float8 e4m3 with a "
         "power-of-two scale per 128 x 128 block, quantized as they load; activations stay in "
         "--dtype (W8A16). The routed experts' stacks too, expert by expert; the LM head and "
-        "MoE routers keep --dtype. Decode reads about half the bytes; outputs move by fp8 rounding from the checkpoint's, and "
-        "never depend on the cache. 'none': the weights as --dtype. Default: the checkpoint's "
+        "MoE routers keep --dtype. Decode reads about half the bytes; outputs move by fp8 "
+        "rounding from the checkpoint's, and never depend on the cache. 'none': the weights "
+        "as --dtype. Default: the checkpoint's "
         "(a block-FP8 checkpoint, quantization_config quant_method fp8 with 128 x 128 blocks, "
         "loads as fp8: dequantized as read and quantized again to power-of-two scales; any "
         "other checkpoint as --dtype).",
