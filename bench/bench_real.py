@@ -236,8 +236,9 @@ def weight_figures(model: torch.nn.Module) -> tuple[int, int, int]:
 
     for mod in model.modules():  # --quantization fp8: codes and scales are buffers
         if isinstance(mod, Fp8Weight):
-            read += mod.q.numel() + mod.scale.numel() * mod.scale.element_size()
-            linear += mod.q.numel()
+            used = share if mod.q.dim() == 3 else 1.0  # a stack of routed experts
+            read += int((mod.q.numel() + mod.scale.numel() * mod.scale.element_size()) * used)
+            linear += int(mod.q.numel() * used)
     return read, linear, head
 
 
