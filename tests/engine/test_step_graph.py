@@ -128,15 +128,18 @@ def test_every_replay_equals_the_python_forward(model_path, arch, dtype):
     _check_replays(model_path(arch), dtype)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "granite_hybrid"])
-def test_replays_with_fp8_weights_equal_the_python_forward(arch):
-    """``--quantization fp8``: the fp8 linears' C calls (codes, scales, tables) replay as the
-    rest do."""
+@pytest.mark.parametrize(
+    "arch,call",
+    [("qwen3_5", "linear_fp8"), ("granite_hybrid", "linear_fp8"),
+     ("granite_hybrid_moe:small", "moe_experts_fp8")],  # fmt: skip (small: widths of 64s)
+)
+def test_replays_with_fp8_weights_equal_the_python_forward(arch, call):
+    """``--quantization fp8``: the fp8 linears' and routed experts' C calls (codes, scales,
+    tables) replay as the rest do."""
     from mambaradix.kernels import fp8
 
     native = fp8._native() is not None  # (else the reference's dequantize-and-matmul replays)
-    _check_replays(f"tiny:{arch}", "bfloat16", "linear_fp8" if native else None,
-                   quantization="fp8")  # fmt: skip
+    _check_replays(f"tiny:{arch}", "bfloat16", call if native else None, quantization="fp8")
 
 
 def _check_replays(path: str, dtype: str, native_call: str | None = None, **flags) -> None:

@@ -395,3 +395,33 @@ def test_every_backends_moe_experts_take_fp8_stacks(name, dtype, tokens):
     if dtype == torch.float32:
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
     assert _rel_err(got, want) < 3 * REL_TOL
+    if name == "cpu" and dtype == torch.bfloat16 and tokens < 70 and fp8._native() is not None:
+        # a decode batch took the one C call (moe_experts_fp8), not the per-expert loop
+        one_call = fp8.moe_experts_cpu(x, weights, ids, gate_up, down, "silu", True, 64)
+        assert one_call is not None and torch.equal(one_call, got)
+        # control: the same call with the experts' ids shifted by one is far off
+        wrong = fp8.moe_experts_cpu(x, weights, (ids + 1) % e, gate_up, down, "silu", True, 64)
+        assert _rel_err(wrong, want) > 10 * REL_TOL
+
+
+@needs_native
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "relu2"])
+def test_the_fp8_moe_call_equals_the_per_expert_loop(gated):
+    """The one C call against the reference's loop over the same fp8 experts (each expert's
+    linears through the CPU backend: the same kernel), a plain relu² block too (Nemotron-H)."""
+    backend = create_backend("cpu")
+    e, h, i, k, tokens = 16, 512, 256, 4, 6
+    g = torch.Generator().manual_seed(7)
+    up = Fp8Weight.from_dense(torch.randn(e, (2 if gated else 1) * i, h, generator=g) * 0.05)
+    down = Fp8Weight.from_dense(torch.randn(e, h, i, generator=g) * 0.05)
+    x = torch.randn(tokens, h, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g).to(torch.bfloat16)
+    act = "silu" if gated else "relu2"
+    one_call = fp8.moe_experts_cpu(x, weights, ids, up, down, act, gated, 1 << 10)
+    from mambaradix.kernels import moe
+    from mambaradix.kernels.activation import activation
+
+    loop = moe.moe_experts(backend, x, weights, ids, up, down, activation(act), 0, gated)
+    assert one_call is not None
+    assert _rel_err(one_call, loop) < REL_TOL  # (the sums' roundings differ: fp32 vs bf16)

@@ -212,3 +212,45 @@ def linear_cpu(
         weight.lut_lo.data_ptr(), scratch.data_ptr(),
     )  # fmt: skip
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+def moe_experts_cpu(
+    x: Tensor, weights: Tensor, ids: Tensor, gate_up: Fp8Weight, down: Fp8Weight, act: str,
+    gated: bool, max_pairs: int,
+) -> Tensor | None:
+    """The CPU backend's ``moe_experts`` over fp8 stacks for a decode batch of bf16 rows (at
+    most ``max_pairs`` (token, expert) pairs), in one C call (``moe_experts_fp8``: only the
+    routed experts' codes are read); None where it does not apply (the caller runs the
+    reference's per-expert loop)."""
+    covered = act in ("silu", "swish") if gated else act == "relu2"
+    if not (isinstance(gate_up, Fp8Weight) and isinstance(down, Fp8Weight)) or not covered:
+        return None
+    T, K = ids.shape
+    E, u, h = gate_up.shape
+    i = u // 2 if gated else u
+    fits = (
+        x.dtype is torch.bfloat16 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
+        and tuple(x.shape) == (T, h) and tuple(down.shape) == (E, h, i)
+        and h % 64 == 0 and i % 64 == 0 and 0 < T * K <= max_pairs
+        and gate_up.q.is_cpu and _native() is not None
+    )  # fmt: skip
+    if not fits:
+        return None
+    P = T * K
+    ids = ids.to(torch.int64).contiguous()
+    w = weights.to(torch.float32).contiguous()
+    rows = torch.empty(P * (2 * h + u + i + max(h, i)), dtype=torch.bfloat16)  # xs|gu|h|y|xp
+    xs, gu = rows[: P * h], rows[P * h :]
+    act_rows = gu[P * u :]
+    y = act_rows[P * i :]
+    xp = y[P * h :]
+    idx = torch.empty(2 * P + 2 * E + 1, dtype=torch.int64)
+    out = torch.empty(T, h, dtype=torch.bfloat16)
+    _native().moe_experts_fp8(
+        T, K, E, i, h, int(gated), x.data_ptr(), x.stride(0), ids.data_ptr(), w.data_ptr(),
+        gate_up.q.data_ptr(), gate_up.scale.data_ptr(), down.q.data_ptr(),
+        down.scale.data_ptr(), gate_up.lut_hi.data_ptr(), gate_up.lut_lo.data_ptr(),
+        xs.data_ptr(), gu.data_ptr(), act_rows.data_ptr(), y.data_ptr(), xp.data_ptr(),
+        idx.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    return out

@@ -199,6 +199,18 @@ SIGNATURES: dict[str, dict[str, list]] = {
             _PTR,                  # out [N, K] (bf16)
         ],
         "linear_fp8_supported": [],
+        "moe_experts_fp8": [
+            _I64, _I64, _I64, _I64, _I64,  # T, K, E, I, H
+            _INT,                  # gated
+            _PTR, _I64,            # x (bf16), its row stride
+            _PTR, _PTR,            # ids [T, K] (int64), weights [T, K] (fp32)
+            _PTR, _PTR,            # up / gate_up codes [E, U, H], their scales
+            _PTR, _PTR,            # down codes [E, H, I], their scales
+            _PTR, _PTR,            # the tables
+            _PTR, _PTR, _PTR, _PTR, _PTR,  # scratch: xs, gu, h, y, xp (bf16)
+            _PTR,                  # scratch: idx (int64)
+            _PTR,                  # out [T, H] (bf16)
+        ],
     },
     "linear": {
         "linear_bf16": [

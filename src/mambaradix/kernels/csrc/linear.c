@@ -25,6 +25,7 @@
 #endif
 
 #include "conv_window.h"
+#include "experts.h"
 #include "vec_math.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -48,7 +49,6 @@
  * better with two streams per thread. Prefetches past the matrix's end are hints and never
  * fault. */
 #define PF_DIST 1024
-#define ACT_CHUNK 64 /* the gated blocks' activation in chunks of a row (act_team) */
 
 #if HAVE_DPBF16
 #define LD(p) ((__m512bh)_mm512_loadu_si512((const void *)(p)))
@@ -1075,35 +1075,6 @@ void linear_bf16_many(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_
     many_team(M, N, K, x, x_stride, w, bias, out, N, xs);
 }
 
-/* h = silu(gate) * up for M rows of gu = [gate | up] ([M][2I] -> [M][I], bf16: the activation
- * and the product each rounded, as torch's bf16 ops hold them), in chunks of ACT_CHUNK of a row
- * (the last one of a row shorter where I is not a multiple). Called by every thread of a team;
- * the loop's barrier at its end. */
-ALWAYS_INLINE void act_team(int64_t M, int64_t I, const uint16_t *gu, uint16_t *h)
-{
-    const int64_t chunks = (I + ACT_CHUNK - 1) / ACT_CHUNK; /* a row's */
-#pragma omp for schedule(static)
-    for (int64_t c = 0; c < M * chunks; c++) {
-        const int64_t m = c / chunks, i0 = c % chunks * ACT_CHUNK;
-        const int64_t n = I - i0 < ACT_CHUNK ? I - i0 : ACT_CHUNK;
-        const uint16_t *g = gu + m * 2 * I + i0;
-        uint16_t *hc = h + m * I + i0;
-        int64_t i = 0;
-#if HAVE_CONV_WINDOW
-        for (; i + 16 <= n; i += 16) {
-            const __m512 act = cw_round_bf16(cw_silu(cw_load_bf16(g + i)));
-            _mm256_storeu_si256((__m256i *)(hc + i),
-                                cw_ps_to_bf16(_mm512_mul_ps(act, cw_load_bf16(g + I + i))));
-        }
-#endif
-        for (; i < n; i++) {
-            const float a = bf16_to_f32(g[i]);
-            const float act = round_bf16(silu_poly(a));
-            hc[i] = f32_to_bf16(act * bf16_to_f32(g[I + i]));
-        }
-    }
-}
-
 /* A gated feed-forward block of a decode batch, one call: gu = x w_gu^T ([M][2I], bf16, gate
  * first), h = silu(gate) * up ([M][I], bf16: the activation and the product each rounded, as
  * torch's bf16 ops hold them), out = h w_down^T ([M][H]). gu and h: caller's scratch; xs: NULL
@@ -1128,21 +1099,6 @@ void gated_mlp_bf16(int64_t M, int64_t I, int64_t H, const uint16_t *x, int64_t 
     }
 }
 
-#define MOE_SUM_COLS 256 /* moe_experts_bf16's weighted sums, columns at a time */
-
-/* h = relu(u)^2 over M rows of I (Nemotron-H's plain experts): relu is exact in bf16 and the
- * square is rounded once, as torch's bf16 ops give it; NaN stays NaN. */
-ALWAYS_INLINE void relu2_team(int64_t M, int64_t I, const uint16_t *u, uint16_t *h)
-{
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t i = 0; i < I; i++) {
-            const float a = bf16_to_f32(u[m * I + i]);
-            const float r = a < 0.0f ? 0.0f : a;
-            h[m * I + i] = f32_to_bf16(r * r);
-        }
-}
-
 /* The routed experts of a mixture-of-experts layer for a decode batch, one call:
  * out[t] = sum_k weights[t*K + k] * expert_e(x[t]), e = ids[t*K + k], each expert over the rows
  * routed to it, so only the routed experts' weights are read: at batch 1 the k of E, where
@@ -1163,26 +1119,8 @@ void moe_experts_bf16(int64_t T, int64_t K, int64_t E, int64_t I, int64_t H, int
 {
     const int64_t P = T * K;
     const int64_t U = gated ? 2 * I : I; /* the first GEMM's columns */
-    int64_t *slot = idx;               /* slot[p]: pair p's row in the sorted order, or -1 */
-    int64_t *pair = idx + P;           /* pair[s]: the pair at sorted row s */
-    int64_t *start = idx + 2 * P;      /* expert e's rows: start[e] .. start[e + 1] */
-    int64_t *next = idx + 2 * P + E + 1; /* the counting sort's cursors */
-    for (int64_t e = 0; e <= E; e++)
-        start[e] = 0;
-    for (int64_t p = 0; p < P; p++)
-        if (ids[p] >= 0 && ids[p] < E)
-            start[ids[p] + 1]++;
-    for (int64_t e = 0; e < E; e++) {
-        start[e + 1] += start[e];
-        next[e] = start[e];
-    }
-    for (int64_t p = 0; p < P; p++) {
-        const int64_t e = ids[p];
-        slot[p] = e >= 0 && e < E ? next[e]++ : -1;
-        if (slot[p] >= 0)
-            pair[slot[p]] = p;
-    }
-    const int64_t rows = start[E];
+    int64_t *slot = idx, *pair = idx + P, *start = idx + 2 * P;
+    const int64_t rows = experts_sort(P, E, ids, idx);
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
@@ -1200,27 +1138,7 @@ void moe_experts_bf16(int64_t T, int64_t K, int64_t E, int64_t I, int64_t H, int
             if (start[e + 1] > start[e])
                 rows_team(start[e + 1] - start[e], H, I, h + start[e] * I, I,
                           w_down + e * H * I, NULL, y + start[e] * H, H);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t d0 = 0; d0 < H; d0 += MOE_SUM_COLS) {
-                const int64_t n = H - d0 < MOE_SUM_COLS ? H - d0 : MOE_SUM_COLS;
-                float acc[MOE_SUM_COLS];
-                for (int64_t d = 0; d < n; d++)
-                    acc[d] = 0.0f;
-                for (int64_t k = 0; k < K; k++) {
-                    const int64_t s = slot[t * K + k];
-                    if (s < 0)
-                        continue;
-                    const float w = weights[t * K + k];
-                    const uint16_t *ys = y + s * H + d0;
-#pragma omp simd
-                    for (int64_t d = 0; d < n; d++)
-                        acc[d] += w * bf16_to_f32(ys[d]);
-                }
-#pragma omp simd
-                for (int64_t d = 0; d < n; d++)
-                    out[t * H + d0 + d] = f32_to_bf16(acc[d]);
-            }
+        experts_sum_team(T, K, H, slot, weights, y, out);
     }
 }
 

@@ -31,11 +31,13 @@
  * whether this build has them (the caller dequantizes to bf16 otherwise).
  */
 #include <stdint.h>
+#include <string.h>
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
+#include "experts.h"
 #include "vec_math.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
@@ -60,13 +62,12 @@ static inline int64_t chunk_source(int64_t j)
     return 16 * lane + 8 * half + i;
 }
 
-/* x rows (bf16, row stride xs) into xp, [M][K] with each 64-chunk in chunk_source's order. */
-static void permute_rows(int64_t M, int64_t K, const uint16_t *x, int64_t xs, uint16_t *xp)
+/* x row m (bf16, row stride xs) into xp row m ([M][K]), each 64-chunk in chunk_source's order. */
+static inline void permute_row(int64_t m, int64_t K, const uint16_t *x, int64_t xs, uint16_t *xp)
 {
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t c = 0; c < K; c += CHUNK)
-            for (int64_t j = 0; j < CHUNK; j++)
-                xp[m * K + c + j] = x[m * xs + c + chunk_source(j)];
+    for (int64_t c = 0; c < K; c += CHUNK)
+        for (int64_t j = 0; j < CHUNK; j++)
+            xp[m * K + c + j] = x[m * xs + c + chunk_source(j)];
 }
 
 #if HAVE_FP8
@@ -171,6 +172,40 @@ static inline __attribute__((always_inline)) void rows_fp8(
         }
     }
 }
+/* out [M][N] = x [M][K] (bf16, row stride xs) times the fp8 weights' transpose (+ bias), by
+ * every thread of a team: the rows permuted into xp (scratch M x K) first, then each thread's
+ * contiguous range of weight rows as two streams. Barriers after the permutation and at the
+ * end (the caller's next phase reads out). */
+static inline __attribute__((always_inline)) void fp8_team(
+    int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t xs, const uint8_t *w,
+    const float *scale, const uint16_t *bias, uint16_t *out, uint16_t *xp, const tables_t *t)
+{
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++)
+        permute_row(m, K, x, xs, xp);
+#ifdef _OPENMP
+    const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
+#else
+    const int64_t nt = 1, th = 0;
+#endif
+    const int64_t lo = N * th / nt, hi = N * (th + 1) / nt, half = (hi - lo) / 2;
+    for (int64_t i = 0; i < half; i++)
+        rows_fp8(M, N, K, xp, w, scale, lo + i, lo + half + i, 2, bias, out, t);
+    if ((hi - lo) % 2)
+        rows_fp8(M, N, K, xp, w, scale, hi - 1, hi - 1, 1, bias, out, t);
+#pragma omp barrier
+}
+
+static inline tables_t load_tables(const uint8_t *lut_hi, const uint8_t *lut_lo)
+{
+    tables_t t;
+    t.hi0 = _mm512_loadu_si512((const void *)lut_hi);
+    t.hi1 = _mm512_loadu_si512((const void *)(lut_hi + 64));
+    t.lo0 = _mm512_loadu_si512((const void *)lut_lo);
+    t.lo1 = _mm512_loadu_si512((const void *)(lut_lo + 64));
+    t.sign = _mm512_set1_epi8((char)0x80);
+    return t;
+}
 #endif
 
 /* out [M, N] (bf16) = x [M, K] (bf16, row stride xs) times the fp8 weights' transpose, + bias
@@ -184,29 +219,61 @@ void linear_fp8(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t xs, 
 #if HAVE_FP8
     if (K % CHUNK)
         return;
-    permute_rows(M, K, x, xs, xp);
-    tables_t t;
-    t.hi0 = _mm512_loadu_si512((const void *)lut_hi);
-    t.hi1 = _mm512_loadu_si512((const void *)(lut_hi + 64));
-    t.lo0 = _mm512_loadu_si512((const void *)lut_lo);
-    t.lo1 = _mm512_loadu_si512((const void *)(lut_lo + 64));
-    t.sign = _mm512_set1_epi8((char)0x80);
+    const tables_t t = load_tables(lut_hi, lut_lo);
 #pragma omp parallel
-    {
-#ifdef _OPENMP
-        const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
-#else
-        const int64_t nt = 1, th = 0;
-#endif
-        const int64_t lo = N * th / nt, hi = N * (th + 1) / nt, half = (hi - lo) / 2;
-        for (int64_t i = 0; i < half; i++)
-            rows_fp8(M, N, K, xp, w, scale, lo + i, lo + half + i, 2, bias, out, &t);
-        if ((hi - lo) % 2)
-            rows_fp8(M, N, K, xp, w, scale, hi - 1, hi - 1, 1, bias, out, &t);
-    }
+    fp8_team(M, N, K, x, xs, w, scale, bias, out, xp, &t);
 #else
     (void)M, (void)N, (void)K, (void)x, (void)xs, (void)w, (void)scale, (void)bias, (void)out;
     (void)lut_hi, (void)lut_lo, (void)xp;
+#endif
+}
+
+/* The routed experts of a mixture-of-experts layer for a decode batch over fp8 expert stacks,
+ * one call: linear.c's moe_experts_bf16 (the pairs sorted by expert, each expert over its
+ * rows, the activation, the weighted sum: experts.h) with each expert's GEMMs from its codes
+ * (fp8_team): w_up [E][U][H] codes with scales [E][ceil(U/128)][ceil(H/128)], U = 2I gated
+ * (gate rows first) else I; w_down [E][H][I] with [E][ceil(H/128)][ceil(I/128)]. H and I
+ * multiples of 64 (the caller checks, and that the build has the kernel). Scratch, P = T * K:
+ * xs [P][H], gu [P][U], h [P][I], y [P][H], xp [P][max(H, I)] bf16; idx [2P + 2E + 1]. */
+void moe_experts_fp8(int64_t T, int64_t K, int64_t E, int64_t I, int64_t H, int gated,
+                     const uint16_t *x, int64_t x_stride, const int64_t *ids,
+                     const float *weights, const uint8_t *w_up, const float *s_up,
+                     const uint8_t *w_down, const float *s_down, const uint8_t *lut_hi,
+                     const uint8_t *lut_lo, uint16_t *xs, uint16_t *gu, uint16_t *h, uint16_t *y,
+                     uint16_t *xp, int64_t *idx, uint16_t *out)
+{
+#if HAVE_FP8
+    if (H % CHUNK || I % CHUNK)
+        return;
+    const int64_t P = T * K, U = gated ? 2 * I : I;
+    const int64_t up_scales = (U + BLOCK - 1) / BLOCK * ((H + BLOCK - 1) / BLOCK);
+    const int64_t down_scales = (H + BLOCK - 1) / BLOCK * ((I + BLOCK - 1) / BLOCK);
+    int64_t *slot = idx, *pair = idx + P, *start = idx + 2 * P;
+    const int64_t rows = experts_sort(P, E, ids, idx);
+    const tables_t t = load_tables(lut_hi, lut_lo);
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < rows; s++)
+            memcpy(xs + s * H, x + pair[s] / K * x_stride, (size_t)H * sizeof(uint16_t));
+        for (int64_t e = 0; e < E; e++) /* every thread walks every expert: the teams' barriers */
+            if (start[e + 1] > start[e])
+                fp8_team(start[e + 1] - start[e], U, H, xs + start[e] * H, H, w_up + e * U * H,
+                         s_up + e * up_scales, NULL, gu + start[e] * U, xp, &t);
+        if (gated)
+            act_team(rows, I, gu, h);
+        else
+            relu2_team(rows, I, gu, h);
+        for (int64_t e = 0; e < E; e++)
+            if (start[e + 1] > start[e])
+                fp8_team(start[e + 1] - start[e], H, I, h + start[e] * I, I, w_down + e * H * I,
+                         s_down + e * down_scales, NULL, y + start[e] * H, xp, &t);
+        experts_sum_team(T, K, H, slot, weights, y, out);
+    }
+#else
+    (void)T, (void)K, (void)E, (void)I, (void)H, (void)gated, (void)x, (void)x_stride, (void)ids;
+    (void)weights, (void)w_up, (void)s_up, (void)w_down, (void)s_down, (void)lut_hi, (void)lut_lo;
+    (void)xs, (void)gu, (void)h, (void)y, (void)xp, (void)idx, (void)out;
 #endif
 }
 
