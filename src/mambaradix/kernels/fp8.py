@@ -32,7 +32,7 @@ NATIVE_MAX_ROWS = 32
 
 def quantize(w: Tensor) -> tuple[Tensor, Tensor]:
     """``w`` [N, K] -> (codes [N, K] float8_e4m3fn, scales [ceil(N/128), ceil(K/128)] fp32); a
-    stack ``[E, N, K]`` (routed experts) expert by expert (scales ``[E, ...]``):
+    stack ``[E, N, K]`` (routed experts) each expert on its own grid (scales ``[E, ...]``):
     each block's scale is the power of two at or above its largest magnitude over 448 (1 for an
     all-zero block), each code the nearest e4m3 value of ``w / scale`` (ties to even).
 
@@ -43,19 +43,16 @@ def quantize(w: Tensor) -> tuple[Tensor, Tensor]:
     cache, whose short suffix takes the C kernel, would differ from one computed whole by
     more than bf16 noise). The price: a block's largest code is 224-448, not always 448; the
     relative step of e4m3 (2^-3) is the same, and only the smallest weights lose range."""
-    if w.dim() == 3:
-        parts = [quantize(e) for e in w]
-        return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
-    n, k = w.shape
+    *lead, n, k = w.shape
     nb, kb = math.ceil(n / BLOCK), math.ceil(k / BLOCK)
     padded = F.pad(w.float(), (0, kb * BLOCK - k, 0, nb * BLOCK - n))
-    blocks = padded.view(nb, BLOCK, kb, BLOCK)
-    amax = blocks.abs().amax(dim=(1, 3))
+    blocks = padded.view(*lead, nb, BLOCK, kb, BLOCK)
+    amax = blocks.abs().amax(dim=(-3, -1))
     mantissa, exponent = torch.frexp(amax / E4M3_MAX)  # amax / 448 = mantissa * 2^exponent
     exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)  # an exact power: itself
     scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), exponent), 1.0)
-    codes = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
-    codes = codes.to(torch.float8_e4m3fn).view(nb * BLOCK, kb * BLOCK)[:n, :k]
+    codes = (blocks / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    codes = codes.to(torch.float8_e4m3fn).view(*lead, nb * BLOCK, kb * BLOCK)[..., :n, :k]
     return codes.contiguous(), scale.contiguous()
 
 
@@ -94,12 +91,6 @@ class Fp8Weight(nn.Module):
     def from_dense(cls, w: Tensor, out: tuple[Tensor, Tensor] | None = None) -> Fp8Weight:
         """Quantize ``w`` (``quantize``); ``out``: tensors of the codes' and scales' shapes and
         dtypes to hold them (cut from a weight arena)."""
-        if out is not None and w.dim() == 3:  # expert by expert (one dense copy at a time)
-            for e in range(w.shape[0]):
-                q, scale = quantize(w[e])
-                out[0][e].copy_(q)
-                out[1][e].copy_(scale)
-            return cls(*out)
         q, scale = quantize(w)
         if out is not None:
             out[0].copy_(q)
