@@ -43,6 +43,9 @@ def quantize(w: Tensor) -> tuple[Tensor, Tensor]:
     cache, whose short suffix takes the C kernel, would differ from one computed whole by
     more than bf16 noise). The price: a block's largest code is 224-448, not always 448; the
     relative step of e4m3 (2^-3) is the same, and only the smallest weights lose range."""
+    if w.dim() == 3:  # expert by expert: 3x faster than one pass over the stack's temporaries
+        parts = [quantize(e) for e in w]
+        return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
     *lead, n, k = w.shape
     nb, kb = math.ceil(n / BLOCK), math.ceil(k / BLOCK)
     padded = F.pad(w.float(), (0, kb * BLOCK - k, 0, nb * BLOCK - n))
