@@ -60,9 +60,7 @@ def fp8_bf16(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3_5_0_8b_cut_fp8")
     build_published("qwen3_5_0_8b", folder, layers=4, vocab=4096)
     model = load_model(str(folder), dtype="bfloat16", quantization="fp8")
-    shapes = [m.weight.shape for m in model.modules() if isinstance(getattr(m, "weight", None),
-                                                                     Fp8Weight)]  # fmt: skip
-    assert shapes and all(k % 64 == 0 for _, k in shapes)  # the C kernel's (where it builds)
+    assert any(isinstance(getattr(m, "weight", None), Fp8Weight) for m in model.modules())
     if fp8._native() is None:
         print("no fp8 C kernel on this CPU: the reference ran")
     prompts = workload(model.vocab_size, n=16, seed=3)

@@ -91,7 +91,8 @@ def test_the_tables_hold_every_e4m3_magnitude_exactly_in_bf16():
 
 
 @needs_native
-@pytest.mark.parametrize("n,k", [(512, 1024), (300, 192), (1000, 3584), (129, 64)])
+@pytest.mark.parametrize("n,k", [(512, 1024), (300, 192), (1000, 3584), (129, 64), (96, 100),
+                                 (70, 32)])  # fmt: skip (the last two: a masked last chunk)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 32])
 def test_native_linear_matches_the_reference(n, k, m):
     w = Fp8Weight.from_dense(_weight(n, k, seed=n + k))
@@ -139,13 +140,10 @@ def test_many_rows_dequantize_to_the_references_bf16_weights():
     assert torch.equal(cpu.linear(x, w, None), cpu.linear(x, w.dequantize(torch.bfloat16), None))
 
 
-def test_other_dtypes_and_shapes_take_the_reference():
-    w = Fp8Weight.from_dense(_weight(64, 96))  # K not a multiple of 64
+def test_fp32_takes_the_reference():
+    w = Fp8Weight.from_dense(_weight(64, 96))
     x = torch.randn(3, 96)
     assert torch.equal(cpu.linear(x, w, None), fp8.linear(x, w, None))  # fp32: exact
-    xb = x.to(torch.bfloat16)
-    assert not fp8.native_rows(3, 96)
-    assert _rel_err(cpu.linear(xb, w, None), fp8.linear(x, w, None)) < REL_TOL
 
 
 # ------------------------------------------------------------------ loading and models

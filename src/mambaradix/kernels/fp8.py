@@ -176,9 +176,14 @@ def _dequantize_native(weight: Fp8Weight) -> Tensor:
     return out
 
 
+def _chunks(k: int) -> int:
+    """``k`` rounded up to the C kernel's chunks of 64 (its permuted rows' length)."""
+    return -(-k // 64) * 64
+
+
 def native_rows(m: int, k: int) -> bool:
     """Whether ``m`` bf16 rows of ``k`` run in C straight from the codes here."""
-    return 0 < m <= NATIVE_MAX_ROWS and k % 64 == 0 and _native() is not None
+    return 0 < m <= NATIVE_MAX_ROWS and _native() is not None
 
 
 def linear_cpu(
@@ -199,7 +204,7 @@ def linear_cpu(
         return dense(x, _dequantize_native(weight), bias)
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    scratch = torch.empty(m * k, dtype=torch.bfloat16)  # the rows permuted (linear_fp8.c)
+    scratch = torch.empty(m * _chunks(k), dtype=torch.bfloat16)  # the rows permuted
     _native().linear_fp8(
         m, n, k, rows.data_ptr(), rows.stride(0), weight.q.data_ptr(), weight.scale.data_ptr(),
         None if bias is None else bias.data_ptr(), out.data_ptr(), weight.lut_hi.data_ptr(),
@@ -225,7 +230,7 @@ def moe_experts_cpu(
     fits = (
         x.dtype is torch.bfloat16 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
         and tuple(x.shape) == (T, h) and tuple(down.shape) == (E, h, i)
-        and h % 64 == 0 and i % 64 == 0 and 0 < T * K <= max_pairs
+        and 0 < T * K <= max_pairs
         and gate_up.q.is_cpu and _native() is not None
     )  # fmt: skip
     if not fits:
@@ -233,7 +238,7 @@ def moe_experts_cpu(
     P = T * K
     ids = ids.to(torch.int64).contiguous()
     w = weights.to(torch.float32).contiguous()
-    rows = torch.empty(P * (2 * h + u + i + max(h, i)), dtype=torch.bfloat16)  # xs|gu|h|y|xp
+    rows = torch.empty(P * (2 * h + u + i + _chunks(max(h, i))), dtype=torch.bfloat16)
     xs, gu = rows[: P * h], rows[P * h :]
     act_rows = gu[P * u :]
     y = act_rows[P * i :]

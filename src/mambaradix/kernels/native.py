@@ -185,12 +185,12 @@ SIGNATURES: dict[str, dict[str, list]] = {
     },
     "linear_fp8": {
         "linear_fp8": [
-            _I64, _I64, _I64,      # M, N, K (K a multiple of 64)
+            _I64, _I64, _I64,      # M, N, K
             _PTR, _I64,            # x (bf16), its row stride
             _PTR, _PTR, _PTR,      # codes [N, K] (e4m3), block scales (fp32), bias (nullable)
             _PTR,                  # out [M, N] (bf16)
             _PTR, _PTR,            # the e4m3 magnitudes' bf16 high and low bytes [128] each
-            _PTR,                  # scratch: M x K bf16
+            _PTR,                  # scratch: M x K (rounded up to 64) bf16
         ],
         "dequantize_fp8": [
             _I64, _I64,            # N, K

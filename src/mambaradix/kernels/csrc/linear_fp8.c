@@ -27,6 +27,7 @@
  * two rows of a pair adjacent, a prefetch past a short row landed on the row being read and the
  * kernel read half as fast).
  *
+ * Any K: a row's last chunk is read masked and the x rows are zero-padded to whole chunks.
  * Needs AVX-512 BF16 and VBMI (Zen 4, Sapphire Rapids and later); linear_fp8_supported() says
  * whether this build has them (the caller dequantizes to bf16 otherwise).
  */
@@ -62,12 +63,19 @@ static inline int64_t chunk_source(int64_t j)
     return 16 * lane + 8 * half + i;
 }
 
-/* x row m (bf16, row stride xs) into xp row m ([M][K]), each 64-chunk in chunk_source's order. */
+/* The permuted rows' length: K rounded up to whole chunks (zeros past K). */
+#define KP(K) (((K) + CHUNK - 1) / CHUNK * CHUNK)
+
+/* x row m (bf16, row stride xs) into xp row m ([M][KP(K)]), each 64-chunk in chunk_source's
+ * order, zeros past K. */
 static inline void permute_row(int64_t m, int64_t K, const uint16_t *x, int64_t xs, uint16_t *xp)
 {
-    for (int64_t c = 0; c < K; c += CHUNK)
-        for (int64_t j = 0; j < CHUNK; j++)
-            xp[m * K + c + j] = x[m * xs + c + chunk_source(j)];
+    const int64_t Kp = KP(K);
+    for (int64_t c = 0; c < Kp; c += CHUNK)
+        for (int64_t j = 0; j < CHUNK; j++) {
+            const int64_t k = c + chunk_source(j);
+            xp[m * Kp + c + j] = k < K ? x[m * xs + k] : 0;
+        }
 }
 
 #if HAVE_FP8
@@ -75,11 +83,14 @@ typedef struct {
     __m512i hi0, hi1, lo0, lo1, sign;
 } tables_t;
 
-/* 64 e4m3 bytes -> two vectors of 32 bf16 (chunk_source's order) */
-static inline __attribute__((always_inline)) void convert(const uint8_t *w, const tables_t *t,
-                                                          __m512i *w0, __m512i *w1)
+/* 64 e4m3 bytes -> two vectors of 32 bf16 (chunk_source's order); the bytes past ``left``
+ * are not read, and zeros (a row's last chunk where K is not a multiple of 64). */
+static inline __attribute__((always_inline)) void convert(const uint8_t *w, int64_t left,
+                                                          const tables_t *t, __m512i *w0,
+                                                          __m512i *w1)
 {
-    const __m512i b = _mm512_loadu_si512((const void *)w);
+    const __m512i b = left >= CHUNK ? _mm512_loadu_si512((const void *)w)
+                                    : _mm512_maskz_loadu_epi8((__mmask64)((1ULL << left) - 1), w);
     __m512i hi = _mm512_permutex2var_epi8(t->hi0, b, t->hi1);
     const __m512i lo = _mm512_permutex2var_epi8(t->lo0, b, t->lo1);
     hi = _mm512_ternarylogic_epi32(hi, b, t->sign, 0xF8); /* hi | (b & 0x80) */
@@ -89,7 +100,7 @@ static inline __attribute__((always_inline)) void convert(const uint8_t *w, cons
 
 #define DP(acc, xv, wv) _mm512_dpbf16_ps((acc), (__m512bh)(xv), (__m512bh)(wv))
 
-/* A group of R <= XR x rows (xg: permuted, row length K) against weight rows wr[s < S] over
+/* A group of R <= XR x rows (xg: permuted, row length KP(K)) against weight rows wr[s < S] over
  * the whole of K, the running lanes in registers. res[s * XR + r]: the dots' lane sums. */
 static inline __attribute__((always_inline)) void dot_group(const uint16_t *xg, int64_t K,
                                                             const uint8_t *const *wr,
@@ -101,8 +112,9 @@ static inline __attribute__((always_inline)) void dot_group(const uint16_t *xg, 
     for (int s = 0; s < S; s++)
         for (int r = 0; r < R; r++)
             tot[s][r] = _mm512_setzero_ps();
-    for (int64_t k0 = 0; k0 < K; k0 += BLOCK) {
-        const int NC = k0 + BLOCK <= K ? 2 : 1;
+    const int64_t Kp = KP(K);
+    for (int64_t k0 = 0; k0 < Kp; k0 += BLOCK) {
+        const int NC = k0 + BLOCK <= Kp ? 2 : 1;
         __m512 acc[2][XR];
         for (int s = 0; s < S; s++)
             for (int r = 0; r < R; r++)
@@ -112,11 +124,11 @@ static inline __attribute__((always_inline)) void dot_group(const uint16_t *xg, 
             __m512i wv[2][2];
             for (int s = 0; s < S; s++) {
                 _mm_prefetch((const char *)((uintptr_t)(wr[s] + k) + PF_BYTES), _MM_HINT_T0);
-                convert(wr[s] + k, t, &wv[s][0], &wv[s][1]);
+                convert(wr[s] + k, K - k, t, &wv[s][0], &wv[s][1]);
             }
             for (int r = 0; r < R; r++) {
-                const __m512i x0 = _mm512_loadu_si512((const void *)(xg + r * K + k));
-                const __m512i x1 = _mm512_loadu_si512((const void *)(xg + r * K + k + 32));
+                const __m512i x0 = _mm512_loadu_si512((const void *)(xg + r * Kp + k));
+                const __m512i x1 = _mm512_loadu_si512((const void *)(xg + r * Kp + k + 32));
                 for (int s = 0; s < S; s++) {
                     acc[s][r] = DP(acc[s][r], x0, wv[s][0]);
                     acc[s][r] = DP(acc[s][r], x1, wv[s][1]);
@@ -149,7 +161,7 @@ static inline __attribute__((always_inline)) void rows_fp8(
     for (int64_t m0 = 0; m0 < M; m0 += XR) {
         const int64_t R = M - m0 < XR ? M - m0 : XR;
         float res[2 * XR];
-#define F(s_, r_) dot_group(xp + m0 * K, K, wr, sr, s_, r_, t, res)
+#define F(s_, r_) dot_group(xp + m0 * KP(K), K, wr, sr, s_, r_, t, res)
         if (S == 2)
             switch (R) { /* constants: each case unrolled on its own */
             case 4: F(2, 4); break;
@@ -210,15 +222,13 @@ static inline tables_t load_tables(const uint8_t *lut_hi, const uint8_t *lut_lo)
 
 /* out [M, N] (bf16) = x [M, K] (bf16, row stride xs) times the fp8 weights' transpose, + bias
  * (bf16, nullable). lut_hi / lut_lo: the 128 e4m3 magnitudes' bf16 bytes (kernels/fp8.py).
- * xp: scratch of M * K bf16. K a multiple of 64, and a build with linear_fp8_supported()
- * (else nothing is written: the caller checks both). */
+ * xp: scratch of M x KP(K) bf16 (K rounded up to 64). A build with linear_fp8_supported()
+ * (else nothing is written: the caller checks). */
 void linear_fp8(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t xs, const uint8_t *w,
                const float *scale, const uint16_t *bias, uint16_t *out, const uint8_t *lut_hi,
                const uint8_t *lut_lo, uint16_t *xp)
 {
 #if HAVE_FP8
-    if (K % CHUNK)
-        return;
     const tables_t t = load_tables(lut_hi, lut_lo);
 #pragma omp parallel
     fp8_team(M, N, K, x, xs, w, scale, bias, out, xp, &t);
@@ -232,9 +242,9 @@ void linear_fp8(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t xs, 
  * one call: linear.c's moe_experts_bf16 (the pairs sorted by expert, each expert over its
  * rows, the activation, the weighted sum: experts.h) with each expert's GEMMs from its codes
  * (fp8_team): w_up [E][U][H] codes with scales [E][ceil(U/128)][ceil(H/128)], U = 2I gated
- * (gate rows first) else I; w_down [E][H][I] with [E][ceil(H/128)][ceil(I/128)]. H and I
- * multiples of 64 (the caller checks, and that the build has the kernel). Scratch, P = T * K:
- * xs [P][H], gu [P][U], h [P][I], y [P][H], xp [P][max(H, I)] bf16; idx [2P + 2E + 1]. */
+ * (gate rows first) else I; w_down [E][H][I] with [E][ceil(H/128)][ceil(I/128)] (the caller
+ * checks that the build has the kernel). Scratch, P = T * K: xs [P][H], gu [P][U], h [P][I],
+ * y [P][H], xp [P][KP(max(H, I))] bf16; idx [2P + 2E + 1]. */
 void moe_experts_fp8(int64_t T, int64_t K, int64_t E, int64_t I, int64_t H, int gated,
                      const uint16_t *x, int64_t x_stride, const int64_t *ids,
                      const float *weights, const uint8_t *w_up, const float *s_up,
@@ -243,8 +253,6 @@ void moe_experts_fp8(int64_t T, int64_t K, int64_t E, int64_t I, int64_t H, int 
                      uint16_t *xp, int64_t *idx, uint16_t *out)
 {
 #if HAVE_FP8
-    if (H % CHUNK || I % CHUNK)
-        return;
     const int64_t P = T * K, U = gated ? 2 * I : I;
     const int64_t up_scales = (U + BLOCK - 1) / BLOCK * ((H + BLOCK - 1) / BLOCK);
     const int64_t down_scales = (H + BLOCK - 1) / BLOCK * ((I + BLOCK - 1) / BLOCK);
