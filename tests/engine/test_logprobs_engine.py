@@ -84,3 +84,34 @@ def test_prompt_logprobs_survive_retraction(rng):
         got = [e.prompt_logprobs for e in events if e.prompt_logprobs is not None]
         assert len(got) == 1 and got[0] == pytest.approx(_reference(ids), abs=1e-5)
         assert sum(len(e.new_token_ids) for e in events) == 60
+
+
+def test_the_offline_generate_returns_the_logprobs_it_was_asked_for():
+    """``Engine.generate`` reports what ``top_logprobs`` and the prompt logprobs ask for (they
+    were accepted and dropped before): the same numbers as the request's events."""
+    from mambaradix.core import SamplingParams
+    from mambaradix.engine.engine import Engine
+
+    ids = [5, 9, 13, 17, 21, 25, 29, 33]
+    p = dict(temperature=0.0, max_new_tokens=3, ignore_eos=True, return_logprob=True,
+             top_logprobs=4, prompt_logprob_start=2, prompt_top_logprobs=2)  # fmt: skip
+    with Engine(model_path="tiny:qwen3_next", disable_radix_cache=True) as eng:
+        meta = eng.generate(input_ids=ids, sampling_params=p)["meta_info"]
+        (handle,) = eng.submit_many([ids], [SamplingParams(**p)])
+        events = list(handle.events())
+    tops = [t for ev in events for t in ev.new_top_logprobs or []]
+    assert len(meta["output_top_logprobs"]) == 3
+    for got, (t_ids, t_lps) in zip(meta["output_top_logprobs"], tops):
+        assert got == [[lp, t] for t, lp in zip(t_ids, t_lps)] and len(got) == 4
+        assert got[0][0] >= got[-1][0]
+    # each chosen token's logprob is its own (greedy: the best alternative's)
+    assert [t[0][0] for t in meta["output_top_logprobs"]] == meta["output_token_logprobs"]
+    first = next(ev for ev in events if ev.prompt_logprobs is not None)
+    assert meta["input_token_logprobs"] == first.prompt_logprobs
+    assert len(meta["input_token_logprobs"]) == len(ids) - 2
+    assert len(meta["input_top_logprobs"]) == len(ids) - 2
+    assert all(len(t) == 2 for t in meta["input_top_logprobs"] if t is not None)
+    plain = dict(p, top_logprobs=0, prompt_logprob_start=-1, prompt_top_logprobs=0)
+    with Engine(model_path="tiny:qwen3_next", disable_radix_cache=True) as eng:
+        meta = eng.generate(input_ids=ids, sampling_params=plain)["meta_info"]
+    assert "output_top_logprobs" not in meta and "input_token_logprobs" not in meta

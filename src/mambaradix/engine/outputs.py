@@ -6,6 +6,7 @@ import asyncio
 import queue
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 ENGINE_DEAD = "engine failed"  # how the error of a request failed by the engine's death begins
 
@@ -135,9 +136,20 @@ def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
         aq.put_nowait(out)
 
 
+def _pairs(top: Any) -> list[list[float | int]] | None:
+    """A token's alternatives ``(ids, logprobs)`` as ``[[logprob, id], ...]``, best first."""
+    return None if top is None else [[lp, t] for t, lp in zip(*top)]
+
+
 def _collect(events: Iterator[RequestOutput]) -> dict:
+    """The offline API's result: ``text``, ``output_ids`` and ``meta_info`` (SGLang's keys; the
+    logprob fields, with ``return_logprob``, as plain logprobs: ``output_token_logprobs``, per
+    token ``output_top_logprobs`` ``[[logprob, id], ...]`` with ``top_logprobs``, and from
+    ``prompt_logprob_start`` on ``input_token_logprobs`` / ``input_top_logprobs``)."""
     ids: list[int] = []
     lps: list[float] = []
+    tops: list = []
+    prompt: tuple[list | None, list | None] = (None, None)
     text = []
     last = None
     for out in events:
@@ -145,6 +157,10 @@ def _collect(events: Iterator[RequestOutput]) -> dict:
         text.append(out.new_text)
         if out.new_logprobs:
             lps += out.new_logprobs
+        if out.new_top_logprobs:
+            tops += out.new_top_logprobs
+        if out.prompt_logprobs is not None:
+            prompt = (out.prompt_logprobs, out.prompt_top_logprobs)
         last = out
     if last.error is not None:
         kind = EngineDeadError if last.error.startswith(ENGINE_DEAD) else RequestError
@@ -160,4 +176,10 @@ def _collect(events: Iterator[RequestOutput]) -> dict:
     }
     if lps:
         meta["output_token_logprobs"] = lps
+    if tops:
+        meta["output_top_logprobs"] = [_pairs(t) for t in tops]
+    if prompt[0] is not None:
+        meta["input_token_logprobs"] = list(prompt[0])
+        if prompt[1] is not None:
+            meta["input_top_logprobs"] = [_pairs(t) for t in prompt[1]]
     return {"text": "".join(text), "output_ids": ids, "meta_info": meta}
