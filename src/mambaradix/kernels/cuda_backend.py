@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mambaradix.kernels import gated_delta
+from mambaradix.kernels import fp8, gated_delta
 from mambaradix.kernels.activation import activation
 from mambaradix.kernels.backend import register_backend
 from mambaradix.kernels.capabilities import BackendCapabilities
@@ -293,10 +293,9 @@ class CudaBackend(TorchBackend):
     def moe_experts(self, x, weights, ids, gate_up, down, act, gated=True) -> Tensor:
         """Each pair's row through its own expert only, with no host sync
         (``kernels/triton/moe.py``; the reference reads every expert and the padding's size)."""
-        from mambaradix.kernels.fp8 import Fp8Weight
         from mambaradix.kernels.triton import moe as triton_moe
 
-        if isinstance(gate_up, Fp8Weight) or isinstance(down, Fp8Weight):
+        if isinstance(gate_up, fp8.Fp8Weight) or isinstance(down, fp8.Fp8Weight):
             return super().moe_experts(x, weights, ids, gate_up, down, act, gated)  # reference
         return triton_moe.moe_experts(x, weights, ids, gate_up, down, activation(act), gated)
 

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mambaradix.kernels import native
+
 BLOCK = 128  # the scale blocks' side
 E4M3_MAX = 448.0  # the largest finite e4m3 value
 # rows at most that the C kernel takes from the codes (it converts them again for each group of
@@ -78,7 +80,7 @@ class Fp8Weight(nn.Module):
         if q.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
             raise TypeError(f"fp8 weight needs float8_e4m3fn codes and fp32 scales, got "
                             f"{q.dtype} and {scale.dtype}")  # fmt: skip
-        expected = (*q.shape[:-2], math.ceil(q.shape[-2] / BLOCK), math.ceil(q.shape[-1] / BLOCK))
+        expected = self.spans(q.shape)[1][0]
         if q.dim() not in (2, 3) or tuple(scale.shape) != expected:
             raise ValueError(f"fp8 weight {tuple(q.shape)} needs scales {expected}, got "
                              f"{tuple(scale.shape)}")  # fmt: skip
@@ -148,23 +150,15 @@ def lut() -> tuple[Tensor, Tensor]:
 
 @functools.cache
 def _native():
-    from mambaradix.kernels import native
-
+    """The C library where it has the fp8 kernels (AVX-512 BF16 and VBMI), else None."""
     lib = native.load("linear_fp8")
     return lib if lib is not None and lib.linear_fp8_supported() else None
 
 
-@functools.cache
-def native_dequantizer():
-    """The C library for ``dequantize_fp8`` (any CPU the native kernels build on), or None."""
-    from mambaradix.kernels import native
-
-    return native.load("linear_fp8")
-
-
 def _dequantize_native(weight: Fp8Weight) -> Tensor:
-    """``weight.dequantize(torch.bfloat16)``, in C where it builds (the same numbers)."""
-    lib = native_dequantizer()
+    """``weight.dequantize(torch.bfloat16)``, in C where the library builds (any CPU; the same
+    numbers)."""
+    lib = native.load("linear_fp8")
     if lib is None:
         return weight.dequantize(torch.bfloat16)
     n, k = weight.shape
