@@ -106,7 +106,8 @@ def test_the_quantization_flag():
 def test_an_engine_with_fp8_weights_generates():
     from mambaradix.engine.engine import Engine
 
-    with Engine(model_path="tiny:lfm2", dtype="bfloat16", quantization="fp8") as eng:
+    with Engine(model_path="tiny:lfm2", dtype="bfloat16", quantization="fp8",
+                debug_integrity=True) as eng:
         out = eng.generate("Hello", {"max_new_tokens": 4, "temperature": 0})
         assert len(out["output_ids"]) == 4
         assert sum(isinstance(m, Fp8Weight) for m in eng.model.modules()) > 0
