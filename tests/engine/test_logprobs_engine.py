@@ -95,7 +95,8 @@ def test_the_offline_generate_returns_the_logprobs_it_was_asked_for():
     ids = [5, 9, 13, 17, 21, 25, 29, 33]
     p = dict(temperature=0.0, max_new_tokens=3, ignore_eos=True, return_logprob=True,
              top_logprobs=4, prompt_logprob_start=2, prompt_top_logprobs=2)  # fmt: skip
-    with Engine(model_path="tiny:qwen3_next", disable_radix_cache=True, debug_integrity=True) as eng:
+    flags = dict(disable_radix_cache=True, debug_integrity=True)
+    with Engine(model_path="tiny:qwen3_next", **flags) as eng:
         meta = eng.generate(input_ids=ids, sampling_params=p)["meta_info"]
         (handle,) = eng.submit_many([ids], [SamplingParams(**p)])
         events = list(handle.events())
@@ -112,6 +113,6 @@ def test_the_offline_generate_returns_the_logprobs_it_was_asked_for():
     assert len(meta["input_top_logprobs"]) == len(ids) - 2
     assert all(len(t) == 2 for t in meta["input_top_logprobs"] if t is not None)
     plain = dict(p, top_logprobs=0, prompt_logprob_start=-1, prompt_top_logprobs=0)
-    with Engine(model_path="tiny:qwen3_next", disable_radix_cache=True, debug_integrity=True) as eng:
+    with Engine(model_path="tiny:qwen3_next", **flags) as eng:
         meta = eng.generate(input_ids=ids, sampling_params=plain)["meta_info"]
     assert "output_top_logprobs" not in meta and "input_token_logprobs" not in meta
